@@ -1,0 +1,293 @@
+/*
+ * ferry/plugin.h - the Ferry plugin ABI, major version 1.
+ *
+ * This header is the whole contract between Ferry and a plugin. A vendor can
+ * write a transport or device plugin in C or C++ against it alone; nothing in
+ * it needs Rust. The Rust definitions in plugins-abi/src/sys.rs mirror it and a
+ * test compares every size and offset.
+ *
+ * How a plugin is found and loaded
+ *   A plugin is a shared object named libferry_transport_<name>.so or
+ *   libferry_device_<name>.so, placed in a directory on FERRY_PLUGIN_PATH or in
+ *   <prefix>/lib/ferry/plugins. Ferry opens it with RTLD_NOW | RTLD_LOCAL and
+ *   calls its entry function, one per kind and ABI major:
+ *
+ *     const ferry_transport_plugin_v1_t *ferry_transport_plugin_v1(void);
+ *     const ferry_device_plugin_v1_t    *ferry_device_plugin_v1(void);
+ *
+ *   The entry function must have no side effects and return a pointer to a
+ *   table that lives as long as the library is loaded. The name in the table
+ *   must match the file name.
+ *
+ * Versioning rules
+ *   - Every table begins with ferry_abi_header_t: struct_size, abi_major,
+ *     abi_minor, filled with FERRY_ABI_HEADER_INIT(type).
+ *   - A new major version gets a new entry symbol (ferry_transport_plugin_v2);
+ *     Ferry may keep serving older majors through their own symbols.
+ *   - Within a major version, fields are only ever appended and the minor
+ *     version is raised. Each side reads a field the other side provides only
+ *     when struct_size covers it: use FERRY_HAS_FIELD.
+ *   - Function pointers documented as "optional" may be NULL.
+ *
+ * Errors
+ *   Every fallible function returns a ferry_status_t (FERRY_OK or a negative
+ *   FERRY_ERR_* code) and, on failure, writes a human message into the
+ *   caller's ferry_errbuf_t with ferry_error() / ferry_errorf(). Messages are
+ *   for operators: say what is missing and what to do about it.
+ *
+ * Threads
+ *   Ferry may call a plugin from several threads at once, but never calls
+ *   probe concurrently with itself for the same plugin.
+ */
+#ifndef FERRY_PLUGIN_H
+#define FERRY_PLUGIN_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FERRY_PLUGIN_ABI_MAJOR 1
+#define FERRY_PLUGIN_ABI_MINOR 0
+
+/* ------------------------------------------------------------------------ */
+/* Status codes (shared with the public C API in ferry.h)                    */
+/* ------------------------------------------------------------------------ */
+
+typedef int32_t ferry_status_t;
+
+#define FERRY_OK 0
+#define FERRY_ERR_INVALID_ARGUMENT (-1) /* a caller passed something wrong */
+#define FERRY_ERR_UNSUPPORTED (-2)      /* not implemented by this plugin/host */
+#define FERRY_ERR_UNAVAILABLE (-3)      /* cleanly not usable here (probe) */
+#define FERRY_ERR_NOT_FOUND (-4)        /* unknown segment, buffer, key */
+#define FERRY_ERR_OUT_OF_BOUNDS (-5)    /* address outside registered memory */
+#define FERRY_ERR_TIMEOUT (-6)
+#define FERRY_ERR_CONNECTION (-7)   /* peer unreachable, reset or gone */
+#define FERRY_ERR_PROTOCOL (-8)     /* malformed or unexpected bytes */
+#define FERRY_ERR_NO_MEMORY (-9)    /* out of memory or another resource */
+#define FERRY_ERR_BUSY (-10)        /* try again later */
+#define FERRY_ERR_ABI_MISMATCH (-11)
+#define FERRY_ERR_PLUGIN (-12)      /* a plugin failed in a way it explained */
+#define FERRY_ERR_PANIC (-13)       /* a panic/exception was caught at the boundary */
+#define FERRY_ERR_PERMISSION (-14)  /* refused by the OS or by authentication */
+#define FERRY_ERR_CANCELLED (-15)
+#define FERRY_ERR_IO (-16)          /* an OS call failed */
+#define FERRY_ERR_INTERNAL (-17)    /* a bug in Ferry; please report it */
+
+/* ------------------------------------------------------------------------ */
+/* Common pieces                                                             */
+/* ------------------------------------------------------------------------ */
+
+typedef struct ferry_abi_header {
+    uint32_t struct_size; /* sizeof the table as the producer compiled it */
+    uint16_t abi_major;
+    uint16_t abi_minor;
+} ferry_abi_header_t;
+
+#define FERRY_ABI_HEADER_INIT(type) \
+    { (uint32_t)sizeof(type), FERRY_PLUGIN_ABI_MAJOR, FERRY_PLUGIN_ABI_MINOR }
+
+/* True when the table behind ptr (which starts with a ferry_abi_header_t named
+ * hdr) is large enough to contain field. */
+#define FERRY_HAS_FIELD(ptr, type, field) \
+    ((ptr)->hdr.struct_size >= offsetof(type, field) + sizeof(((type *)0)->field))
+
+/* A caller-owned buffer for an error message. The callee writes a
+ * NUL-terminated message, truncated to cap - 1 bytes. */
+typedef struct ferry_errbuf {
+    char *msg;
+    size_t cap;
+} ferry_errbuf_t;
+
+static inline ferry_status_t ferry_error(ferry_errbuf_t *err, ferry_status_t code,
+                                         const char *msg) {
+    if (err != NULL && err->msg != NULL && err->cap > 0) {
+        size_t n = msg != NULL ? strlen(msg) : 0;
+        if (n >= err->cap) n = err->cap - 1;
+        if (n > 0) memcpy(err->msg, msg, n);
+        err->msg[n] = '\0';
+    }
+    return code;
+}
+
+static inline ferry_status_t ferry_errorf(ferry_errbuf_t *err, ferry_status_t code,
+                                          const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static inline ferry_status_t ferry_errorf(ferry_errbuf_t *err, ferry_status_t code,
+                                          const char *fmt, ...) {
+    if (err != NULL && err->msg != NULL && err->cap > 0) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err->msg, err->cap, fmt, ap);
+        va_end(ap);
+    }
+    return code;
+}
+
+/* Log levels for ferry_host_services_t.log. */
+#define FERRY_LOG_ERROR 1
+#define FERRY_LOG_WARN 2
+#define FERRY_LOG_INFO 3
+#define FERRY_LOG_DEBUG 4
+#define FERRY_LOG_TRACE 5
+
+/* Memory kinds (bit set): what a transport can move, what a device owns. */
+#define FERRY_MEM_HOST (1ull << 0)         /* ordinary (pageable or pinned) host memory */
+#define FERRY_MEM_CUDA_STAGED (1ull << 1)  /* CUDA memory, through host staging buffers */
+#define FERRY_MEM_CUDA_DMABUF (1ull << 2)  /* CUDA memory, registered through DMA-BUF */
+#define FERRY_MEM_CUDA_PEERMEM (1ull << 3) /* CUDA memory, registered through nvidia-peermem */
+
+/* Where the peer of a transport may be (bit set). */
+#define FERRY_SCOPE_SAME_PROCESS (1u << 0)
+#define FERRY_SCOPE_SAME_HOST (1u << 1)
+#define FERRY_SCOPE_CROSS_HOST (1u << 2)
+
+/* ------------------------------------------------------------------------ */
+/* Topology, as the host sees it                                             */
+/* ------------------------------------------------------------------------ */
+
+#define FERRY_NIC_KIND_RDMA 1 /* an RDMA device (/sys/class/infiniband) */
+#define FERRY_NIC_KIND_NET 2  /* a network interface only (/sys/class/net) */
+
+/* Path classes between a memory location and a NIC, best first, named as
+ * `nvidia-smi topo -m` names them. */
+#define FERRY_PATH_UNKNOWN 0
+#define FERRY_PATH_PIX 1  /* through at most one PCIe switch */
+#define FERRY_PATH_PXB 2  /* through several PCIe switches, no host bridge */
+#define FERRY_PATH_PHB 3  /* through a PCIe host bridge */
+#define FERRY_PATH_NODE 4 /* same NUMA node, different host bridges */
+#define FERRY_PATH_SYS 5  /* across NUMA nodes */
+
+#define FERRY_PORT_UNKNOWN 0
+#define FERRY_PORT_DOWN 1
+#define FERRY_PORT_ACTIVE 2
+
+#define FERRY_LINK_UNKNOWN 0
+#define FERRY_LINK_INFINIBAND 1
+#define FERRY_LINK_ETHERNET 2
+
+/* One NIC as the host describes it. The host writes at most elem_size bytes
+ * of each element (see topo_nics), so new fields can be appended. */
+typedef struct ferry_nic_desc {
+    uint32_t kind;        /* FERRY_NIC_KIND_* */
+    uint32_t path_class;  /* FERRY_PATH_* from the queried location */
+    char name[64];        /* "mlx5_0" or "eth0" */
+    char netdev[32];      /* the NIC's network interface, "" if none */
+    char pci_bus_id[32];  /* "0000:19:00.0", "" if not a PCI device */
+    int32_t numa_node;    /* -1 when unknown */
+    uint32_t port_state;  /* FERRY_PORT_* */
+    uint32_t link_layer;  /* FERRY_LINK_* */
+    uint32_t reserved;
+    uint64_t speed_mbps;  /* 0 when unknown */
+} ferry_nic_desc_t;
+
+/* ------------------------------------------------------------------------ */
+/* Host services: what Ferry offers every plugin                             */
+/* ------------------------------------------------------------------------ */
+
+typedef struct ferry_host_services {
+    ferry_abi_header_t hdr;
+    void *ctx; /* pass back as the first argument of every service */
+
+    /* Log a message under the plugin's name. Never fails. */
+    void (*log)(void *ctx, int32_t level, const char *msg);
+    /* Nonzero when a message at this level would be printed. */
+    int32_t (*log_enabled)(void *ctx, int32_t level);
+
+    /* Look up a setting such as "tcp.connections": the engine's own
+     * configuration first, then the environment variable FERRY_TCP_CONNECTIONS.
+     * Copies the value (NUL-terminated, truncated to cap) and returns its
+     * full length without the NUL, or -1 when the key is unset. */
+    int64_t (*config_get)(void *ctx, const char *key, char *buf, size_t cap);
+
+    /* NICs as seen from a memory location ("cpu:0", "cuda:3"), best first,
+     * or every NIC in discovery order when location is NULL. Writes up to
+     * cap elements of elem_size bytes each (pass sizeof(ferry_nic_desc_t))
+     * and sets *count to the number of NICs that exist, which may exceed
+     * cap. FERRY_ERR_NOT_FOUND for an unknown location. */
+    ferry_status_t (*topo_nics)(void *ctx, const char *location, ferry_nic_desc_t *out,
+                                size_t elem_size, uint32_t cap, uint32_t *count);
+} ferry_host_services_t;
+
+/* ------------------------------------------------------------------------ */
+/* Probe: what a plugin could do on this host                                */
+/* ------------------------------------------------------------------------ */
+
+/* A device a plugin would use, reported from probe. Strings are copied by
+ * the host before add_device returns. */
+typedef struct ferry_probe_device {
+    uint32_t struct_size; /* sizeof(ferry_probe_device_t) */
+    int32_t numa_node;    /* -1 when unknown */
+    const char *name;     /* required: "mlx5_0", "eth0", "cuda:0" */
+    const char *pci_bus_id; /* optional */
+    const char *detail;     /* optional: "RoCE v2, port 1 ACTIVE, 200 Gb/s" */
+    uint64_t mem_kinds;     /* FERRY_MEM_* this device can serve */
+} ferry_probe_device_t;
+
+/* Where probe reports its findings. The host copies every string. */
+typedef struct ferry_probe_sink {
+    ferry_abi_header_t hdr;
+    void *ctx;
+    /* What the plugin can serve on this host: FERRY_MEM_* and FERRY_SCOPE_*. */
+    void (*set_capabilities)(void *ctx, uint64_t mem_kinds, uint32_t scopes);
+    void (*add_device)(void *ctx, const ferry_probe_device_t *device);
+    /* A capability this host lacks, in words an operator can act on, e.g.
+     * ("cuda-dmabuf", "the NVIDIA driver is older than 515"). */
+    void (*add_missing)(void *ctx, const char *capability, const char *reason);
+    /* Any other fact worth showing in `ferry info`. */
+    void (*add_note)(void *ctx, const char *key, const char *value);
+} ferry_probe_sink_t;
+
+/* probe has no side effects on the host (no devices opened for writing, no
+ * memory registered, no threads left behind). It returns:
+ *   FERRY_OK               the plugin is usable here;
+ *   FERRY_ERR_UNAVAILABLE  it is cleanly not usable (no device, library
+ *                          missing), with the reason in err;
+ *   anything else          it failed; the reason in err. */
+typedef ferry_status_t (*ferry_probe_fn)(const ferry_host_services_t *host,
+                                         const ferry_probe_sink_t *sink, ferry_errbuf_t *err);
+
+/* ------------------------------------------------------------------------ */
+/* Transport plugins                                                         */
+/* ------------------------------------------------------------------------ */
+
+typedef struct ferry_transport_plugin_v1 {
+    ferry_abi_header_t hdr; /* FERRY_ABI_HEADER_INIT(ferry_transport_plugin_v1_t) */
+    const char *name;        /* "tcp": lower case, [a-z0-9-], matches the file name */
+    const char *version;     /* the plugin's own version, "1.2.0" */
+    const char *description; /* one line */
+    ferry_probe_fn probe;    /* required */
+} ferry_transport_plugin_v1_t;
+
+#define FERRY_TRANSPORT_PLUGIN_V1_SYMBOL "ferry_transport_plugin_v1"
+typedef const ferry_transport_plugin_v1_t *(*ferry_transport_plugin_v1_entry_fn)(void);
+
+/* ------------------------------------------------------------------------ */
+/* Device plugins (memory owners: cuda, later rocm, ...)                     */
+/* ------------------------------------------------------------------------ */
+
+typedef struct ferry_device_plugin_v1 {
+    ferry_abi_header_t hdr; /* FERRY_ABI_HEADER_INIT(ferry_device_plugin_v1_t) */
+    const char *name;        /* "cuda" */
+    const char *version;
+    const char *description;
+    ferry_probe_fn probe; /* required */
+} ferry_device_plugin_v1_t;
+
+#define FERRY_DEVICE_PLUGIN_V1_SYMBOL "ferry_device_plugin_v1"
+typedef const ferry_device_plugin_v1_t *(*ferry_device_plugin_v1_entry_fn)(void);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* FERRY_PLUGIN_H */

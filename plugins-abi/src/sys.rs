@@ -1,0 +1,198 @@
+//! Raw `#[repr(C)]` mirror of `include/ferry/plugin.h`.
+//!
+//! The header is the contract; this file follows it field by field, and
+//! `tests/layout.rs` compiles the header with the system C compiler and
+//! compares every size and offset against these definitions.
+
+#![allow(non_camel_case_types)]
+
+use std::ffi::c_char;
+use std::ffi::c_void;
+
+pub const FERRY_PLUGIN_ABI_MAJOR: u16 = 1;
+pub const FERRY_PLUGIN_ABI_MINOR: u16 = 0;
+
+pub type ferry_status_t = i32;
+
+pub const FERRY_OK: ferry_status_t = 0;
+pub const FERRY_ERR_INVALID_ARGUMENT: ferry_status_t = -1;
+pub const FERRY_ERR_UNSUPPORTED: ferry_status_t = -2;
+pub const FERRY_ERR_UNAVAILABLE: ferry_status_t = -3;
+pub const FERRY_ERR_NOT_FOUND: ferry_status_t = -4;
+pub const FERRY_ERR_OUT_OF_BOUNDS: ferry_status_t = -5;
+pub const FERRY_ERR_TIMEOUT: ferry_status_t = -6;
+pub const FERRY_ERR_CONNECTION: ferry_status_t = -7;
+pub const FERRY_ERR_PROTOCOL: ferry_status_t = -8;
+pub const FERRY_ERR_NO_MEMORY: ferry_status_t = -9;
+pub const FERRY_ERR_BUSY: ferry_status_t = -10;
+pub const FERRY_ERR_ABI_MISMATCH: ferry_status_t = -11;
+pub const FERRY_ERR_PLUGIN: ferry_status_t = -12;
+pub const FERRY_ERR_PANIC: ferry_status_t = -13;
+pub const FERRY_ERR_PERMISSION: ferry_status_t = -14;
+pub const FERRY_ERR_CANCELLED: ferry_status_t = -15;
+pub const FERRY_ERR_IO: ferry_status_t = -16;
+pub const FERRY_ERR_INTERNAL: ferry_status_t = -17;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ferry_abi_header_t {
+    pub struct_size: u32,
+    pub abi_major: u16,
+    pub abi_minor: u16,
+}
+
+impl ferry_abi_header_t {
+    /// The header a table of type `T` carries when built against this crate.
+    pub const fn for_table<T>() -> Self {
+        ferry_abi_header_t {
+            struct_size: std::mem::size_of::<T>() as u32,
+            abi_major: FERRY_PLUGIN_ABI_MAJOR,
+            abi_minor: FERRY_PLUGIN_ABI_MINOR,
+        }
+    }
+}
+
+#[repr(C)]
+#[derive(Debug)]
+pub struct ferry_errbuf_t {
+    pub msg: *mut c_char,
+    pub cap: usize,
+}
+
+pub const FERRY_LOG_ERROR: i32 = 1;
+pub const FERRY_LOG_WARN: i32 = 2;
+pub const FERRY_LOG_INFO: i32 = 3;
+pub const FERRY_LOG_DEBUG: i32 = 4;
+pub const FERRY_LOG_TRACE: i32 = 5;
+
+pub const FERRY_MEM_HOST: u64 = 1 << 0;
+pub const FERRY_MEM_CUDA_STAGED: u64 = 1 << 1;
+pub const FERRY_MEM_CUDA_DMABUF: u64 = 1 << 2;
+pub const FERRY_MEM_CUDA_PEERMEM: u64 = 1 << 3;
+
+pub const FERRY_SCOPE_SAME_PROCESS: u32 = 1 << 0;
+pub const FERRY_SCOPE_SAME_HOST: u32 = 1 << 1;
+pub const FERRY_SCOPE_CROSS_HOST: u32 = 1 << 2;
+
+pub const FERRY_NIC_KIND_RDMA: u32 = 1;
+pub const FERRY_NIC_KIND_NET: u32 = 2;
+
+pub const FERRY_PATH_UNKNOWN: u32 = 0;
+pub const FERRY_PATH_PIX: u32 = 1;
+pub const FERRY_PATH_PXB: u32 = 2;
+pub const FERRY_PATH_PHB: u32 = 3;
+pub const FERRY_PATH_NODE: u32 = 4;
+pub const FERRY_PATH_SYS: u32 = 5;
+
+pub const FERRY_PORT_UNKNOWN: u32 = 0;
+pub const FERRY_PORT_DOWN: u32 = 1;
+pub const FERRY_PORT_ACTIVE: u32 = 2;
+
+pub const FERRY_LINK_UNKNOWN: u32 = 0;
+pub const FERRY_LINK_INFINIBAND: u32 = 1;
+pub const FERRY_LINK_ETHERNET: u32 = 2;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ferry_nic_desc_t {
+    pub kind: u32,
+    pub path_class: u32,
+    pub name: [c_char; 64],
+    pub netdev: [c_char; 32],
+    pub pci_bus_id: [c_char; 32],
+    pub numa_node: i32,
+    pub port_state: u32,
+    pub link_layer: u32,
+    pub reserved: u32,
+    pub speed_mbps: u64,
+}
+
+#[repr(C)]
+pub struct ferry_host_services_t {
+    pub hdr: ferry_abi_header_t,
+    pub ctx: *mut c_void,
+    pub log: Option<unsafe extern "C" fn(ctx: *mut c_void, level: i32, msg: *const c_char)>,
+    pub log_enabled: Option<unsafe extern "C" fn(ctx: *mut c_void, level: i32) -> i32>,
+    pub config_get: Option<
+        unsafe extern "C" fn(
+            ctx: *mut c_void,
+            key: *const c_char,
+            buf: *mut c_char,
+            cap: usize,
+        ) -> i64,
+    >,
+    pub topo_nics: Option<
+        unsafe extern "C" fn(
+            ctx: *mut c_void,
+            location: *const c_char,
+            out: *mut ferry_nic_desc_t,
+            elem_size: usize,
+            cap: u32,
+            count: *mut u32,
+        ) -> ferry_status_t,
+    >,
+}
+
+#[repr(C)]
+pub struct ferry_probe_device_t {
+    pub struct_size: u32,
+    pub numa_node: i32,
+    pub name: *const c_char,
+    pub pci_bus_id: *const c_char,
+    pub detail: *const c_char,
+    pub mem_kinds: u64,
+}
+
+#[repr(C)]
+pub struct ferry_probe_sink_t {
+    pub hdr: ferry_abi_header_t,
+    pub ctx: *mut c_void,
+    pub set_capabilities:
+        Option<unsafe extern "C" fn(ctx: *mut c_void, mem_kinds: u64, scopes: u32)>,
+    pub add_device:
+        Option<unsafe extern "C" fn(ctx: *mut c_void, device: *const ferry_probe_device_t)>,
+    pub add_missing: Option<
+        unsafe extern "C" fn(ctx: *mut c_void, capability: *const c_char, reason: *const c_char),
+    >,
+    pub add_note:
+        Option<unsafe extern "C" fn(ctx: *mut c_void, key: *const c_char, value: *const c_char)>,
+}
+
+pub type ferry_probe_fn = unsafe extern "C" fn(
+    host: *const ferry_host_services_t,
+    sink: *const ferry_probe_sink_t,
+    err: *mut ferry_errbuf_t,
+) -> ferry_status_t;
+
+#[repr(C)]
+pub struct ferry_transport_plugin_v1_t {
+    pub hdr: ferry_abi_header_t,
+    pub name: *const c_char,
+    pub version: *const c_char,
+    pub description: *const c_char,
+    pub probe: Option<ferry_probe_fn>,
+}
+
+pub const FERRY_TRANSPORT_PLUGIN_V1_SYMBOL: &str = "ferry_transport_plugin_v1";
+pub type ferry_transport_plugin_v1_entry_fn =
+    unsafe extern "C" fn() -> *const ferry_transport_plugin_v1_t;
+
+#[repr(C)]
+pub struct ferry_device_plugin_v1_t {
+    pub hdr: ferry_abi_header_t,
+    pub name: *const c_char,
+    pub version: *const c_char,
+    pub description: *const c_char,
+    pub probe: Option<ferry_probe_fn>,
+}
+
+pub const FERRY_DEVICE_PLUGIN_V1_SYMBOL: &str = "ferry_device_plugin_v1";
+pub type ferry_device_plugin_v1_entry_fn =
+    unsafe extern "C" fn() -> *const ferry_device_plugin_v1_t;
+
+// SAFETY: a plugin table is immutable after construction and only holds
+// pointers to 'static data (string literals, functions), so sharing a
+// reference between threads cannot race.
+unsafe impl Sync for ferry_transport_plugin_v1_t {}
+// SAFETY: as above.
+unsafe impl Sync for ferry_device_plugin_v1_t {}
