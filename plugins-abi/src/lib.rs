@@ -8,6 +8,7 @@
 //!
 //! This crate is the bottom layer: it depends on nothing else in Ferry.
 
+pub mod caps;
 pub mod sdk;
 pub mod status;
 pub mod sys;

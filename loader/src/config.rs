@@ -1,0 +1,218 @@
+//! Where to look for plugins and which transports the operator allows.
+
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+
+/// Why a directory is on the search path; shown by `ferry info`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DirOrigin {
+    /// An entry of FERRY_PLUGIN_PATH.
+    Env,
+    /// `<dir of libferry.so or the ferry binary>/../lib/ferry/plugins`.
+    BesideLibrary,
+    /// The cargo target directory this binary was built in (development).
+    DevBuild,
+}
+
+impl DirOrigin {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DirOrigin::Env => "FERRY_PLUGIN_PATH",
+            DirOrigin::BesideLibrary => "beside-library",
+            DirOrigin::DevBuild => "dev-build",
+        }
+    }
+}
+
+/// One entry of the search path: a directory, or a plugin file named
+/// directly on FERRY_PLUGIN_PATH.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct SearchEntry {
+    pub path: PathBuf,
+    pub origin: DirOrigin,
+    pub exists: bool,
+}
+
+/// An allow or deny list of names, NCCL/UCX style: `tcp,shm` allows only
+/// those; `^rdma-peermem` allows everything else. Names compare with `-` and
+/// `_` treated as equal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NameFilter {
+    spec: String,
+    deny: bool,
+    names: Vec<String>,
+}
+
+impl NameFilter {
+    /// Parses a list; `None` for an empty one (which filters nothing).
+    pub fn parse(spec: &str) -> Option<NameFilter> {
+        let spec = spec.trim();
+        let (deny, body) = match spec.strip_prefix('^') {
+            Some(rest) => (true, rest),
+            None => (false, spec),
+        };
+        let names: Vec<String> = body
+            .split(',')
+            .map(|n| normalize_name(n.trim()))
+            .filter(|n| !n.is_empty())
+            .collect();
+        if names.is_empty() && !deny {
+            return None;
+        }
+        Some(NameFilter {
+            spec: spec.to_string(),
+            deny,
+            names,
+        })
+    }
+
+    pub fn allows(&self, name: &str) -> bool {
+        let listed = self.names.iter().any(|n| *n == normalize_name(name));
+        listed != self.deny
+    }
+
+    /// The list as the operator wrote it.
+    pub fn spec(&self) -> &str {
+        &self.spec
+    }
+
+    pub fn is_deny_list(&self) -> bool {
+        self.deny
+    }
+
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+}
+
+/// Plugin names compare with `-` and `_` as the same character, because a
+/// Rust crate `ferry-transport-rdma-peermem` builds
+/// `libferry_transport_rdma_peermem.so`.
+pub fn normalize_name(name: &str) -> String {
+    name.to_ascii_lowercase().replace('_', "-")
+}
+
+/// What the loader searches and filters. Build it from the environment with
+/// [`LoaderConfig::from_env`] or by hand (tests, embedders).
+#[derive(Clone, Debug, Default)]
+pub struct LoaderConfig {
+    /// FERRY_PLUGIN_PATH entries, searched first, in order.
+    pub plugin_path: Vec<PathBuf>,
+    /// Also search beside the library/binary and the development build.
+    pub default_dirs: bool,
+    /// FERRY_TRANSPORTS.
+    pub transports: Option<NameFilter>,
+    /// How long one plugin's probe may take before it is given up on.
+    pub probe_timeout: std::time::Duration,
+}
+
+/// Default for FERRY_PLUGIN_PROBE_TIMEOUT_MS.
+pub const DEFAULT_PROBE_TIMEOUT_MS: u64 = 10_000;
+
+impl LoaderConfig {
+    /// FERRY_PLUGIN_PATH (colon list), FERRY_TRANSPORTS, and
+    /// FERRY_PLUGIN_PROBE_TIMEOUT_MS (default 10000).
+    pub fn from_env() -> LoaderConfig {
+        let plugin_path = std::env::var_os("FERRY_PLUGIN_PATH")
+            .map(|p| split_path_list(&p))
+            .unwrap_or_default();
+        let transports = std::env::var("FERRY_TRANSPORTS")
+            .ok()
+            .and_then(|s| NameFilter::parse(&s));
+        let timeout_ms = std::env::var("FERRY_PLUGIN_PROBE_TIMEOUT_MS")
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .unwrap_or(DEFAULT_PROBE_TIMEOUT_MS);
+        LoaderConfig {
+            plugin_path,
+            default_dirs: true,
+            transports,
+            probe_timeout: std::time::Duration::from_millis(timeout_ms),
+        }
+    }
+
+    /// Only the given directories, no defaults, no filter.
+    pub fn only(dirs: impl IntoIterator<Item = PathBuf>) -> LoaderConfig {
+        LoaderConfig {
+            plugin_path: dirs.into_iter().collect(),
+            default_dirs: false,
+            transports: None,
+            probe_timeout: std::time::Duration::from_millis(DEFAULT_PROBE_TIMEOUT_MS),
+        }
+    }
+
+    /// The search path, in order, with duplicates removed.
+    pub fn search_path(&self) -> Vec<SearchEntry> {
+        let mut entries: Vec<SearchEntry> = Vec::new();
+        let mut push = |path: PathBuf, origin: DirOrigin| {
+            let key = std::fs::canonicalize(&path).unwrap_or_else(|_| path.clone());
+            let seen = entries
+                .iter()
+                .any(|e| std::fs::canonicalize(&e.path).unwrap_or_else(|_| e.path.clone()) == key);
+            if !seen {
+                let exists = path.exists();
+                entries.push(SearchEntry {
+                    path,
+                    origin,
+                    exists,
+                });
+            }
+        };
+        for p in &self.plugin_path {
+            push(p.clone(), DirOrigin::Env);
+        }
+        if self.default_dirs {
+            if let Some(object) = crate::self_location::containing_object() {
+                if let Some(dir) = object.parent() {
+                    // <prefix>/bin/ferry and <prefix>/lib/libferry.so both
+                    // find <prefix>/lib/ferry/plugins.
+                    let prefix = dir.parent().unwrap_or(dir);
+                    push(prefix.join("lib/ferry/plugins"), DirOrigin::BesideLibrary);
+                    if let Some(dev) = dev_build_dir(dir) {
+                        push(dev, DirOrigin::DevBuild);
+                    }
+                }
+            }
+        }
+        entries
+    }
+}
+
+fn split_path_list(list: &OsStr) -> Vec<PathBuf> {
+    std::env::split_paths(list)
+        .filter(|p| !p.as_os_str().is_empty())
+        .collect()
+}
+
+/// A cargo target profile directory (`target/debug`) holds `.fingerprint`;
+/// test binaries live one level down in `deps/`.
+fn dev_build_dir(object_dir: &Path) -> Option<PathBuf> {
+    let candidates = [Some(object_dir), object_dir.parent()];
+    candidates
+        .into_iter()
+        .flatten()
+        .find(|d| d.join(".fingerprint").is_dir())
+        .map(Path::to_path_buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allow_and_deny_lists() {
+        let allow = NameFilter::parse("tcp, shm").unwrap();
+        assert!(allow.allows("tcp") && allow.allows("shm") && !allow.allows("rdma"));
+        let deny = NameFilter::parse("^rdma-peermem").unwrap();
+        assert!(deny.allows("tcp") && !deny.allows("rdma_peermem"));
+        assert!(NameFilter::parse("  ").is_none());
+        assert!(NameFilter::parse("^").unwrap().allows("tcp"));
+    }
+
+    #[test]
+    fn empty_path_entries_are_ignored() {
+        let p = split_path_list(OsStr::new("/a::/b:"));
+        assert_eq!(p, vec![PathBuf::from("/a"), PathBuf::from("/b")]);
+    }
+}

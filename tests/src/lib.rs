@@ -1,0 +1,75 @@
+//! Helpers for Ferry's cross-crate tests: where the built binaries and
+//! plugins are, and how to compile C against Ferry's headers.
+//!
+//! These tests use what `cargo build --workspace` produced (the `ferry`
+//! binary, plugin .so files); `scripts/test` builds it first.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from(".."))
+}
+
+/// The cargo profile directory the test binary runs from (target/debug).
+pub fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let deps = exe.parent().expect("test binary has a directory");
+    if deps.file_name().is_some_and(|n| n == "deps") {
+        deps.parent().expect("deps has a parent").to_path_buf()
+    } else {
+        deps.to_path_buf()
+    }
+}
+
+/// A file `cargo build --workspace` produces, or a panic saying so.
+pub fn built(name: &str) -> PathBuf {
+    let path = target_dir().join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo build --workspace` before the tests (scripts/test does)",
+        path.display()
+    );
+    path
+}
+
+/// The `ferry` binary.
+pub fn ferry_bin() -> PathBuf {
+    built("ferry")
+}
+
+/// The directory holding ferry/plugin.h.
+pub fn plugin_include_dir() -> PathBuf {
+    repo_root().join("plugins-abi/include")
+}
+
+/// The system C compiler: $CC or cc.
+pub fn c_compiler() -> String {
+    std::env::var("CC").unwrap_or_else(|_| "cc".to_string())
+}
+
+/// Compiles C sources into a shared object with the plugin header on the
+/// include path, panicking with the compiler's output on failure.
+pub fn compile_shared(sources: &[PathBuf], out: &Path, extra: &[&str]) {
+    let mut cmd = Command::new(c_compiler());
+    cmd.args([
+        "-shared", "-fPIC", "-std=c11", "-Wall", "-Wextra", "-Werror", "-O1",
+    ])
+    .arg("-I")
+    .arg(plugin_include_dir())
+    .arg("-o")
+    .arg(out)
+    .args(sources)
+    .args(extra);
+    let output = cmd.output().expect("run the C compiler (is cc installed?)");
+    assert!(
+        output.status.success(),
+        "C compile of {:?} failed:\n{}",
+        sources,
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
