@@ -1,16 +1,43 @@
 //! Ferry's engine: it resolves which memory a buffer is and which NICs are
-//! near it, offers plugins their host services, and (as the data-path work
-//! lands) selects a transport and moves bytes.
+//! near it, offers plugins their host services, selects a transport for each
+//! request and moves bytes through it.
 //!
 //! Layering: plugins-abi < loader < engine-core < capi / cli. Nothing here
 //! calls upward.
+//!
+//! ```no_run
+//! use ferry_core::{Engine, EngineConfig, Op, Request};
+//! let target = Engine::new(EngineConfig::from_env()?)?;
+//! let initiator = Engine::new(EngineConfig::from_env()?)?;
+//! let mut remote = vec![0u8; 4096];
+//! let local = vec![7u8; 4096];
+//! target.register_memory(remote.as_mut_ptr() as u64, 4096, None)?;
+//! initiator.register_memory(local.as_ptr() as u64, 4096, None)?;
+//! let seg = initiator.open_segment(target.segment_name())?;
+//! initiator.transfer_sync(&[Request::new(Op::Write, local.as_ptr() as u64, seg,
+//!                                        remote.as_ptr() as u64, 4096)])?;
+//! # Ok::<(), ferry_core::Error>(())
+//! ```
 
+pub mod batch;
+pub mod config;
+pub mod control;
+pub mod descriptor;
+pub mod engine;
 pub mod error;
 pub mod host;
+pub mod identity;
 pub mod info;
+pub mod location;
+pub mod memory;
+pub mod transport;
 
+pub use batch::{BatchId, BatchStatus, RequestStatus};
+pub use config::EngineConfig;
+pub use engine::{Engine, Op, Request, Route, Scope, SegmentId};
 pub use error::{Error, ErrorCode, Result};
 pub use ferry_loader as loader;
+pub use location::Location;
 
 use std::sync::Arc;
 

@@ -95,7 +95,7 @@ pub fn normalize_name(name: &str) -> String {
 
 /// What the loader searches and filters. Build it from the environment with
 /// [`LoaderConfig::from_env`] or by hand (tests, embedders).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct LoaderConfig {
     /// FERRY_PLUGIN_PATH entries, searched first, in order.
     pub plugin_path: Vec<PathBuf>,
@@ -105,6 +105,19 @@ pub struct LoaderConfig {
     pub transports: Option<NameFilter>,
     /// How long one plugin's probe may take before it is given up on.
     pub probe_timeout: std::time::Duration,
+}
+
+/// The default directories, no FERRY_PLUGIN_PATH, no filter: what
+/// [`LoaderConfig::from_env`] gives with an empty environment.
+impl Default for LoaderConfig {
+    fn default() -> Self {
+        LoaderConfig {
+            plugin_path: Vec::new(),
+            default_dirs: true,
+            transports: None,
+            probe_timeout: std::time::Duration::from_millis(DEFAULT_PROBE_TIMEOUT_MS),
+        }
+    }
 }
 
 /// Default for FERRY_PLUGIN_PROBE_TIMEOUT_MS.

@@ -164,6 +164,62 @@ pub type ferry_probe_fn = unsafe extern "C" fn(
     err: *mut ferry_errbuf_t,
 ) -> ferry_status_t;
 
+pub const FERRY_OP_READ: u32 = 0;
+pub const FERRY_OP_WRITE: u32 = 1;
+
+pub type ferry_complete_fn = unsafe extern "C" fn(
+    completion_ctx: *mut c_void,
+    token: u64,
+    status: ferry_status_t,
+    msg: *const c_char,
+);
+
+#[repr(C)]
+pub struct ferry_transport_init_params_t {
+    pub hdr: ferry_abi_header_t,
+    pub engine_name: *const c_char,
+    pub listen_host: *const c_char,
+    pub completion_ctx: *mut c_void,
+    pub complete: Option<ferry_complete_fn>,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ferry_mem_region_t {
+    pub struct_size: u32,
+    pub numa_node: i32,
+    pub addr: u64,
+    pub len: u64,
+    pub mem_kind: u64,
+    pub location: *const c_char,
+    pub device_ordinal: i32,
+    pub dmabuf_fd: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ferry_peer_info_t {
+    pub struct_size: u32,
+    pub scope: u32,
+    pub name: *const c_char,
+    pub endpoint: *const u8,
+    pub endpoint_len: usize,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ferry_transfer_request_t {
+    pub op: u32,
+    pub reserved: u32,
+    pub local_addr: u64,
+    pub local_mem: u64,
+    pub remote_addr: u64,
+    pub length: u64,
+    pub remote_key: *const u8,
+    pub remote_key_len: usize,
+    pub token: u64,
+}
+
 #[repr(C)]
 pub struct ferry_transport_plugin_v1_t {
     pub hdr: ferry_abi_header_t,
@@ -171,6 +227,70 @@ pub struct ferry_transport_plugin_v1_t {
     pub version: *const c_char,
     pub description: *const c_char,
     pub probe: Option<ferry_probe_fn>,
+    pub init: Option<
+        unsafe extern "C" fn(
+            host: *const ferry_host_services_t,
+            params: *const ferry_transport_init_params_t,
+            instance: *mut *mut c_void,
+            err: *mut ferry_errbuf_t,
+        ) -> ferry_status_t,
+    >,
+    pub fini: Option<unsafe extern "C" fn(instance: *mut c_void)>,
+    pub get_endpoint: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            buf: *mut u8,
+            cap: usize,
+            len: *mut usize,
+            err: *mut ferry_errbuf_t,
+        ) -> ferry_status_t,
+    >,
+    pub register_memory: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            region: *const ferry_mem_region_t,
+            mem_handle: *mut u64,
+            key: *mut u8,
+            key_cap: usize,
+            key_len: *mut usize,
+            err: *mut ferry_errbuf_t,
+        ) -> ferry_status_t,
+    >,
+    pub unregister_memory: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            mem_handle: u64,
+            err: *mut ferry_errbuf_t,
+        ) -> ferry_status_t,
+    >,
+    pub connect: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            peer: *const ferry_peer_info_t,
+            peer_handle: *mut *mut c_void,
+            err: *mut ferry_errbuf_t,
+        ) -> ferry_status_t,
+    >,
+    pub disconnect: Option<unsafe extern "C" fn(instance: *mut c_void, peer_handle: *mut c_void)>,
+    pub submit: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            peer_handle: *mut c_void,
+            requests: *const ferry_transfer_request_t,
+            count: usize,
+            err: *mut ferry_errbuf_t,
+        ) -> ferry_status_t,
+    >,
+    pub describe_peer: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            peer_handle: *mut c_void,
+            buf: *mut c_char,
+            cap: usize,
+            len: *mut usize,
+            err: *mut ferry_errbuf_t,
+        ) -> ferry_status_t,
+    >,
 }
 
 pub const FERRY_TRANSPORT_PLUGIN_V1_SYMBOL: &str = "ferry_transport_plugin_v1";

@@ -64,9 +64,63 @@ fn rust_layouts() -> Vec<Layout> {
             ]
         ),
         layout!(
+            "ferry_transport_init_params_t",
+            ferry_transport_init_params_t,
+            [hdr, engine_name, listen_host, completion_ctx, complete]
+        ),
+        layout!(
+            "ferry_mem_region_t",
+            ferry_mem_region_t,
+            [
+                struct_size,
+                numa_node,
+                addr,
+                len,
+                mem_kind,
+                location,
+                device_ordinal,
+                dmabuf_fd
+            ]
+        ),
+        layout!(
+            "ferry_peer_info_t",
+            ferry_peer_info_t,
+            [struct_size, scope, name, endpoint, endpoint_len]
+        ),
+        layout!(
+            "ferry_transfer_request_t",
+            ferry_transfer_request_t,
+            [
+                op,
+                reserved,
+                local_addr,
+                local_mem,
+                remote_addr,
+                length,
+                remote_key,
+                remote_key_len,
+                token
+            ]
+        ),
+        layout!(
             "ferry_transport_plugin_v1_t",
             ferry_transport_plugin_v1_t,
-            [hdr, name, version, description, probe]
+            [
+                hdr,
+                name,
+                version,
+                description,
+                probe,
+                init,
+                fini,
+                get_endpoint,
+                register_memory,
+                unregister_memory,
+                connect,
+                disconnect,
+                submit,
+                describe_peer
+            ]
         ),
         layout!(
             "ferry_device_plugin_v1_t",
@@ -128,6 +182,8 @@ fn rust_constants() -> Vec<(&'static str, i128)> {
         FERRY_LINK_UNKNOWN,
         FERRY_LINK_INFINIBAND,
         FERRY_LINK_ETHERNET,
+        FERRY_OP_READ,
+        FERRY_OP_WRITE,
     ]
 }
 

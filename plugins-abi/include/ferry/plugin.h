@@ -260,12 +260,106 @@ typedef ferry_status_t (*ferry_probe_fn)(const ferry_host_services_t *host,
 /* Transport plugins                                                         */
 /* ------------------------------------------------------------------------ */
 
+/* Operations. */
+#define FERRY_OP_READ 0  /* remote -> local */
+#define FERRY_OP_WRITE 1 /* local -> remote */
+
+/* Called by a plugin once per accepted request, from any thread, possibly
+ * before submit returns. msg may be NULL on success; on failure it explains. */
+typedef void (*ferry_complete_fn)(void *completion_ctx, uint64_t token, ferry_status_t status,
+                                  const char *msg);
+
+/* What the engine tells a transport instance when it creates it. */
+typedef struct ferry_transport_init_params {
+    ferry_abi_header_t hdr;
+    const char *engine_name; /* "host:port", for log lines */
+    const char *listen_host; /* host or IP the engine listens on: bind data listeners here */
+    void *completion_ctx;
+    ferry_complete_fn complete;
+} ferry_transport_init_params_t;
+
+/* A buffer the engine registers with a transport. */
+typedef struct ferry_mem_region {
+    uint32_t struct_size;
+    int32_t numa_node;    /* NUMA node of host memory, -1 when unknown */
+    uint64_t addr;
+    uint64_t len;
+    uint64_t mem_kind;    /* one FERRY_MEM_* bit */
+    const char *location; /* "cpu:0", "cuda:3" */
+    int32_t device_ordinal; /* CUDA ordinal for device memory, else -1 */
+    int32_t dmabuf_fd;      /* for FERRY_MEM_CUDA_DMABUF, else -1; owned by the engine */
+} ferry_mem_region_t;
+
+/* A peer as the engine knows it from the peer's segment descriptor. */
+typedef struct ferry_peer_info {
+    uint32_t struct_size;
+    uint32_t scope;          /* one FERRY_SCOPE_* bit: where the peer is */
+    const char *name;        /* the peer's segment name, "host:port" */
+    const uint8_t *endpoint; /* what the peer's instance returned from get_endpoint */
+    size_t endpoint_len;
+} ferry_peer_info_t;
+
+/* One transfer. The engine has already checked that [local_addr, +length)
+ * lies in a buffer registered locally and that the remote range lies in a
+ * buffer the peer advertised; the target must check again. */
+typedef struct ferry_transfer_request {
+    uint32_t op;           /* FERRY_OP_* */
+    uint32_t reserved;
+    uint64_t local_addr;
+    uint64_t local_mem;    /* handle register_memory returned for the local buffer */
+    uint64_t remote_addr;
+    uint64_t length;       /* > 0 */
+    const uint8_t *remote_key; /* what the peer's register_memory returned for the remote buffer */
+    size_t remote_key_len;
+    uint64_t token;        /* hand back to complete() */
+} ferry_transfer_request_t;
+
 typedef struct ferry_transport_plugin_v1 {
     ferry_abi_header_t hdr; /* FERRY_ABI_HEADER_INIT(ferry_transport_plugin_v1_t) */
     const char *name;        /* "tcp": lower case, [a-z0-9-], matches the file name */
     const char *version;     /* the plugin's own version, "1.2.0" */
     const char *description; /* one line */
     ferry_probe_fn probe;    /* required */
+
+    /* --- The data path. A transport without init cannot move data (probe-only
+     * plugins are listed by `ferry info` but never selected). --- */
+
+    /* Creates an instance for one engine. host and params (and the strings in
+     * them) stay valid until fini returns. */
+    ferry_status_t (*init)(const ferry_host_services_t *host,
+                           const ferry_transport_init_params_t *params, void **instance,
+                           ferry_errbuf_t *err);
+    /* Completes or fails everything in flight (through complete), then frees
+     * the instance. */
+    void (*fini)(void *instance);
+    /* The bytes a peer needs to reach this instance (addresses, ports, QP
+     * info...). Writes at most cap bytes and sets *len to the full length; the
+     * engine calls again with a larger buffer when *len > cap. */
+    ferry_status_t (*get_endpoint)(void *instance, uint8_t *buf, size_t cap, size_t *len,
+                                   ferry_errbuf_t *err);
+    /* Makes a buffer usable as a local buffer and reachable by peers. Returns
+     * a handle and a key for peers (e.g. rkeys), with the same sizing rule. */
+    ferry_status_t (*register_memory)(void *instance, const ferry_mem_region_t *region,
+                                      uint64_t *mem_handle, uint8_t *key, size_t key_cap,
+                                      size_t *key_len, ferry_errbuf_t *err);
+    /* After it returns, peers can no longer read or write the buffer; accesses
+     * in progress have finished. */
+    ferry_status_t (*unregister_memory)(void *instance, uint64_t mem_handle, ferry_errbuf_t *err);
+    /* Prepares to talk to a peer (may connect lazily). */
+    ferry_status_t (*connect)(void *instance, const ferry_peer_info_t *peer, void **peer_handle,
+                              ferry_errbuf_t *err);
+    /* Fails whatever is still in flight to this peer and frees the handle. */
+    void (*disconnect)(void *instance, void *peer_handle);
+    /* Accepts count requests. On FERRY_OK each one is completed exactly once
+     * through complete(); on an error none was accepted. Must not block for
+     * long: a transfer that cannot start now is queued. */
+    ferry_status_t (*submit)(void *instance, void *peer_handle,
+                             const ferry_transfer_request_t *requests, size_t count,
+                             ferry_errbuf_t *err);
+    /* Optional: one line on how this peer is reached ("eth0 10.0.0.2 -> 10.0.0.3,
+     * 4 connections"), for `ferry demo` and logs. Same sizing rule as above. */
+    ferry_status_t (*describe_peer)(void *instance, void *peer_handle, char *buf, size_t cap,
+                                    size_t *len, ferry_errbuf_t *err);
 } ferry_transport_plugin_v1_t;
 
 #define FERRY_TRANSPORT_PLUGIN_V1_SYMBOL "ferry_transport_plugin_v1"

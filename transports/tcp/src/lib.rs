@@ -4,12 +4,31 @@
 //!
 //! Loaded at run time as `libferry_transport_tcp.so` through the plugin ABI.
 
+mod initiator;
 mod interfaces;
+mod regions;
+mod sockio;
+mod target;
+pub mod wire;
 
-use ferry_plugins_abi::sdk::{Host, PluginError, PluginResult, ProbeDevice, ProbeReport};
+use ferry_plugins_abi::sdk::{
+    Completer, Host, InitParams, MemRegion, PeerInfo, PluginError, PluginResult, ProbeDevice,
+    ProbeReport, Registration, TransferRequest, TransportInstance,
+};
 use ferry_plugins_abi::sys;
 use ferry_plugins_abi::ErrorCode;
+use initiator::{Settings, TcpPeer};
+use regions::Regions;
 use std::ffi::CStr;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::Duration;
+use target::{Target, TargetConfig};
+
+/// Defaults of the settings a host may give (key -> FERRY_ variable).
+pub const DEFAULT_CONNECTIONS: usize = 4;
+pub const DEFAULT_FRAME_BYTES: u64 = 4 << 20;
+pub const DEFAULT_STRIPE_BYTES: u64 = 1 << 20;
 
 pub struct TcpTransport;
 
@@ -17,6 +36,7 @@ impl ferry_plugins_abi::sdk::TransportPlugin for TcpTransport {
     const NAME: &'static CStr = c"tcp";
     const VERSION: &'static CStr = ferry_plugins_abi::c_version!();
     const DESCRIPTION: &'static CStr = c"Host memory over TCP sockets; works on every host";
+    type Instance = TcpInstance;
 
     fn probe(host: &Host<'_>, report: &mut ProbeReport<'_>) -> PluginResult<()> {
         check_tcp_sockets()?;
@@ -57,9 +77,197 @@ impl ferry_plugins_abi::sdk::TransportPlugin for TcpTransport {
         }
         Ok(())
     }
+
+    fn init(
+        host: Host<'static>,
+        params: InitParams,
+        completer: Completer,
+    ) -> PluginResult<TcpInstance> {
+        TcpInstance::start(host, params, completer)
+    }
 }
 
 ferry_plugins_abi::export_transport_plugin!(TcpTransport);
+
+fn setting<T: std::str::FromStr>(host: &Host<'_>, key: &str, default: T) -> PluginResult<T> {
+    match host.config(key) {
+        None => Ok(default),
+        Some(v) => v.trim().parse().map_err(|_| {
+            PluginError::new(
+                ErrorCode::InvalidArgument,
+                format!("setting {key} = {v:?} is not a valid number"),
+            )
+        }),
+    }
+}
+
+/// One engine's TCP transport: a data listener serving registered memory,
+/// and peers reached through their own connections.
+pub struct TcpInstance {
+    host: Host<'static>,
+    completer: Completer,
+    settings: Arc<Settings>,
+    regions: Arc<Regions>,
+    target: Target,
+    advertised: String,
+}
+
+impl TcpInstance {
+    fn start(
+        host: Host<'static>,
+        params: InitParams,
+        completer: Completer,
+    ) -> PluginResult<TcpInstance> {
+        let ms = |key: &str, default: u64| -> PluginResult<Duration> {
+            setting(&host, key, default).map(Duration::from_millis)
+        };
+        let connections: usize = setting(&host, "tcp.connections", DEFAULT_CONNECTIONS)?;
+        if !(1..=64).contains(&connections) {
+            return Err(PluginError::new(
+                ErrorCode::InvalidArgument,
+                format!("tcp.connections = {connections}: use 1 to 64"),
+            ));
+        }
+        let settings = Arc::new(Settings {
+            connections,
+            frame_bytes: setting(&host, "tcp.frame_bytes", DEFAULT_FRAME_BYTES)?
+                .clamp(4096, wire::MAX_FRAME_PAYLOAD),
+            stripe_bytes: setting(&host, "tcp.stripe_bytes", DEFAULT_STRIPE_BYTES)?.max(4096),
+            timeout: ms("timeout_ms", 15_000)?,
+            connect_timeout: ms("connect_timeout_ms", 5_000)?,
+        });
+        let regions = Arc::new(Regions::default());
+        let bind_ip: IpAddr = params
+            .listen_host
+            .parse()
+            .unwrap_or(IpAddr::from([127, 0, 0, 1]));
+        let port: u16 = setting(&host, "tcp.port", 0)?;
+        let log_host = host;
+        let log: Arc<dyn Fn(&str) + Send + Sync> = Arc::new(move |m: &str| log_host.debug(m));
+        let target = Target::start(
+            &SocketAddr::new(bind_ip, port).to_string(),
+            regions.clone(),
+            TargetConfig {
+                timeout: settings.timeout,
+            },
+            log,
+        )
+        .map_err(|e| {
+            PluginError::new(
+                ErrorCode::Io,
+                format!("cannot listen for TCP data connections on {bind_ip}:{port}: {e}"),
+            )
+        })?;
+        // Peers reach us at the engine's advertised host when we listen on
+        // every interface.
+        let host_part = if bind_ip.is_unspecified() {
+            params
+                .engine_name
+                .rsplit_once(':')
+                .map(|(h, _)| h.to_string())
+                .unwrap_or_else(|| bind_ip.to_string())
+        } else {
+            bind_ip.to_string()
+        };
+        let advertised = SocketAddr::new(
+            host_part.parse().unwrap_or(bind_ip),
+            target.local_addr().port(),
+        )
+        .to_string();
+        host.info(&format!(
+            "tcp: serving data on {} for engine {} ({} connections per peer)",
+            advertised, params.engine_name, settings.connections
+        ));
+        Ok(TcpInstance {
+            host,
+            completer,
+            settings,
+            regions,
+            target,
+            advertised,
+        })
+    }
+}
+
+impl TransportInstance for TcpInstance {
+    type Peer = TcpPeer;
+
+    fn endpoint(&self) -> PluginResult<Vec<u8>> {
+        Ok(self.advertised.clone().into_bytes())
+    }
+
+    fn register_memory(&self, region: &MemRegion) -> PluginResult<Registration> {
+        if region.mem_kind != sys::FERRY_MEM_HOST {
+            return Err(PluginError::new(
+                ErrorCode::Unsupported,
+                "tcp moves host memory only",
+            ));
+        }
+        let handle = self
+            .regions
+            .register(region.addr, region.len)
+            .map_err(|e| PluginError::new(ErrorCode::InvalidArgument, e))?;
+        Ok(Registration {
+            handle,
+            key: Vec::new(),
+        })
+    }
+
+    fn unregister_memory(&self, handle: u64) -> PluginResult<()> {
+        // A peer's frame holds its region at most one timeout.
+        let wait = self.settings.timeout * 2 + Duration::from_secs(1);
+        self.regions
+            .unregister(handle, wait)
+            .map_err(|e| PluginError::new(ErrorCode::Busy, e))
+    }
+
+    fn connect(&self, peer: &PeerInfo) -> PluginResult<TcpPeer> {
+        let text = std::str::from_utf8(&peer.endpoint)
+            .ok()
+            .filter(|t| t.len() <= 256)
+            .ok_or_else(|| {
+                PluginError::new(
+                    ErrorCode::Protocol,
+                    format!("{}: its tcp endpoint is not a host:port string", peer.name),
+                )
+            })?;
+        let addr = text
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| {
+                PluginError::new(
+                    ErrorCode::NotFound,
+                    format!("{}: cannot resolve its tcp endpoint {text:?}", peer.name),
+                )
+            })?;
+        self.host
+            .debug(&format!("tcp: peer {} at {addr}", peer.name));
+        Ok(TcpPeer::new(
+            peer.name.clone(),
+            addr,
+            self.settings.clone(),
+            self.completer,
+        ))
+    }
+
+    fn submit(&self, peer: &TcpPeer, requests: &[TransferRequest<'_>]) -> PluginResult<()> {
+        peer.submit(requests)
+    }
+
+    fn describe_peer(&self, peer: &TcpPeer) -> Option<String> {
+        Some(peer.describe())
+    }
+}
+
+impl Drop for TcpInstance {
+    fn drop(&mut self) {
+        self.host.debug(&format!(
+            "tcp: stopping the data listener {}",
+            self.target.local_addr()
+        ));
+    }
+}
 
 /// Creates and closes a TCP socket: proves the kernel and our seccomp/
 /// container profile allow TCP without binding or connecting anything.

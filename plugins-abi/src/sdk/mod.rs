@@ -27,6 +27,9 @@ use std::ffi::{c_char, CStr, CString};
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Once;
 
+mod transport;
+pub use transport::*;
+
 /// An error a plugin returns: a code from the shared list and a message for
 /// the operator.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -109,9 +112,16 @@ pub struct Nic {
 }
 
 /// Safe view of the host services table handed to the plugin.
+#[derive(Clone, Copy)]
 pub struct Host<'a> {
     raw: &'a sys::ferry_host_services_t,
 }
+
+// SAFETY: the services table is immutable and plugin.h requires every host
+// service to be callable from any thread.
+unsafe impl Send for Host<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for Host<'_> {}
 
 impl<'a> Host<'a> {
     /// Wraps the table the host passed in, refusing one that is too small
@@ -477,18 +487,6 @@ pub unsafe fn boundary(
     }
 }
 
-/// A transport plugin written in Rust.
-pub trait TransportPlugin: 'static {
-    /// Lower case `[a-z0-9-]`; the file must be `libferry_transport_<NAME>.so`.
-    const NAME: &'static CStr;
-    const VERSION: &'static CStr;
-    const DESCRIPTION: &'static CStr;
-
-    /// What this plugin could do on this host, without side effects.
-    /// Return `Err(PluginError::unavailable(..))` when it cleanly cannot run.
-    fn probe(host: &Host<'_>, report: &mut ProbeReport<'_>) -> PluginResult<()>;
-}
-
 /// A device plugin written in Rust.
 pub trait DevicePlugin: 'static {
     /// The file must be `libferry_device_<NAME>.so`.
@@ -502,7 +500,7 @@ pub trait DevicePlugin: 'static {
 /// # Safety
 /// Called only by the host through the plugin table, with pointers valid
 /// for the duration of the call (see `ferry_probe_fn` in plugin.h).
-pub unsafe extern "C" fn transport_probe_trampoline<P: TransportPlugin>(
+pub unsafe extern "C" fn device_probe_trampoline<P: DevicePlugin>(
     host: *const sys::ferry_host_services_t,
     sink: *const sys::ferry_probe_sink_t,
     err: *mut sys::ferry_errbuf_t,
@@ -518,34 +516,6 @@ pub unsafe extern "C" fn transport_probe_trampoline<P: TransportPlugin>(
     }
 }
 
-/// # Safety
-/// As [`transport_probe_trampoline`].
-pub unsafe extern "C" fn device_probe_trampoline<P: DevicePlugin>(
-    host: *const sys::ferry_host_services_t,
-    sink: *const sys::ferry_probe_sink_t,
-    err: *mut sys::ferry_errbuf_t,
-) -> sys::ferry_status_t {
-    // SAFETY: as in transport_probe_trampoline.
-    unsafe {
-        boundary(err, || {
-            let host = Host::from_raw(host)?;
-            let mut report = ProbeReport::from_raw(sink)?;
-            P::probe(&host, &mut report)
-        })
-    }
-}
-
-/// The v1 table for a Rust transport plugin; used by [`export_transport_plugin!`].
-pub const fn transport_table_v1<P: TransportPlugin>() -> sys::ferry_transport_plugin_v1_t {
-    sys::ferry_transport_plugin_v1_t {
-        hdr: sys::ferry_abi_header_t::for_table::<sys::ferry_transport_plugin_v1_t>(),
-        name: P::NAME.as_ptr(),
-        version: P::VERSION.as_ptr(),
-        description: P::DESCRIPTION.as_ptr(),
-        probe: Some(transport_probe_trampoline::<P>),
-    }
-}
-
 /// The v1 table for a Rust device plugin; used by [`export_device_plugin!`].
 pub const fn device_table_v1<P: DevicePlugin>() -> sys::ferry_device_plugin_v1_t {
     sys::ferry_device_plugin_v1_t {
@@ -555,21 +525,6 @@ pub const fn device_table_v1<P: DevicePlugin>() -> sys::ferry_device_plugin_v1_t
         description: P::DESCRIPTION.as_ptr(),
         probe: Some(device_probe_trampoline::<P>),
     }
-}
-
-/// Exports a [`TransportPlugin`] as `ferry_transport_plugin_v1`.
-#[macro_export]
-macro_rules! export_transport_plugin {
-    ($plugin:ty) => {
-        /// Entry point of this Ferry transport plugin (ABI v1).
-        #[unsafe(no_mangle)]
-        pub extern "C" fn ferry_transport_plugin_v1(
-        ) -> *const $crate::sys::ferry_transport_plugin_v1_t {
-            static TABLE: $crate::sys::ferry_transport_plugin_v1_t =
-                $crate::sdk::transport_table_v1::<$plugin>();
-            &TABLE
-        }
-    };
 }
 
 /// Exports a [`DevicePlugin`] as `ferry_device_plugin_v1`.

@@ -1,0 +1,144 @@
+//! Engine configuration: from code, from FERRY_* variables, or both (code
+//! wins). Every setting here is documented in the README with its default.
+
+use crate::error::{Error, ErrorCode, Result};
+use ferry_loader::{LoaderConfig, NameFilter};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// Default for FERRY_LISTEN: loopback only, any free port.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:0";
+/// Default for FERRY_TIMEOUT_MS: how long a network wait may take.
+pub const DEFAULT_TIMEOUT_MS: u64 = 15_000;
+/// Default for FERRY_CONNECT_TIMEOUT_MS.
+pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 5_000;
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Where the control listener binds (FERRY_LISTEN); its port becomes the
+    /// segment name's port. Use 0.0.0.0:PORT for peers on other hosts.
+    pub listen: String,
+    /// The host part of the segment name (FERRY_HOSTNAME); by default the
+    /// listen address, or this host's first non-loopback IPv4 address when
+    /// listening on all interfaces.
+    pub hostname: Option<String>,
+    /// Deadline of every network wait (FERRY_TIMEOUT_MS).
+    pub timeout: Duration,
+    /// Deadline of a connection attempt (FERRY_CONNECT_TIMEOUT_MS).
+    pub connect_timeout: Duration,
+    /// Plugin settings ("tcp.connections" = "4"); override FERRY_TCP_CONNECTIONS.
+    pub settings: BTreeMap<String, String>,
+    pub loader: LoaderConfig,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            listen: DEFAULT_LISTEN.to_string(),
+            hostname: None,
+            timeout: Duration::from_millis(DEFAULT_TIMEOUT_MS),
+            connect_timeout: Duration::from_millis(DEFAULT_CONNECT_TIMEOUT_MS),
+            settings: BTreeMap::new(),
+            loader: LoaderConfig::default(),
+        }
+    }
+}
+
+fn parse_ms(var: &str, value: &str) -> Result<Duration> {
+    value
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .filter(|v| *v > 0)
+        .map(Duration::from_millis)
+        .ok_or_else(|| {
+            Error::new(
+                ErrorCode::InvalidArgument,
+                format!("{var}={value:?} is not a positive number of milliseconds"),
+            )
+        })
+}
+
+impl EngineConfig {
+    /// Defaults overridden by FERRY_LISTEN, FERRY_HOSTNAME, FERRY_TIMEOUT_MS,
+    /// FERRY_CONNECT_TIMEOUT_MS and the loader's variables.
+    pub fn from_env() -> Result<EngineConfig> {
+        let mut c = EngineConfig {
+            loader: LoaderConfig::from_env(),
+            ..EngineConfig::default()
+        };
+        if let Ok(v) = std::env::var("FERRY_LISTEN") {
+            c.listen = v;
+        }
+        if let Ok(v) = std::env::var("FERRY_HOSTNAME") {
+            if !v.trim().is_empty() {
+                c.hostname = Some(v.trim().to_string());
+            }
+        }
+        if let Ok(v) = std::env::var("FERRY_TIMEOUT_MS") {
+            c.timeout = parse_ms("FERRY_TIMEOUT_MS", &v)?;
+        }
+        if let Ok(v) = std::env::var("FERRY_CONNECT_TIMEOUT_MS") {
+            c.connect_timeout = parse_ms("FERRY_CONNECT_TIMEOUT_MS", &v)?;
+        }
+        Ok(c)
+    }
+
+    /// Sets one option by name, as the C API and tools do: `listen`,
+    /// `hostname`, `timeout_ms`, `connect_timeout_ms`, `plugin_path`
+    /// (colon list, searched first), `transports` (allow/deny list), or a
+    /// plugin setting such as `tcp.connections`.
+    pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
+        match key {
+            "listen" => self.listen = value.to_string(),
+            "hostname" => self.hostname = Some(value.to_string()).filter(|v| !v.is_empty()),
+            "timeout_ms" => self.timeout = parse_ms("timeout_ms", value)?,
+            "connect_timeout_ms" => self.connect_timeout = parse_ms("connect_timeout_ms", value)?,
+            "plugin_path" => {
+                let mut dirs: Vec<_> = std::env::split_paths(value)
+                    .filter(|p| !p.as_os_str().is_empty())
+                    .collect();
+                dirs.extend(std::mem::take(&mut self.loader.plugin_path));
+                self.loader.plugin_path = dirs;
+            }
+            "transports" => self.loader.transports = NameFilter::parse(value),
+            k if k.contains('.') && !k.starts_with('.') && !k.ends_with('.') => {
+                self.settings.insert(k.to_string(), value.to_string());
+            }
+            _ => {
+                return Err(Error::new(
+                    ErrorCode::InvalidArgument,
+                    format!(
+                        "unknown option {key:?}: expected listen, hostname, timeout_ms, \
+                         connect_timeout_ms, plugin_path, transports, or a plugin setting \
+                         such as tcp.connections"
+                    ),
+                ))
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_by_name() {
+        let mut c = EngineConfig::default();
+        c.set("timeout_ms", "250").unwrap();
+        assert_eq!(c.timeout, Duration::from_millis(250));
+        c.set("tcp.connections", "3").unwrap();
+        assert_eq!(c.settings["tcp.connections"], "3");
+        c.set("transports", "^rdma").unwrap();
+        assert!(!c.loader.transports.as_ref().unwrap().allows("rdma"));
+        assert!(c.set("timeout_ms", "soon").is_err());
+        assert!(c.set("timeout_ms", "0").is_err());
+        assert!(c
+            .set("colour", "blue")
+            .unwrap_err()
+            .message
+            .contains("unknown option"));
+    }
+}

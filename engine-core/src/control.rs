@@ -1,0 +1,403 @@
+//! The control plane: a small TCP listener per engine that answers "what is
+//! your segment descriptor?", and the client side that asks.
+//!
+//! Every frame is `magic "FRYC" | version u16 | type u16 | body length u32 |
+//! reserved u32` (little endian) followed by a JSON body. Frames are bounded
+//! in size, every read and write has a deadline, and anything malformed
+//! closes the connection without touching engine state.
+
+use crate::descriptor::SegmentDescriptor;
+use crate::error::{Error, ErrorCode, Result};
+use serde::{Deserialize, Serialize};
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+pub const CONTROL_MAGIC: [u8; 4] = *b"FRYC";
+pub const CONTROL_VERSION: u16 = 1;
+pub const HEADER_LEN: usize = 16;
+/// Largest body accepted (a descriptor with ~100k buffers).
+pub const MAX_BODY: usize = 16 << 20;
+/// Control connections served at once; more are refused with BUSY.
+pub const MAX_CONNECTIONS: usize = 128;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u16)]
+pub enum MsgType {
+    GetDescriptor = 1,
+    Descriptor = 2,
+    Error = 3,
+}
+
+impl MsgType {
+    fn from_raw(v: u16) -> Option<MsgType> {
+        match v {
+            1 => Some(MsgType::GetDescriptor),
+            2 => Some(MsgType::Descriptor),
+            3 => Some(MsgType::Error),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct ErrorBody {
+    code: i32,
+    message: String,
+}
+
+/// Encodes one frame.
+pub fn encode_frame(kind: MsgType, body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_LEN + body.len());
+    out.extend_from_slice(&CONTROL_MAGIC);
+    out.extend_from_slice(&CONTROL_VERSION.to_le_bytes());
+    out.extend_from_slice(&(kind as u16).to_le_bytes());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(body);
+    out
+}
+
+/// A decoded header: the message type and the body length, both checked.
+pub fn decode_header(h: &[u8; HEADER_LEN]) -> Result<(MsgType, usize)> {
+    if h[..4] != CONTROL_MAGIC {
+        return Err(Error::new(
+            ErrorCode::Protocol,
+            "not a Ferry control connection (bad magic)",
+        ));
+    }
+    let version = u16::from_le_bytes([h[4], h[5]]);
+    if version != CONTROL_VERSION {
+        return Err(Error::new(
+            ErrorCode::Protocol,
+            format!(
+                "control protocol version {version} is not supported (this Ferry speaks \
+                 {CONTROL_VERSION})"
+            ),
+        ));
+    }
+    let kind = u16::from_le_bytes([h[6], h[7]]);
+    let kind = MsgType::from_raw(kind)
+        .ok_or_else(|| Error::new(ErrorCode::Protocol, format!("unknown message type {kind}")))?;
+    let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
+    if len > MAX_BODY {
+        return Err(Error::new(
+            ErrorCode::Protocol,
+            format!("a control message of {len} bytes exceeds the {MAX_BODY}-byte limit"),
+        ));
+    }
+    Ok((kind, len))
+}
+
+fn io_error(what: &str, peer: &str, e: &io::Error) -> Error {
+    let code = match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ErrorCode::Timeout,
+        _ => ErrorCode::Connection,
+    };
+    let detail = if code == ErrorCode::Timeout {
+        "timed out".to_string()
+    } else {
+        e.to_string()
+    };
+    Error::new(code, format!("{what} {peer}: {detail}"))
+}
+
+/// Reads one whole frame.
+pub fn read_frame(stream: &mut impl Read, peer: &str) -> Result<(MsgType, Vec<u8>)> {
+    let mut header = [0u8; HEADER_LEN];
+    stream
+        .read_exact(&mut header)
+        .map_err(|e| io_error("reading from", peer, &e))?;
+    let (kind, len) = decode_header(&header)?;
+    let mut body = vec![0u8; len];
+    stream
+        .read_exact(&mut body)
+        .map_err(|e| io_error("reading from", peer, &e))?;
+    Ok((kind, body))
+}
+
+/// What the control server serves; the engine implements it.
+pub trait ControlHandler: Send + Sync + 'static {
+    fn descriptor(&self) -> SegmentDescriptor;
+}
+
+/// The engine's control listener. Dropping it stops the listener and waits
+/// for its accept thread.
+pub struct ControlServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ControlServer {
+    /// Binds the control listener ("127.0.0.1:0", "0.0.0.0:7000") without
+    /// serving yet, so the engine knows its port before it starts plugins.
+    pub fn bind(listen: &str) -> Result<TcpListener> {
+        TcpListener::bind(listen).map_err(|e| {
+            let code = if e.kind() == io::ErrorKind::AddrInUse {
+                ErrorCode::Busy
+            } else {
+                ErrorCode::Io
+            };
+            Error::new(
+                code,
+                format!("cannot listen on {listen} for control connections: {e}"),
+            )
+        })
+    }
+
+    /// Serves `listener` until dropped.
+    pub fn start(
+        listener: TcpListener,
+        handler: Weak<dyn ControlHandler>,
+        io_timeout: Duration,
+    ) -> Result<ControlServer> {
+        let addr = listener.local_addr().map_err(|e| {
+            Error::new(ErrorCode::Io, format!("cannot read the bound address: {e}"))
+        })?;
+        listener.set_nonblocking(true).map_err(|e| {
+            Error::new(
+                ErrorCode::Io,
+                format!("cannot make the listener non-blocking: {e}"),
+            )
+        })?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("ferry-control".into())
+            .spawn(move || accept_loop(listener, handler, stop2, io_timeout))
+            .map_err(|e| Error::new(ErrorCode::NoMemory, format!("cannot start a thread: {e}")))?;
+        Ok(ControlServer {
+            addr,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn accept_loop(
+    listener: TcpListener,
+    handler: Weak<dyn ControlHandler>,
+    stop: Arc<AtomicBool>,
+    io_timeout: Duration,
+) {
+    let active = Arc::new(AtomicUsize::new(0));
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&listener);
+    while !stop.load(Ordering::SeqCst) {
+        // Wait for a connection or 100 ms, then look at the stop flag again.
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the duration of the call.
+        unsafe { libc::poll(&mut pfd, 1, 100) };
+        let (stream, peer) = match listener.accept() {
+            Ok(s) => s,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => {
+                log::debug!("control accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let _ = stream.set_nonblocking(false);
+        let _ = stream.set_read_timeout(Some(io_timeout));
+        let _ = stream.set_write_timeout(Some(io_timeout));
+        let _ = stream.set_nodelay(true);
+        if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+            let mut s = stream;
+            let _ = reply_error(
+                &mut s,
+                ErrorCode::Busy,
+                "too many control connections; try again",
+            );
+            continue;
+        }
+        active.fetch_add(1, Ordering::SeqCst);
+        let handler = handler.clone();
+        let active2 = active.clone();
+        let stop2 = stop.clone();
+        let spawned = std::thread::Builder::new()
+            .name("ferry-control-conn".into())
+            .spawn(move || {
+                serve_connection(stream, peer, handler, stop2);
+                active2.fetch_sub(1, Ordering::SeqCst);
+            });
+        if spawned.is_err() {
+            active.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+fn reply_error(stream: &mut TcpStream, code: ErrorCode, message: &str) -> io::Result<()> {
+    let body = serde_json::to_vec(&ErrorBody {
+        code: code.as_raw(),
+        message: message.to_string(),
+    })
+    .unwrap_or_default();
+    stream.write_all(&encode_frame(MsgType::Error, &body))
+}
+
+fn serve_connection(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    handler: Weak<dyn ControlHandler>,
+    stop: Arc<AtomicBool>,
+) {
+    let peer_s = peer.to_string();
+    while !stop.load(Ordering::SeqCst) {
+        let (kind, _body) = match read_frame(&mut stream, &peer_s) {
+            Ok(f) => f,
+            Err(e) => {
+                if e.code == ErrorCode::Protocol {
+                    log::debug!("control connection from {peer}: {}", e.message);
+                    let _ = reply_error(&mut stream, ErrorCode::Protocol, &e.message);
+                }
+                break;
+            }
+        };
+        let Some(handler) = handler.upgrade() else {
+            break;
+        };
+        let result = match kind {
+            MsgType::GetDescriptor => {
+                let d = handler.descriptor();
+                stream.write_all(&encode_frame(MsgType::Descriptor, &d.to_json()))
+            }
+            MsgType::Descriptor | MsgType::Error => reply_error(
+                &mut stream,
+                ErrorCode::Protocol,
+                "unexpected message type for a request",
+            ),
+        };
+        if result.is_err() {
+            break;
+        }
+    }
+    let _ = stream.shutdown(Shutdown::Both);
+}
+
+/// Resolves "host:port" and connects within `timeout`, trying each address.
+pub fn connect(name: &str, timeout: Duration) -> Result<TcpStream> {
+    let addrs: Vec<SocketAddr> = name
+        .to_socket_addrs()
+        .map_err(|e| {
+            Error::new(
+                ErrorCode::NotFound,
+                format!("segment {name:?}: cannot resolve it as host:port ({e})"),
+            )
+        })?
+        .collect();
+    let mut last = None;
+    for addr in &addrs {
+        match TcpStream::connect_timeout(addr, timeout) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+    }
+    let e = last.unwrap_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"));
+    let code = match e.kind() {
+        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => ErrorCode::Timeout,
+        _ => ErrorCode::Connection,
+    };
+    let hint = if e.kind() == io::ErrorKind::ConnectionRefused {
+        " (no engine listens there: is the peer running?)"
+    } else {
+        ""
+    };
+    Err(Error::new(
+        code,
+        format!("cannot reach segment {name}: {e}{hint}"),
+    ))
+}
+
+/// Fetches a peer's segment descriptor.
+pub fn fetch_descriptor(
+    name: &str,
+    connect_timeout: Duration,
+    io_timeout: Duration,
+) -> Result<SegmentDescriptor> {
+    let mut stream = connect(name, connect_timeout)?;
+    let _ = stream.set_read_timeout(Some(io_timeout));
+    let _ = stream.set_write_timeout(Some(io_timeout));
+    let _ = stream.set_nodelay(true);
+    stream
+        .write_all(&encode_frame(MsgType::GetDescriptor, b"{}"))
+        .map_err(|e| io_error("writing to", name, &e))?;
+    let (kind, body) = read_frame(&mut stream, name)?;
+    let _ = stream.shutdown(Shutdown::Both);
+    match kind {
+        MsgType::Descriptor => SegmentDescriptor::from_json(&body),
+        MsgType::Error => {
+            let e: ErrorBody = serde_json::from_slice(&body).map_err(|_| {
+                Error::new(
+                    ErrorCode::Protocol,
+                    format!("{name} sent a malformed error"),
+                )
+            })?;
+            let code = ErrorCode::from_raw(e.code).unwrap_or(ErrorCode::Plugin);
+            let msg: String = e.message.chars().take(1024).collect();
+            Err(Error::new(code, format!("segment {name} refused: {msg}")))
+        }
+        MsgType::GetDescriptor => Err(Error::new(
+            ErrorCode::Protocol,
+            format!("{name} answered with a request"),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_are_checked() {
+        let f = encode_frame(MsgType::GetDescriptor, b"{}");
+        let h: [u8; HEADER_LEN] = f[..HEADER_LEN].try_into().unwrap();
+        assert_eq!(decode_header(&h).unwrap(), (MsgType::GetDescriptor, 2));
+        let mut bad = h;
+        bad[0] = b'X';
+        assert!(decode_header(&bad)
+            .unwrap_err()
+            .message
+            .contains("bad magic"));
+        let mut bad = h;
+        bad[4] = 9;
+        assert!(decode_header(&bad)
+            .unwrap_err()
+            .message
+            .contains("version 9"));
+        let mut bad = h;
+        bad[6] = 77;
+        assert!(decode_header(&bad).is_err());
+        let mut bad = h;
+        bad[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(decode_header(&bad).unwrap_err().message.contains("limit"));
+    }
+
+    #[test]
+    fn garbage_gets_no_descriptor() {
+        let mut data: &[u8] = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+        assert_eq!(
+            read_frame(&mut data, "test").unwrap_err().code,
+            ErrorCode::Protocol
+        );
+    }
+}

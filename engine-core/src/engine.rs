@@ -1,0 +1,1038 @@
+//! The engine: registered memory, remote segments, batches, and the choice
+//! of transport for each request.
+//!
+//! An engine loads plugins, starts an instance of every enabled transport,
+//! and serves its segment descriptor on a control listener whose address is
+//! the segment name ("host:port"). Opening a peer's segment fetches the
+//! peer's descriptor; submitting a batch checks every request against local
+//! and remote registered memory, picks a transport, coalesces adjacent
+//! requests, and hands them to the transports, which complete them.
+
+use crate::batch::{BatchId, BatchStatus, BatchTable, RequestStatus};
+use crate::config::EngineConfig;
+use crate::control::{self, ControlHandler, ControlServer};
+use crate::descriptor::{
+    encode_blob, BufferDescriptor, BufferKey, SegmentDescriptor, TransportEndpoint,
+    DESCRIPTOR_VERSION,
+};
+use crate::error::{Error, ErrorCode, Result};
+use crate::host::CoreHost;
+use crate::identity::Identity;
+use crate::location::{numa_node_of, Location};
+use crate::memory::{LocalBuffer, MemoryRegistry, TransportRegistration};
+use crate::transport::{PeerHandle, Transport};
+use ferry_loader::{PluginKind, PluginSet};
+use ferry_plugins_abi::sys;
+use parking_lot::{Mutex, RwLock};
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+/// Identifies an open remote segment within one engine.
+pub type SegmentId = u64;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Remote -> local.
+    Read,
+    /// Local -> remote.
+    Write,
+}
+
+impl Op {
+    fn raw(self) -> u32 {
+        match self {
+            Op::Read => sys::FERRY_OP_READ,
+            Op::Write => sys::FERRY_OP_WRITE,
+        }
+    }
+}
+
+/// One transfer between local memory and a remote segment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request {
+    pub op: Op,
+    pub local_addr: u64,
+    pub segment: SegmentId,
+    pub remote_addr: u64,
+    pub length: u64,
+    /// Use this transport if it can serve the request (else an error).
+    pub transport: Option<String>,
+}
+
+impl Request {
+    pub fn new(op: Op, local_addr: u64, segment: SegmentId, remote_addr: u64, length: u64) -> Self {
+        Request {
+            op,
+            local_addr,
+            segment,
+            remote_addr,
+            length,
+            transport: None,
+        }
+    }
+}
+
+/// Where a peer is, relative to this engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    SameProcess,
+    SameHost,
+    CrossHost,
+}
+
+impl Scope {
+    fn raw(self) -> u32 {
+        match self {
+            Scope::SameProcess => sys::FERRY_SCOPE_SAME_PROCESS,
+            Scope::SameHost => sys::FERRY_SCOPE_SAME_HOST,
+            Scope::CrossHost => sys::FERRY_SCOPE_CROSS_HOST,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::SameProcess => "same process",
+            Scope::SameHost => "same host",
+            Scope::CrossHost => "another host",
+        }
+    }
+}
+
+/// A remote buffer with its keys decoded once.
+struct RemoteBuffer {
+    addr: u64,
+    len: u64,
+    location: String,
+    keys: HashMap<String, Vec<u8>>,
+}
+
+/// A peer's descriptor, decoded for the data path.
+struct RemoteView {
+    descriptor: SegmentDescriptor,
+    buffers: Vec<RemoteBuffer>,
+    endpoints: HashMap<String, Vec<u8>>,
+}
+
+impl RemoteView {
+    fn new(descriptor: SegmentDescriptor) -> RemoteView {
+        let buffers = descriptor
+            .buffers
+            .iter()
+            .map(|b| RemoteBuffer {
+                addr: b.addr,
+                len: b.len,
+                location: b.location.clone(),
+                keys: b
+                    .keys
+                    .iter()
+                    .filter_map(|k| Some((k.transport.clone(), b.key(&k.transport)?)))
+                    .collect(),
+            })
+            .collect();
+        let endpoints = descriptor
+            .transports
+            .iter()
+            .filter_map(|t| Some((t.name.clone(), descriptor.endpoint(&t.name)?)))
+            .collect();
+        RemoteView {
+            descriptor,
+            buffers,
+            endpoints,
+        }
+    }
+
+    fn find(&self, addr: u64, len: u64) -> Option<usize> {
+        let end = addr.checked_add(len)?;
+        let idx = self
+            .buffers
+            .partition_point(|b| b.addr <= addr)
+            .checked_sub(1)?;
+        let b = &self.buffers[idx];
+        (end <= b.addr + b.len).then_some(idx)
+    }
+}
+
+struct RemoteSegment {
+    id: SegmentId,
+    name: String,
+    scope: Scope,
+    view: RwLock<Arc<RemoteView>>,
+    /// Connected peers, by transport index; created on first use.
+    peers: Mutex<HashMap<usize, Arc<PeerHandle>>>,
+}
+
+/// Why a transport was chosen, for logs and `ferry demo`.
+#[derive(Clone, Debug)]
+pub struct Route {
+    pub transport: String,
+    pub scope: Scope,
+    pub reason: String,
+    /// The plugin's own description of how it reaches the peer.
+    pub peer_detail: Option<String>,
+}
+
+struct Shared {
+    config: EngineConfig,
+    identity: Identity,
+    name: String,
+    plugins: PluginSet,
+    transports: Vec<Arc<Transport>>,
+    transport_failures: Vec<(String, Error)>,
+    endpoints: Vec<(String, Vec<u8>)>,
+    memory: MemoryRegistry,
+    segments: RwLock<HashMap<SegmentId, Arc<RemoteSegment>>>,
+    next_segment: AtomicU64,
+    batches: Arc<BatchTable>,
+    /// (segment, transport) pairs already logged.
+    logged_routes: Mutex<HashSet<(SegmentId, usize)>>,
+}
+
+impl ControlHandler for Shared {
+    fn descriptor(&self) -> SegmentDescriptor {
+        self.describe()
+    }
+}
+
+/// A Ferry engine. Share it between threads with `Arc<Engine>`; dropping
+/// the last handle stops its listener and fails whatever is still in flight.
+pub struct Engine {
+    // Declared first: stops serving before the shared state goes.
+    control: ControlServer,
+    shared: Arc<Shared>,
+}
+
+fn advertised_host(config: &EngineConfig, bound: SocketAddr) -> String {
+    if let Some(h) = &config.hostname {
+        return h.clone();
+    }
+    let ip = bound.ip();
+    if !ip.is_unspecified() {
+        return ip.to_string();
+    }
+    first_non_loopback_ipv4()
+        .map(|ip| ip.to_string())
+        .unwrap_or_else(|| "127.0.0.1".to_string())
+}
+
+fn first_non_loopback_ipv4() -> Option<IpAddr> {
+    // The source address the kernel would use to reach a public address,
+    // found without sending anything (UDP connect only sets the route).
+    let sock = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    sock.connect("192.0.2.1:9").ok()?;
+    let ip = sock.local_addr().ok()?.ip();
+    (!ip.is_loopback() && !ip.is_unspecified()).then_some(ip)
+}
+
+impl Engine {
+    /// Loads plugins, starts every enabled transport and the control listener.
+    pub fn new(config: EngineConfig) -> Result<Engine> {
+        let listener = ControlServer::bind(&config.listen)?;
+        let bound = listener.local_addr().map_err(|e| {
+            Error::new(
+                ErrorCode::Io,
+                format!("cannot read the control address: {e}"),
+            )
+        })?;
+        let name = format!("{}:{}", advertised_host(&config, bound), bound.port());
+
+        let mut settings = config.settings.clone();
+        settings
+            .entry("timeout_ms".into())
+            .or_insert_with(|| config.timeout.as_millis().to_string());
+        settings
+            .entry("connect_timeout_ms".into())
+            .or_insert_with(|| config.connect_timeout.as_millis().to_string());
+        let plugins = crate::load_plugins(&config.loader, CoreHost::new(settings));
+
+        let batches = Arc::new(BatchTable::default());
+        let listen_host = bound.ip().to_string();
+        let mut transports = Vec::new();
+        let mut transport_failures = Vec::new();
+        let mut endpoints = Vec::new();
+        for plugin in plugins.enabled(PluginKind::Transport) {
+            let started = Transport::init(plugin, &name, &listen_host, batches.clone()).and_then(
+                |t| match t {
+                    Some(t) => t.endpoint().map(|e| Some((t, e))),
+                    None => Ok(None),
+                },
+            );
+            match started {
+                Ok(Some((t, endpoint))) => {
+                    log::info!(
+                        "engine {name}: transport {} started ({} bytes of endpoint data)",
+                        t.name,
+                        endpoint.len()
+                    );
+                    endpoints.push((t.name.clone(), endpoint));
+                    transports.push(Arc::new(t));
+                }
+                Ok(None) => log::info!(
+                    "engine {name}: transport {} is probe-only (no data path); not used",
+                    plugin.report.name
+                ),
+                Err(e) => {
+                    log::warn!(
+                        "engine {name}: transport {} failed to start: {e}",
+                        plugin.report.name
+                    );
+                    transport_failures.push((plugin.report.name.clone(), e));
+                }
+            }
+        }
+        if transports.is_empty() {
+            log::warn!(
+                "engine {name}: no transport can move data; run `ferry info` to see why each \
+                 plugin is disabled"
+            );
+        }
+
+        let shared = Arc::new(Shared {
+            identity: Identity::new(),
+            name,
+            plugins,
+            transports,
+            transport_failures,
+            endpoints,
+            memory: MemoryRegistry::default(),
+            segments: RwLock::new(HashMap::new()),
+            next_segment: AtomicU64::new(1),
+            batches,
+            logged_routes: Mutex::new(HashSet::new()),
+            config,
+        });
+        let weak: Weak<dyn ControlHandler> = Arc::downgrade(&shared) as Weak<dyn ControlHandler>;
+        let control = ControlServer::start(listener, weak, shared.config.timeout)?;
+        log::info!(
+            "engine {} listening; transports: {}",
+            shared.name,
+            shared
+                .transports
+                .iter()
+                .map(|t| t.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        Ok(Engine { control, shared })
+    }
+
+    /// This engine's segment name, "host:port", for peers to open.
+    pub fn segment_name(&self) -> &str {
+        &self.shared.name
+    }
+
+    pub fn control_addr(&self) -> SocketAddr {
+        self.control.local_addr()
+    }
+
+    pub fn plugins(&self) -> &PluginSet {
+        &self.shared.plugins
+    }
+
+    /// Names of the transports that can move data, in load order.
+    pub fn transports(&self) -> Vec<String> {
+        self.shared
+            .transports
+            .iter()
+            .map(|t| t.name.clone())
+            .collect()
+    }
+
+    /// Transports that were enabled but failed to start, with the error.
+    pub fn transport_failures(&self) -> &[(String, Error)] {
+        &self.shared.transport_failures
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.shared.config
+    }
+
+    /// Registers `[addr, addr + len)` so that it can be a local buffer and
+    /// peers can read and write it. `location` is detected when `None`
+    /// (host memory: the NUMA node of its first page).
+    pub fn register_memory(&self, addr: u64, len: u64, location: Option<Location>) -> Result<()> {
+        self.shared.register_memory(addr, len, location)
+    }
+
+    /// Unregisters the buffer that starts at `addr`. Transfers in flight that
+    /// use it locally finish first (they complete or fail within the
+    /// timeout); afterwards peers can no longer reach it.
+    pub fn unregister_memory(&self, addr: u64) -> Result<()> {
+        self.shared.unregister_memory(addr)
+    }
+
+    /// Opens a peer's segment by name ("host:port"), fetching its descriptor.
+    /// Opening a name that is already open returns the same id.
+    pub fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        self.shared.open_segment(name)
+    }
+
+    /// Closes a segment; its connections are dropped and requests in flight
+    /// to it fail.
+    pub fn close_segment(&self, id: SegmentId) -> Result<()> {
+        let seg = self.shared.segments.write().remove(&id);
+        match seg {
+            Some(_) => Ok(()),
+            None => Err(unknown_segment(id)),
+        }
+    }
+
+    /// Re-reads the peer's descriptor now (it is also re-read automatically
+    /// when a request falls outside the known buffers).
+    pub fn refresh_segment(&self, id: SegmentId) -> Result<()> {
+        let seg = self.shared.segment(id)?;
+        self.shared.refresh(&seg).map(|_| ())
+    }
+
+    /// A new batch with room for `capacity` requests.
+    pub fn allocate_batch(&self, capacity: usize) -> Result<BatchId> {
+        Ok(self.shared.batches.allocate(capacity)?.id)
+    }
+
+    /// Adds requests to a batch and starts them. Requests are checked first;
+    /// if any is invalid (zero length, memory not registered here or at the
+    /// peer, unknown segment, no transport can serve it), the call fails and
+    /// nothing is submitted. Requests a transport then refuses (an unreachable
+    /// peer) are marked failed in the batch.
+    pub fn submit(&self, batch: BatchId, requests: &[Request]) -> Result<()> {
+        self.shared.submit(batch, requests)
+    }
+
+    pub fn batch_status(&self, batch: BatchId) -> Result<BatchStatus> {
+        Ok(self.shared.batches.get(batch)?.status())
+    }
+
+    pub fn request_status(&self, batch: BatchId, index: usize) -> Result<RequestStatus> {
+        self.shared.batches.get(batch)?.request_status(index)
+    }
+
+    /// Waits for every request of the batch to finish, or for `timeout`.
+    pub fn wait(&self, batch: BatchId, timeout: Duration) -> Result<BatchStatus> {
+        Ok(self.shared.batches.get(batch)?.wait(timeout))
+    }
+
+    /// Frees a batch whose requests have all finished.
+    pub fn free_batch(&self, batch: BatchId) -> Result<()> {
+        self.shared.batches.free(batch)
+    }
+
+    /// Submits `requests` as one batch and waits for them (up to twice the
+    /// configured timeout); the first failure is the error.
+    pub fn transfer_sync(&self, requests: &[Request]) -> Result<()> {
+        let batch = self.allocate_batch(requests.len().max(1))?;
+        let result = self.submit(batch, requests).map(|_| {
+            self.shared
+                .batches
+                .get(batch)
+                .map(|b| b.wait(self.shared.config.timeout * 2))
+        });
+        let status = match result {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) | Err(e) => {
+                let _ = self.wait(batch, self.shared.config.timeout * 2);
+                let _ = self.free_batch(batch);
+                return Err(e);
+            }
+        };
+        if !status.is_done() {
+            // Leave the batch allocated: its requests are still in flight.
+            return Err(Error::new(
+                ErrorCode::Timeout,
+                format!("{} requests did not finish in time", status.pending),
+            ));
+        }
+        let _ = self.free_batch(batch);
+        match status.first_error {
+            Some((i, e)) => Err(Error::new(e.code, format!("request {i}: {}", e.message))),
+            None => Ok(()),
+        }
+    }
+
+    /// Which transport would carry a request from `local_addr` to this
+    /// segment, and why.
+    pub fn route(
+        &self,
+        segment: SegmentId,
+        local_addr: u64,
+        remote_addr: u64,
+        len: u64,
+    ) -> Result<Route> {
+        let seg = self.shared.segment(segment)?;
+        let local = self.shared.local_buffer(0, local_addr, len)?;
+        let view = seg.view.read().clone();
+        let remote = view
+            .find(remote_addr, len)
+            .ok_or_else(|| remote_out_of_bounds(0, &seg, remote_addr, len, view.buffers.len()))?;
+        let (t, reason) = self.shared.select(&local, &seg, &view, remote, None)?;
+        let peer = self.shared.peer(&seg, t).ok();
+        let transport = &self.shared.transports[t];
+        Ok(Route {
+            transport: transport.name.clone(),
+            scope: seg.scope,
+            reason,
+            peer_detail: peer.and_then(|p| transport.describe(&p)),
+        })
+    }
+
+    /// This engine's own descriptor, as peers see it.
+    pub fn descriptor(&self) -> SegmentDescriptor {
+        self.shared.describe()
+    }
+}
+
+fn unknown_segment(id: SegmentId) -> Error {
+    Error::new(
+        ErrorCode::NotFound,
+        format!("no open segment with id {id} (never opened, or closed)"),
+    )
+}
+
+fn remote_out_of_bounds(
+    i: usize,
+    seg: &RemoteSegment,
+    addr: u64,
+    len: u64,
+    buffers: usize,
+) -> Error {
+    Error::new(
+        ErrorCode::OutOfBounds,
+        format!(
+            "request {i}: remote range [{addr:#x}, {:#x}) is not inside one buffer registered \
+             by segment {} (it has {buffers} buffers)",
+            addr.saturating_add(len),
+            seg.name
+        ),
+    )
+}
+
+/// A group of adjacent requests for one transport and segment.
+struct Pending {
+    segment: Arc<RemoteSegment>,
+    transport: usize,
+    op: Op,
+    first: usize,
+    count: usize,
+    local: Arc<LocalBuffer>,
+    local_addr: u64,
+    remote_addr: u64,
+    length: u64,
+    remote_key: Vec<u8>,
+}
+
+impl Shared {
+    fn segment(&self, id: SegmentId) -> Result<Arc<RemoteSegment>> {
+        self.segments
+            .read()
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| unknown_segment(id))
+    }
+
+    fn local_buffer(&self, i: usize, addr: u64, len: u64) -> Result<Arc<LocalBuffer>> {
+        self.memory.find(addr, len).ok_or_else(|| {
+            Error::new(
+                ErrorCode::OutOfBounds,
+                format!(
+                    "request {i}: local range [{addr:#x}, {:#x}) is not inside one buffer \
+                     registered with this engine",
+                    addr.saturating_add(len)
+                ),
+            )
+        })
+    }
+
+    fn describe(&self) -> SegmentDescriptor {
+        let buffers = self
+            .memory
+            .all()
+            .iter()
+            .map(|b| BufferDescriptor {
+                addr: b.addr,
+                len: b.len,
+                location: b.location.to_string(),
+                keys: b
+                    .registrations
+                    .iter()
+                    .map(|r| BufferKey {
+                        transport: self.transports[r.transport].name.clone(),
+                        key: encode_blob(&r.key),
+                    })
+                    .collect(),
+            })
+            .collect();
+        SegmentDescriptor {
+            version: DESCRIPTOR_VERSION,
+            name: self.name.clone(),
+            engine_id: self.identity.engine_id.clone(),
+            machine_id: self.identity.machine_id.clone(),
+            process_id: self.identity.process_id.clone(),
+            transports: self
+                .endpoints
+                .iter()
+                .map(|(name, e)| TransportEndpoint {
+                    name: name.clone(),
+                    endpoint: encode_blob(e),
+                })
+                .collect(),
+            buffers,
+        }
+    }
+
+    fn register_memory(&self, addr: u64, len: u64, location: Option<Location>) -> Result<()> {
+        if addr == 0 || len == 0 {
+            return Err(Error::new(
+                ErrorCode::InvalidArgument,
+                format!("cannot register [{addr:#x}, +{len}): null address or zero length"),
+            ));
+        }
+        self.memory.check_free(addr, len)?;
+        let location = match location {
+            Some(l) => l,
+            None => Location::Cpu(numa_node_of(addr as *const u8)),
+        };
+        let mem_kind = match location {
+            Location::Cpu(_) => sys::FERRY_MEM_HOST,
+            Location::Cuda(_) => {
+                return Err(Error::new(
+                    ErrorCode::Unsupported,
+                    "registering CUDA memory needs the cuda device plugin, which is not loaded",
+                ))
+            }
+        };
+        let location_s = location.to_string();
+        let mut registrations = Vec::new();
+        for (i, t) in self.transports.iter().enumerate() {
+            if t.mem_kinds & mem_kind == 0 {
+                continue;
+            }
+            match t.register(addr, len, mem_kind, &location_s, location.numa_node()) {
+                Ok((handle, key)) => registrations.push(TransportRegistration {
+                    transport: i,
+                    handle,
+                    key,
+                }),
+                Err(e) => log::warn!(
+                    "{}: cannot register [{addr:#x}, +{len}) ({location_s}): {e}",
+                    t.name
+                ),
+            }
+        }
+        if registrations.is_empty() && !self.transports.is_empty() {
+            return Err(Error::new(
+                ErrorCode::Unsupported,
+                format!("no transport can register {location_s} memory at {addr:#x}"),
+            ));
+        }
+        log::debug!("registered [{addr:#x}, +{len}) at {location_s}");
+        self.memory.insert(Arc::new(LocalBuffer {
+            addr,
+            len,
+            location,
+            mem_kind,
+            registrations,
+            inflight: Default::default(),
+        }));
+        Ok(())
+    }
+
+    fn unregister_memory(&self, addr: u64) -> Result<()> {
+        let buffer = self.memory.remove(addr).ok_or_else(|| {
+            Error::new(
+                ErrorCode::NotFound,
+                format!("no buffer registered at {addr:#x} (unregister takes the start address)"),
+            )
+        })?;
+        // Let local transfers that use the buffer finish: every transport
+        // completes or fails a request within its timeout.
+        let deadline = Instant::now() + self.config.timeout * 2 + Duration::from_secs(1);
+        while buffer.inflight.load(Ordering::SeqCst) != 0 {
+            if Instant::now() > deadline {
+                let n = buffer.inflight.load(Ordering::SeqCst);
+                self.memory.insert(buffer);
+                return Err(Error::new(
+                    ErrorCode::Busy,
+                    format!("{n} transfers using the buffer at {addr:#x} are still in flight"),
+                ));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let mut first_error = None;
+        for r in &buffer.registrations {
+            if let Err(e) = self.transports[r.transport].unregister(r.handle) {
+                log::warn!("unregistering {addr:#x}: {e}");
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    fn scope_of(&self, d: &SegmentDescriptor) -> Scope {
+        if d.machine_id != self.identity.machine_id {
+            Scope::CrossHost
+        } else if d.process_id == self.identity.process_id {
+            Scope::SameProcess
+        } else {
+            Scope::SameHost
+        }
+    }
+
+    fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        if let Some(seg) = self.segments.read().values().find(|s| s.name == name) {
+            return Ok(seg.id);
+        }
+        let descriptor =
+            control::fetch_descriptor(name, self.config.connect_timeout, self.config.timeout)?;
+        let scope = self.scope_of(&descriptor);
+        let id = self.next_segment.fetch_add(1, Ordering::SeqCst);
+        log::info!(
+            "opened segment {name} (engine {}, {}, {} buffers, transports: {})",
+            descriptor.engine_id,
+            scope.as_str(),
+            descriptor.buffers.len(),
+            descriptor
+                .transports
+                .iter()
+                .map(|t| t.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        let seg = Arc::new(RemoteSegment {
+            id,
+            name: name.to_string(),
+            scope,
+            view: RwLock::new(Arc::new(RemoteView::new(descriptor))),
+            peers: Mutex::new(HashMap::new()),
+        });
+        let mut segments = self.segments.write();
+        // Another thread may have opened it meanwhile: keep one.
+        if let Some(existing) = segments.values().find(|s| s.name == name) {
+            return Ok(existing.id);
+        }
+        segments.insert(id, seg);
+        Ok(id)
+    }
+
+    /// Re-reads a segment's descriptor. A peer that restarted (new engine
+    /// id) has lost every connection: drop ours.
+    fn refresh(&self, seg: &RemoteSegment) -> Result<Arc<RemoteView>> {
+        let descriptor =
+            control::fetch_descriptor(&seg.name, self.config.connect_timeout, self.config.timeout)?;
+        let view = Arc::new(RemoteView::new(descriptor));
+        let mut current = seg.view.write();
+        if current.descriptor.engine_id != view.descriptor.engine_id {
+            log::info!(
+                "segment {} restarted (engine {} -> {}); reconnecting",
+                seg.name,
+                current.descriptor.engine_id,
+                view.descriptor.engine_id
+            );
+            seg.peers.lock().clear();
+        }
+        *current = view.clone();
+        Ok(view)
+    }
+
+    /// Picks the transport for one request and says why.
+    fn select(
+        &self,
+        local: &LocalBuffer,
+        seg: &RemoteSegment,
+        view: &RemoteView,
+        remote: usize,
+        hint: Option<&str>,
+    ) -> Result<(usize, String)> {
+        let remote_buf = &view.buffers[remote];
+        let mut candidates: Vec<(usize, (u8, u8))> = Vec::new();
+        let mut rejected: Vec<String> = Vec::new();
+        for (i, t) in self.transports.iter().enumerate() {
+            let verdict = if t.mem_kinds & local.mem_kind == 0 {
+                Some(format!("{} cannot move {} memory", t.name, local.location))
+            } else if !crate::transport::scope_served(t.scopes, seg.scope.raw()) {
+                Some(format!(
+                    "{} cannot reach a peer on {}",
+                    t.name,
+                    seg.scope.as_str()
+                ))
+            } else if !view.endpoints.contains_key(&t.name) {
+                Some(format!("{} does not run at the peer", t.name))
+            } else if !remote_buf.keys.contains_key(&t.name) {
+                Some(format!(
+                    "{} did not register the peer's buffer at {:#x}",
+                    t.name, remote_buf.addr
+                ))
+            } else {
+                None
+            };
+            match verdict {
+                Some(v) => rejected.push(v),
+                None => candidates.push((i, rank(t))),
+            }
+        }
+        if let Some(h) = hint {
+            return match candidates
+                .iter()
+                .find(|(i, _)| self.transports[*i].name == h)
+            {
+                Some((i, _)) => Ok((*i, format!("{h} was requested"))),
+                None => Err(Error::new(
+                    ErrorCode::Unsupported,
+                    format!(
+                        "transport {h} was requested but cannot serve this request{}",
+                        if rejected.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" ({})", rejected.join("; "))
+                        }
+                    ),
+                )),
+            };
+        }
+        candidates.sort_by_key(|(i, r)| (*r, *i));
+        let Some(&(best, _)) = candidates.first() else {
+            return Err(Error::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "no transport can move {} memory to {} ({}): {}",
+                    local.location,
+                    seg.name,
+                    seg.scope.as_str(),
+                    if rejected.is_empty() {
+                        "no transport is running".to_string()
+                    } else {
+                        rejected.join("; ")
+                    }
+                ),
+            ));
+        };
+        let t = &self.transports[best];
+        let mut reason = format!(
+            "{} memory to {} memory on {}: {}",
+            local.location,
+            remote_buf.location,
+            seg.scope.as_str(),
+            rank_reason(t, seg.scope)
+        );
+        let others: Vec<&str> = candidates[1..]
+            .iter()
+            .map(|(i, _)| self.transports[*i].name.as_str())
+            .collect();
+        if !others.is_empty() {
+            reason.push_str(&format!("; preferred over {}", others.join(", ")));
+        }
+        if !rejected.is_empty() {
+            reason.push_str(&format!("; not usable: {}", rejected.join("; ")));
+        }
+        Ok((best, reason))
+    }
+
+    fn peer(&self, seg: &RemoteSegment, transport: usize) -> Result<Arc<PeerHandle>> {
+        if let Some(p) = seg.peers.lock().get(&transport) {
+            return Ok(p.clone());
+        }
+        let view = seg.view.read().clone();
+        let t = &self.transports[transport];
+        let endpoint = view.endpoints.get(&t.name).cloned().unwrap_or_default();
+        let handle = Arc::new(t.connect(&seg.name, seg.scope.raw(), &endpoint)?);
+        let mut peers = seg.peers.lock();
+        Ok(peers.entry(transport).or_insert(handle).clone())
+    }
+
+    fn submit(&self, batch_id: BatchId, requests: &[Request]) -> Result<()> {
+        let batch = self.batches.get(batch_id)?;
+        if requests.is_empty() {
+            return Ok(());
+        }
+        // 1. Check and route every request before touching the batch.
+        let mut routed: Vec<Pending> = Vec::with_capacity(requests.len());
+        let mut segs: HashMap<SegmentId, (Arc<RemoteSegment>, Arc<RemoteView>, bool)> =
+            HashMap::new();
+        for (i, r) in requests.iter().enumerate() {
+            if r.length == 0 {
+                return Err(Error::new(
+                    ErrorCode::InvalidArgument,
+                    format!("request {i}: length is 0"),
+                ));
+            }
+            let local = self.local_buffer(i, r.local_addr, r.length)?;
+            if !segs.contains_key(&r.segment) {
+                let seg = self.segment(r.segment)?;
+                let view = seg.view.read().clone();
+                segs.insert(r.segment, (seg, view, false));
+            }
+            let entry = segs
+                .get_mut(&r.segment)
+                .ok_or_else(|| unknown_segment(r.segment))?;
+            let mut remote = entry.1.find(r.remote_addr, r.length);
+            if remote.is_none() && !entry.2 {
+                // The peer may have registered memory since we last looked.
+                entry.2 = true;
+                if let Ok(view) = self.refresh(&entry.0) {
+                    entry.1 = view;
+                    remote = entry.1.find(r.remote_addr, r.length);
+                }
+            }
+            let Some(remote) = remote else {
+                return Err(remote_out_of_bounds(
+                    i,
+                    &entry.0,
+                    r.remote_addr,
+                    r.length,
+                    entry.1.buffers.len(),
+                ));
+            };
+            let (transport, reason) = self
+                .select(&local, &entry.0, &entry.1, remote, r.transport.as_deref())
+                .map_err(|e| Error::new(e.code, format!("request {i}: {}", e.message)))?;
+            if self.logged_routes.lock().insert((r.segment, transport)) {
+                log::info!(
+                    "segment {}: using {} ({reason})",
+                    entry.0.name,
+                    self.transports[transport].name
+                );
+            }
+            let remote_key = entry.1.buffers[remote]
+                .keys
+                .get(&self.transports[transport].name)
+                .cloned()
+                .unwrap_or_default();
+            // 2. Coalesce with the previous request when both sides are
+            // contiguous in the same buffers.
+            if let Some(prev) = routed.last_mut() {
+                if prev.segment.id == r.segment
+                    && prev.transport == transport
+                    && prev.op == r.op
+                    && Arc::ptr_eq(&prev.local, &local)
+                    && prev.local_addr + prev.length == r.local_addr
+                    && prev.remote_addr + prev.length == r.remote_addr
+                    && prev.remote_key == remote_key
+                    && entry
+                        .1
+                        .find(prev.remote_addr, prev.length + r.length)
+                        .is_some()
+                {
+                    prev.length += r.length;
+                    prev.count += 1;
+                    continue;
+                }
+            }
+            routed.push(Pending {
+                segment: entry.0.clone(),
+                transport,
+                op: r.op,
+                first: i,
+                count: 1,
+                local,
+                local_addr: r.local_addr,
+                remote_addr: r.remote_addr,
+                length: r.length,
+                remote_key,
+            });
+        }
+
+        // 3. Reserve the batch slots and create one completion group per
+        // coalesced request.
+        let base = batch.reserve(requests.len())?;
+        let mut by_target: Vec<(
+            (SegmentId, usize),
+            Vec<(sys::ferry_transfer_request_t, usize)>,
+        )> = Vec::new();
+        for (n, p) in routed.iter().enumerate() {
+            let token = batch.add_group(base + p.first, p.count, p.local.clone());
+            let local_mem = p
+                .local
+                .registration(p.transport)
+                .map(|r| r.handle)
+                .unwrap_or(0);
+            let raw = sys::ferry_transfer_request_t {
+                op: p.op.raw(),
+                reserved: 0,
+                local_addr: p.local_addr,
+                local_mem,
+                remote_addr: p.remote_addr,
+                length: p.length,
+                remote_key: p.remote_key.as_ptr(),
+                remote_key_len: p.remote_key.len(),
+                token,
+            };
+            let key = (p.segment.id, p.transport);
+            match by_target.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, list)) => list.push((raw, n)),
+                None => by_target.push((key, vec![(raw, n)])),
+            }
+        }
+
+        // 4. Hand each group list to its transport.
+        let mut failures = 0usize;
+        let mut first_failure = None;
+        for ((seg_id, transport), list) in by_target {
+            let Some(p) = list.first().map(|(_, n)| &routed[*n]) else {
+                continue;
+            };
+            let seg = p.segment.clone();
+            let raw: Vec<sys::ferry_transfer_request_t> = list.iter().map(|(r, _)| *r).collect();
+            let result = self
+                .peer(&seg, transport)
+                .and_then(|peer| self.transports[transport].submit(&peer, &raw));
+            if let Err(e) = result {
+                if e.code == ErrorCode::Connection {
+                    // A broken peer handle is not reused.
+                    seg.peers.lock().remove(&transport);
+                }
+                log::debug!("segment {seg_id}: {e}");
+                for r in &raw {
+                    batch.complete_group(crate::batch::group_of(r.token), Err(e.clone()));
+                }
+                failures += raw.len();
+                first_failure.get_or_insert(e);
+            }
+        }
+        match first_failure {
+            Some(e) if failures == routed.len() => Err(e),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Lower is better: transports limited to one process beat those limited to
+/// one host, which beat cross-host ones; among cross-host ones RDMA beats
+/// vendor plugins, which beat TCP, the transport of last resort.
+fn rank(t: &Transport) -> (u8, u8) {
+    let locality = if t.scopes & (sys::FERRY_SCOPE_SAME_HOST | sys::FERRY_SCOPE_CROSS_HOST) == 0 {
+        0
+    } else if t.scopes & sys::FERRY_SCOPE_CROSS_HOST == 0 {
+        1
+    } else {
+        2
+    };
+    let kind = if t.name.starts_with("rdma") {
+        0
+    } else if t.name == "tcp" {
+        2
+    } else {
+        1
+    };
+    (locality, kind)
+}
+
+fn rank_reason(t: &Transport, scope: Scope) -> String {
+    match rank(t) {
+        (0, _) => format!("{} copies within this process", t.name),
+        (1, _) => format!(
+            "{} is a same-host transport and the peer is on this host",
+            t.name
+        ),
+        (_, 0) => format!("{} moves data by RDMA", t.name),
+        (_, 2) => match scope {
+            Scope::CrossHost => {
+                format!("{} is the only cross-host transport both ends run", t.name)
+            }
+            _ => format!(
+                "{} works between any two engines (no same-host transport both ends run)",
+                t.name
+            ),
+        },
+        _ => format!("{} is a vendor transport both ends run", t.name),
+    }
+}

@@ -1,0 +1,482 @@
+//! One transport plugin instance, wrapped so that the rest of the engine
+//! calls safe methods: every call passes valid pointers and an error buffer,
+//! and every failure comes back as an [`Error`] with the plugin's message.
+
+use crate::error::{Error, ErrorCode, Result};
+use ferry_loader::{LoadedLibrary, Plugin};
+use ferry_plugins_abi::sdk::to_cstring_lossy;
+use ferry_plugins_abi::sys;
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::sync::Arc;
+
+/// Receives completions from plugins; implemented by the batch table.
+pub trait CompletionSink: Send + Sync + 'static {
+    fn complete(&self, token: u64, result: std::result::Result<(), Error>);
+}
+
+/// Storage that must outlive the plugin instance: the init parameters and
+/// the strings they point to.
+struct InitStorage {
+    _engine_name: CString,
+    _listen_host: CString,
+    params: sys::ferry_transport_init_params_t,
+}
+
+pub struct Transport {
+    pub name: String,
+    pub mem_kinds: u64,
+    pub scopes: u32,
+    library: Arc<LoadedLibrary>,
+    // Points into `library`, which stays loaded as long as self.
+    table: *const sys::ferry_transport_plugin_v1_t,
+    instance: *mut c_void,
+    // Kept alive until fini has returned (see Drop).
+    _init: Box<InitStorage>,
+    sink: *const Arc<dyn CompletionSink>,
+}
+
+// SAFETY: the instance pointer is only passed to the plugin, which plugin.h
+// requires to accept calls from any thread; the other fields are immutable
+// after init or are Send + Sync themselves.
+unsafe impl Send for Transport {}
+// SAFETY: as above.
+unsafe impl Sync for Transport {}
+
+/// An opaque peer handle from `connect`; disconnected when dropped.
+pub struct PeerHandle {
+    transport: Arc<Transport>,
+    handle: *mut c_void,
+}
+
+// SAFETY: as for Transport: the handle is only passed back to the plugin.
+unsafe impl Send for PeerHandle {}
+// SAFETY: as above.
+unsafe impl Sync for PeerHandle {}
+
+impl Drop for PeerHandle {
+    fn drop(&mut self) {
+        if let Some(disconnect) = self.transport.table().disconnect {
+            // SAFETY: handle came from this instance's connect and is
+            // disconnected exactly once.
+            unsafe { disconnect(self.transport.instance, self.handle) };
+        }
+    }
+}
+
+impl PeerHandle {
+    pub fn transport(&self) -> &Arc<Transport> {
+        &self.transport
+    }
+}
+
+struct ErrBuf {
+    buf: Vec<u8>,
+}
+
+impl ErrBuf {
+    fn new() -> ErrBuf {
+        ErrBuf {
+            buf: vec![0u8; 1024],
+        }
+    }
+
+    fn raw(&mut self) -> sys::ferry_errbuf_t {
+        sys::ferry_errbuf_t {
+            msg: self.buf.as_mut_ptr().cast::<c_char>(),
+            cap: self.buf.len(),
+        }
+    }
+
+    fn error(&mut self, plugin: &str, what: &str, status: sys::ferry_status_t) -> Error {
+        if let Some(last) = self.buf.last_mut() {
+            *last = 0;
+        }
+        let msg = CStr::from_bytes_until_nul(&self.buf)
+            .map(|c| c.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let code = ErrorCode::from_raw(status).unwrap_or(ErrorCode::Plugin);
+        let msg = if msg.is_empty() {
+            format!("{plugin}: {what} failed ({code})")
+        } else {
+            format!("{plugin}: {msg}")
+        };
+        Error::new(code, msg)
+    }
+}
+
+unsafe extern "C" fn complete_trampoline(
+    ctx: *mut c_void,
+    token: u64,
+    status: sys::ferry_status_t,
+    msg: *const c_char,
+) {
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: ctx is the boxed Arc we handed to init; it stays alive
+        // until after fini returns (Transport::drop), and plugins may only
+        // complete until then.
+        let Some(sink) = (unsafe { ctx.cast::<Arc<dyn CompletionSink>>().cast_const().as_ref() })
+        else {
+            return;
+        };
+        let result = if status == sys::FERRY_OK {
+            Ok(())
+        } else {
+            let text = if msg.is_null() {
+                String::new()
+            } else {
+                // SAFETY: a non-null message is a C string valid for the call.
+                unsafe { CStr::from_ptr(msg) }
+                    .to_string_lossy()
+                    .chars()
+                    .take(1024)
+                    .collect()
+            };
+            let code = ErrorCode::from_raw(status).unwrap_or(ErrorCode::Plugin);
+            Err(Error::new(code, text))
+        };
+        sink.complete(token, result);
+    }));
+}
+
+/// Copies variable-size output with plugin.h's "call again if *len > cap" rule.
+fn sized_output(
+    mut call: impl FnMut(*mut u8, usize, &mut usize) -> std::result::Result<(), Error>,
+) -> Result<Vec<u8>> {
+    let mut buf = vec![0u8; 256];
+    for _ in 0..4 {
+        let mut len = 0usize;
+        call(buf.as_mut_ptr(), buf.len(), &mut len)?;
+        if len <= buf.len() {
+            buf.truncate(len);
+            return Ok(buf);
+        }
+        if len > crate::descriptor::MAX_BLOB_LEN {
+            return Err(Error::new(
+                ErrorCode::Plugin,
+                format!(
+                    "a plugin returned {len} bytes, more than the {} allowed",
+                    crate::descriptor::MAX_BLOB_LEN
+                ),
+            ));
+        }
+        buf.resize(len, 0);
+    }
+    Err(Error::new(
+        ErrorCode::Plugin,
+        "a plugin kept changing its output size",
+    ))
+}
+
+impl Transport {
+    /// Creates an instance of an enabled transport plugin, or `None` when it
+    /// is probe-only (no data path).
+    pub fn init(
+        plugin: &Plugin,
+        engine_name: &str,
+        listen_host: &str,
+        sink: Arc<dyn CompletionSink>,
+    ) -> Result<Option<Transport>> {
+        let Some(library) = plugin.library().cloned() else {
+            return Ok(None);
+        };
+        let Some(table) = library.transport_table() else {
+            return Ok(None);
+        };
+        // A table too short to hold the data path is a probe-only plugin.
+        if !ferry_plugins_abi::has_field!(table, sys::ferry_transport_plugin_v1_t, submit) {
+            return Ok(None);
+        }
+        let Some(init) = table.init else {
+            return Ok(None);
+        };
+        let required = [
+            table.fini.is_some(),
+            table.get_endpoint.is_some(),
+            table.register_memory.is_some(),
+            table.unregister_memory.is_some(),
+            table.connect.is_some(),
+            table.disconnect.is_some(),
+            table.submit.is_some(),
+        ];
+        let name = plugin.report.name.clone();
+        if required.iter().any(|ok| !ok) {
+            return Err(Error::new(
+                ErrorCode::AbiMismatch,
+                format!("transport {name} has init but lacks other required data-path functions"),
+            ));
+        }
+        let sink = Box::into_raw(Box::new(sink));
+        let engine_name = to_cstring_lossy(engine_name);
+        let listen_host = to_cstring_lossy(listen_host);
+        let mut storage = Box::new(InitStorage {
+            params: sys::ferry_transport_init_params_t {
+                hdr: sys::ferry_abi_header_t::for_table::<sys::ferry_transport_init_params_t>(),
+                engine_name: engine_name.as_ptr(),
+                listen_host: listen_host.as_ptr(),
+                completion_ctx: sink.cast::<c_void>(),
+                complete: Some(complete_trampoline),
+            },
+            _engine_name: engine_name,
+            _listen_host: listen_host,
+        });
+        let mut instance: *mut c_void = std::ptr::null_mut();
+        let mut err = ErrBuf::new();
+        let mut raw_err = err.raw();
+        // SAFETY: services and params live until fini (kept in `library`
+        // and `storage`); instance and err are valid out-pointers.
+        let status = unsafe {
+            init(
+                library.services(),
+                &mut storage.params,
+                &mut instance,
+                &mut raw_err,
+            )
+        };
+        if status != sys::FERRY_OK || instance.is_null() {
+            // SAFETY: init failed, so the plugin holds no reference to sink.
+            drop(unsafe { Box::from_raw(sink) });
+            let e = err.error(&name, "init", status);
+            return Err(e);
+        }
+        Ok(Some(Transport {
+            name,
+            mem_kinds: plugin.report.capabilities.mem_bits,
+            scopes: plugin.report.capabilities.scope_bits,
+            table: table as *const sys::ferry_transport_plugin_v1_t,
+            library,
+            instance,
+            _init: storage,
+            sink,
+        }))
+    }
+
+    fn table(&self) -> &sys::ferry_transport_plugin_v1_t {
+        // SAFETY: the table is static data of `library`, which self keeps loaded.
+        unsafe { &*self.table }
+    }
+
+    /// The plugin's library (kept loaded while this instance lives).
+    pub fn library(&self) -> &Arc<LoadedLibrary> {
+        &self.library
+    }
+
+    pub fn endpoint(&self) -> Result<Vec<u8>> {
+        let f = self
+            .table()
+            .get_endpoint
+            .ok_or_else(|| missing(&self.name, "get_endpoint"))?;
+        sized_output(|buf, cap, len| {
+            let mut err = ErrBuf::new();
+            let mut raw = err.raw();
+            // SAFETY: buf is writable for cap bytes; len and err are valid.
+            let status = unsafe { f(self.instance, buf, cap, len, &mut raw) };
+            if status == sys::FERRY_OK {
+                Ok(())
+            } else {
+                Err(err.error(&self.name, "get_endpoint", status))
+            }
+        })
+    }
+
+    /// Registers a buffer; returns the plugin's handle and the key for peers.
+    pub fn register(
+        &self,
+        addr: u64,
+        len: u64,
+        mem_kind: u64,
+        location: &str,
+        numa_node: Option<u32>,
+    ) -> Result<(u64, Vec<u8>)> {
+        let f = self
+            .table()
+            .register_memory
+            .ok_or_else(|| missing(&self.name, "register_memory"))?;
+        let location = to_cstring_lossy(location);
+        let region = sys::ferry_mem_region_t {
+            struct_size: std::mem::size_of::<sys::ferry_mem_region_t>() as u32,
+            numa_node: numa_node.and_then(|n| i32::try_from(n).ok()).unwrap_or(-1),
+            addr,
+            len,
+            mem_kind,
+            location: location.as_ptr(),
+            device_ordinal: -1,
+            dmabuf_fd: -1,
+        };
+        let mut handle = 0u64;
+        let key = sized_output(|buf, cap, out_len| {
+            let mut err = ErrBuf::new();
+            let mut raw = err.raw();
+            // SAFETY: region and its string live across the call; out
+            // pointers are valid.
+            let status = unsafe {
+                f(
+                    self.instance,
+                    &region,
+                    &mut handle,
+                    buf,
+                    cap,
+                    out_len,
+                    &mut raw,
+                )
+            };
+            if status == sys::FERRY_OK {
+                Ok(())
+            } else {
+                Err(err.error(&self.name, "register_memory", status))
+            }
+        })?;
+        Ok((handle, key))
+    }
+
+    pub fn unregister(&self, handle: u64) -> Result<()> {
+        let f = self
+            .table()
+            .unregister_memory
+            .ok_or_else(|| missing(&self.name, "unregister_memory"))?;
+        let mut err = ErrBuf::new();
+        let mut raw = err.raw();
+        // SAFETY: handle came from register_memory on this instance.
+        let status = unsafe { f(self.instance, handle, &mut raw) };
+        if status == sys::FERRY_OK {
+            Ok(())
+        } else {
+            Err(err.error(&self.name, "unregister_memory", status))
+        }
+    }
+
+    pub fn connect(
+        self: &Arc<Self>,
+        peer: &str,
+        scope: u32,
+        endpoint: &[u8],
+    ) -> Result<PeerHandle> {
+        let f = self
+            .table()
+            .connect
+            .ok_or_else(|| missing(&self.name, "connect"))?;
+        let name = to_cstring_lossy(peer);
+        let info = sys::ferry_peer_info_t {
+            struct_size: std::mem::size_of::<sys::ferry_peer_info_t>() as u32,
+            scope,
+            name: name.as_ptr(),
+            endpoint: endpoint.as_ptr(),
+            endpoint_len: endpoint.len(),
+        };
+        let mut handle: *mut c_void = std::ptr::null_mut();
+        let mut err = ErrBuf::new();
+        let mut raw = err.raw();
+        // SAFETY: info and the bytes it points to live across the call.
+        let status = unsafe { f(self.instance, &info, &mut handle, &mut raw) };
+        if status != sys::FERRY_OK {
+            return Err(err.error(&self.name, "connect", status));
+        }
+        Ok(PeerHandle {
+            transport: self.clone(),
+            handle,
+        })
+    }
+
+    /// Hands requests to the plugin: all accepted (each will complete through
+    /// the sink) or none (the error).
+    pub fn submit(
+        &self,
+        peer: &PeerHandle,
+        requests: &[sys::ferry_transfer_request_t],
+    ) -> Result<()> {
+        let f = self
+            .table()
+            .submit
+            .ok_or_else(|| missing(&self.name, "submit"))?;
+        let mut err = ErrBuf::new();
+        let mut raw = err.raw();
+        // SAFETY: requests is valid for its length; peer came from connect.
+        let status = unsafe {
+            f(
+                self.instance,
+                peer.handle,
+                requests.as_ptr(),
+                requests.len(),
+                &mut raw,
+            )
+        };
+        if status == sys::FERRY_OK {
+            Ok(())
+        } else {
+            Err(err.error(&self.name, "submit", status))
+        }
+    }
+
+    /// The plugin's own words on how it reaches this peer.
+    pub fn describe(&self, peer: &PeerHandle) -> Option<String> {
+        let table = self.table();
+        if !ferry_plugins_abi::has_field!(table, sys::ferry_transport_plugin_v1_t, describe_peer) {
+            return None;
+        }
+        let f = table.describe_peer?;
+        let bytes = sized_output(|buf, cap, len| {
+            let mut err = ErrBuf::new();
+            let mut raw = err.raw();
+            // SAFETY: buf writable for cap bytes; peer from connect.
+            let status = unsafe {
+                f(
+                    self.instance,
+                    peer.handle,
+                    buf.cast::<c_char>(),
+                    cap,
+                    len,
+                    &mut raw,
+                )
+            };
+            // The text is NUL-terminated: ask for one more byte.
+            *len += 1;
+            if status == sys::FERRY_OK {
+                Ok(())
+            } else {
+                Err(err.error(&self.name, "describe_peer", status))
+            }
+        })
+        .ok()?;
+        let text = CStr::from_bytes_until_nul(&bytes)
+            .ok()?
+            .to_string_lossy()
+            .into_owned();
+        (!text.is_empty()).then_some(text)
+    }
+
+    pub fn supports(&self, mem_kind: u64, scope: u32) -> bool {
+        self.mem_kinds & mem_kind != 0 && scope_served(self.scopes, scope)
+    }
+}
+
+/// Whether a transport that reaches `offered` peers can serve a peer at
+/// `scope`: a cross-host transport also works within a host (loopback), a
+/// same-host one within a process.
+pub fn scope_served(offered: u32, scope: u32) -> bool {
+    match scope {
+        sys::FERRY_SCOPE_SAME_PROCESS => offered != 0,
+        sys::FERRY_SCOPE_SAME_HOST => {
+            offered & (sys::FERRY_SCOPE_SAME_HOST | sys::FERRY_SCOPE_CROSS_HOST) != 0
+        }
+        _ => offered & sys::FERRY_SCOPE_CROSS_HOST != 0,
+    }
+}
+
+fn missing(plugin: &str, f: &str) -> Error {
+    Error::new(
+        ErrorCode::Unsupported,
+        format!("transport {plugin} has no {f}"),
+    )
+}
+
+impl Drop for Transport {
+    fn drop(&mut self) {
+        if let Some(fini) = self.table().fini {
+            // SAFETY: the instance came from init and is finalised once; every
+            // PeerHandle holds an Arc<Transport>, so none outlives this.
+            unsafe { fini(self.instance) };
+        }
+        // SAFETY: fini has returned, so the plugin calls complete no more and
+        // the boxed sink can go.
+        drop(unsafe { Box::from_raw(self.sink.cast_mut()) });
+    }
+}

@@ -1,0 +1,544 @@
+//! Transport plugins in Rust: the safe traits and the trampolines that the
+//! export macro puts in the C table.
+
+use super::{boundary, catch, to_cstring_lossy, Host, PluginError, PluginResult, ProbeReport};
+use crate::status::ErrorCode;
+use crate::sys;
+use std::ffi::{c_char, c_void, CStr};
+
+/// A transport plugin written in Rust.
+pub trait TransportPlugin: 'static {
+    /// Lower case `[a-z0-9-]`; the file must be `libferry_transport_<NAME>.so`.
+    const NAME: &'static CStr;
+    const VERSION: &'static CStr;
+    const DESCRIPTION: &'static CStr;
+
+    /// One instance per engine. Probe-only plugins use [`NoDataPath`].
+    type Instance: TransportInstance;
+
+    /// What this plugin could do on this host, without side effects.
+    /// Return `Err(PluginError::unavailable(..))` when it cleanly cannot run.
+    fn probe(host: &Host<'_>, report: &mut ProbeReport<'_>) -> PluginResult<()>;
+
+    /// Creates the instance for one engine. `host` stays valid until the
+    /// instance is dropped. Probe-only plugins keep the default.
+    fn init(
+        _host: Host<'static>,
+        _params: InitParams,
+        _completer: Completer,
+    ) -> PluginResult<Self::Instance> {
+        Err(PluginError::new(
+            ErrorCode::Unsupported,
+            "this plugin has no data path",
+        ))
+    }
+}
+
+/// What the engine tells a new instance.
+#[derive(Clone, Debug)]
+pub struct InitParams {
+    pub engine_name: String,
+    pub listen_host: String,
+}
+
+/// A buffer being registered.
+#[derive(Clone, Debug)]
+pub struct MemRegion {
+    pub addr: u64,
+    pub len: u64,
+    pub mem_kind: u64,
+    pub location: String,
+    pub numa_node: Option<u32>,
+    pub device_ordinal: Option<u32>,
+    pub dmabuf_fd: Option<i32>,
+}
+
+/// The outcome of registering a buffer.
+#[derive(Clone, Debug, Default)]
+pub struct Registration {
+    /// Passed back as `local_mem` and to `unregister_memory`.
+    pub handle: u64,
+    /// Published to peers in the segment descriptor (rkeys...).
+    pub key: Vec<u8>,
+}
+
+/// A peer, from its segment descriptor.
+#[derive(Clone, Debug)]
+pub struct PeerInfo {
+    pub name: String,
+    /// One `FERRY_SCOPE_*` bit.
+    pub scope: u32,
+    pub endpoint: Vec<u8>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    Read,
+    Write,
+}
+
+/// One transfer, borrowed for the duration of `submit`.
+#[derive(Clone, Copy, Debug)]
+pub struct TransferRequest<'a> {
+    pub op: Op,
+    pub local_addr: u64,
+    pub local_mem: u64,
+    pub remote_addr: u64,
+    pub length: u64,
+    pub remote_key: &'a [u8],
+    pub token: u64,
+}
+
+/// Hands results back to the engine; cheap to clone, usable from any thread.
+#[derive(Clone, Copy)]
+pub struct Completer {
+    ctx: usize,
+    complete: sys::ferry_complete_fn,
+}
+
+// SAFETY: plugin.h requires the engine's completion function to accept calls
+// from any thread for as long as the instance lives; ctx is only passed back.
+unsafe impl Send for Completer {}
+// SAFETY: as above.
+unsafe impl Sync for Completer {}
+
+impl Completer {
+    /// Reports the result of the request that carried `token`.
+    pub fn complete(&self, token: u64, result: Result<(), &PluginError>) {
+        match result {
+            // SAFETY: see the Send/Sync argument; a null message is allowed.
+            Ok(()) => unsafe {
+                (self.complete)(
+                    self.ctx as *mut c_void,
+                    token,
+                    sys::FERRY_OK,
+                    std::ptr::null(),
+                )
+            },
+            Err(e) => {
+                let msg = to_cstring_lossy(&e.message);
+                // SAFETY: msg is NUL-terminated and outlives the call.
+                unsafe {
+                    (self.complete)(
+                        self.ctx as *mut c_void,
+                        token,
+                        e.code.as_raw(),
+                        msg.as_ptr(),
+                    )
+                }
+            }
+        }
+    }
+}
+
+/// One transport instance: what an engine talks to.
+pub trait TransportInstance: Send + Sync + 'static {
+    type Peer: Send + Sync + 'static;
+
+    fn endpoint(&self) -> PluginResult<Vec<u8>>;
+    fn register_memory(&self, region: &MemRegion) -> PluginResult<Registration>;
+    fn unregister_memory(&self, handle: u64) -> PluginResult<()>;
+    fn connect(&self, peer: &PeerInfo) -> PluginResult<Self::Peer>;
+    /// Fails whatever is in flight to this peer. The default just drops it.
+    fn disconnect(&self, peer: Self::Peer) {
+        drop(peer)
+    }
+    /// Accepts every request (each completed exactly once through the
+    /// [`Completer`]) or none (the error).
+    fn submit(&self, peer: &Self::Peer, requests: &[TransferRequest<'_>]) -> PluginResult<()>;
+    fn describe_peer(&self, _peer: &Self::Peer) -> Option<String> {
+        None
+    }
+}
+
+/// The instance type of a probe-only plugin; export it with
+/// `export_transport_plugin!(P, probe_only)` so its table has no data path.
+pub enum NoDataPath {}
+
+impl TransportInstance for NoDataPath {
+    type Peer = ();
+    fn endpoint(&self) -> PluginResult<Vec<u8>> {
+        match *self {}
+    }
+    fn register_memory(&self, _: &MemRegion) -> PluginResult<Registration> {
+        match *self {}
+    }
+    fn unregister_memory(&self, _: u64) -> PluginResult<()> {
+        match *self {}
+    }
+    fn connect(&self, _: &PeerInfo) -> PluginResult<()> {
+        match *self {}
+    }
+    fn submit(&self, _: &(), _: &[TransferRequest<'_>]) -> PluginResult<()> {
+        match *self {}
+    }
+}
+
+fn invalid(what: &str) -> PluginError {
+    PluginError::new(ErrorCode::InvalidArgument, format!("{what} is null"))
+}
+
+/// # Safety
+/// `s` must be null or NUL-terminated and valid for the call.
+unsafe fn owned_str(s: *const c_char) -> String {
+    if s.is_null() {
+        return String::new();
+    }
+    // SAFETY: forwarded contract.
+    unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned()
+}
+
+/// # Safety
+/// `ptr` must be null or valid for `len` bytes for the call.
+unsafe fn bytes<'a>(ptr: *const u8, len: usize) -> &'a [u8] {
+    if ptr.is_null() || len == 0 {
+        return &[];
+    }
+    // SAFETY: forwarded contract.
+    unsafe { std::slice::from_raw_parts(ptr, len) }
+}
+
+/// Copies `data` into a caller buffer with the "*len is the full length"
+/// rule of plugin.h.
+///
+/// # Safety
+/// `buf` must be null or writable for `cap` bytes; `len` null or valid.
+unsafe fn copy_out(data: &[u8], buf: *mut u8, cap: usize, len: *mut usize) {
+    if !len.is_null() {
+        // SAFETY: len is a valid out-pointer per the contract.
+        unsafe { *len = data.len() };
+    }
+    if !buf.is_null() && data.len() <= cap {
+        // SAFETY: buf is writable for cap >= data.len() bytes.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf, data.len()) };
+    }
+}
+
+/// # Safety
+/// `instance` must be a pointer produced by `init_trampoline::<P>`.
+unsafe fn instance<'a, P: TransportPlugin>(instance: *mut c_void) -> PluginResult<&'a P::Instance> {
+    // SAFETY: init boxed a P::Instance behind this pointer; it lives until fini.
+    unsafe { instance.cast::<P::Instance>().cast_const().as_ref() }
+        .ok_or_else(|| invalid("instance"))
+}
+
+/// # Safety
+/// Called by the host through the table with the contract of plugin.h.
+pub unsafe extern "C" fn transport_probe_trampoline<P: TransportPlugin>(
+    host: *const sys::ferry_host_services_t,
+    sink: *const sys::ferry_probe_sink_t,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: the host passes pointers valid for this call.
+    unsafe {
+        boundary(err, || {
+            let host = Host::from_raw(host)?;
+            let mut report = ProbeReport::from_raw(sink)?;
+            P::probe(&host, &mut report)
+        })
+    }
+}
+
+/// # Safety
+/// As [`transport_probe_trampoline`]; `host` and `params` stay valid until fini.
+pub unsafe extern "C" fn init_trampoline<P: TransportPlugin>(
+    host: *const sys::ferry_host_services_t,
+    params: *const sys::ferry_transport_init_params_t,
+    out: *mut *mut c_void,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract; host outlives the instance.
+    unsafe {
+        boundary(err, || {
+            let host: Host<'static> = Host::from_raw(host)?;
+            let params = params.as_ref().ok_or_else(|| invalid("init params"))?;
+            if out.is_null() {
+                return Err(invalid("instance out-pointer"));
+            }
+            let complete = params
+                .complete
+                .ok_or_else(|| invalid("completion function"))?;
+            let completer = Completer {
+                ctx: params.completion_ctx as usize,
+                complete,
+            };
+            let init = InitParams {
+                engine_name: owned_str(params.engine_name),
+                listen_host: owned_str(params.listen_host),
+            };
+            let inst = P::init(host, init, completer)?;
+            *out = Box::into_raw(Box::new(inst)).cast::<c_void>();
+            Ok(())
+        })
+    }
+}
+
+/// # Safety
+/// `instance` came from init and is not used again.
+pub unsafe extern "C" fn fini_trampoline<P: TransportPlugin>(instance: *mut c_void) {
+    let _ = catch(|| {
+        if !instance.is_null() {
+            // SAFETY: init produced this Box; the host calls fini once.
+            drop(unsafe { Box::from_raw(instance.cast::<P::Instance>()) });
+        }
+        Ok(())
+    });
+}
+
+/// # Safety
+/// As [`transport_probe_trampoline`].
+pub unsafe extern "C" fn get_endpoint_trampoline<P: TransportPlugin>(
+    inst: *mut c_void,
+    buf: *mut u8,
+    cap: usize,
+    len: *mut usize,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe {
+        boundary(err, || {
+            let data = instance::<P>(inst)?.endpoint()?;
+            copy_out(&data, buf, cap, len);
+            Ok(())
+        })
+    }
+}
+
+/// # Safety
+/// As [`transport_probe_trampoline`].
+pub unsafe extern "C" fn register_trampoline<P: TransportPlugin>(
+    inst: *mut c_void,
+    region: *const sys::ferry_mem_region_t,
+    handle: *mut u64,
+    key: *mut u8,
+    key_cap: usize,
+    key_len: *mut usize,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe {
+        boundary(err, || {
+            let r = region.as_ref().ok_or_else(|| invalid("region"))?;
+            if handle.is_null() {
+                return Err(invalid("handle out-pointer"));
+            }
+            let region = MemRegion {
+                addr: r.addr,
+                len: r.len,
+                mem_kind: r.mem_kind,
+                location: owned_str(r.location),
+                numa_node: u32::try_from(r.numa_node).ok(),
+                device_ordinal: u32::try_from(r.device_ordinal).ok(),
+                dmabuf_fd: (r.dmabuf_fd >= 0).then_some(r.dmabuf_fd),
+            };
+            let reg = instance::<P>(inst)?.register_memory(&region)?;
+            *handle = reg.handle;
+            copy_out(&reg.key, key, key_cap, key_len);
+            Ok(())
+        })
+    }
+}
+
+/// # Safety
+/// As [`transport_probe_trampoline`].
+pub unsafe extern "C" fn unregister_trampoline<P: TransportPlugin>(
+    inst: *mut c_void,
+    handle: u64,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe { boundary(err, || instance::<P>(inst)?.unregister_memory(handle)) }
+}
+
+/// # Safety
+/// As [`transport_probe_trampoline`].
+pub unsafe extern "C" fn connect_trampoline<P: TransportPlugin>(
+    inst: *mut c_void,
+    peer: *const sys::ferry_peer_info_t,
+    out: *mut *mut c_void,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe {
+        boundary(err, || {
+            let p = peer.as_ref().ok_or_else(|| invalid("peer"))?;
+            if out.is_null() {
+                return Err(invalid("peer out-pointer"));
+            }
+            let info = PeerInfo {
+                name: owned_str(p.name),
+                scope: p.scope,
+                endpoint: bytes(p.endpoint, p.endpoint_len).to_vec(),
+            };
+            let handle = instance::<P>(inst)?.connect(&info)?;
+            *out = Box::into_raw(Box::new(handle)).cast::<c_void>();
+            Ok(())
+        })
+    }
+}
+
+type PeerOf<P> = <<P as TransportPlugin>::Instance as TransportInstance>::Peer;
+
+/// # Safety
+/// `peer` came from connect on this instance and is not used again.
+pub unsafe extern "C" fn disconnect_trampoline<P: TransportPlugin>(
+    inst: *mut c_void,
+    peer: *mut c_void,
+) {
+    let _ = catch(|| {
+        if peer.is_null() {
+            return Ok(());
+        }
+        // SAFETY: connect produced this Box; the host disconnects once.
+        let peer = unsafe { Box::from_raw(peer.cast::<PeerOf<P>>()) };
+        // SAFETY: instance pointer per the contract.
+        unsafe { instance::<P>(inst) }?.disconnect(*peer);
+        Ok(())
+    });
+}
+
+/// # Safety
+/// As [`transport_probe_trampoline`].
+pub unsafe extern "C" fn submit_trampoline<P: TransportPlugin>(
+    inst: *mut c_void,
+    peer: *mut c_void,
+    requests: *const sys::ferry_transfer_request_t,
+    count: usize,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract: requests valid for count elements,
+    // peer from connect, both for the duration of the call.
+    unsafe {
+        boundary(err, || {
+            let peer = peer
+                .cast::<PeerOf<P>>()
+                .cast_const()
+                .as_ref()
+                .ok_or_else(|| invalid("peer"))?;
+            if requests.is_null() && count > 0 {
+                return Err(invalid("requests"));
+            }
+            let raw = if count == 0 {
+                &[][..]
+            } else {
+                std::slice::from_raw_parts(requests, count)
+            };
+            let mut reqs = Vec::with_capacity(raw.len());
+            for r in raw {
+                let op = match r.op {
+                    sys::FERRY_OP_READ => Op::Read,
+                    sys::FERRY_OP_WRITE => Op::Write,
+                    other => {
+                        return Err(PluginError::new(
+                            ErrorCode::InvalidArgument,
+                            format!("unknown operation {other}"),
+                        ))
+                    }
+                };
+                reqs.push(TransferRequest {
+                    op,
+                    local_addr: r.local_addr,
+                    local_mem: r.local_mem,
+                    remote_addr: r.remote_addr,
+                    length: r.length,
+                    remote_key: bytes(r.remote_key, r.remote_key_len),
+                    token: r.token,
+                });
+            }
+            instance::<P>(inst)?.submit(peer, &reqs)
+        })
+    }
+}
+
+/// # Safety
+/// As [`transport_probe_trampoline`].
+pub unsafe extern "C" fn describe_peer_trampoline<P: TransportPlugin>(
+    inst: *mut c_void,
+    peer: *mut c_void,
+    buf: *mut c_char,
+    cap: usize,
+    len: *mut usize,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe {
+        boundary(err, || {
+            let peer = peer
+                .cast::<PeerOf<P>>()
+                .cast_const()
+                .as_ref()
+                .ok_or_else(|| invalid("peer"))?;
+            let text = instance::<P>(inst)?.describe_peer(peer).unwrap_or_default();
+            let mut data = text.into_bytes();
+            data.push(0);
+            if !len.is_null() {
+                *len = data.len() - 1;
+            }
+            if !buf.is_null() && data.len() <= cap {
+                std::ptr::copy_nonoverlapping(data.as_ptr(), buf.cast::<u8>(), data.len());
+            } else if !buf.is_null() && cap > 0 {
+                *buf = 0;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// The v1 table for a Rust transport plugin with a data path.
+pub const fn transport_table_v1<P: TransportPlugin>() -> sys::ferry_transport_plugin_v1_t {
+    sys::ferry_transport_plugin_v1_t {
+        hdr: sys::ferry_abi_header_t::for_table::<sys::ferry_transport_plugin_v1_t>(),
+        name: P::NAME.as_ptr(),
+        version: P::VERSION.as_ptr(),
+        description: P::DESCRIPTION.as_ptr(),
+        probe: Some(transport_probe_trampoline::<P>),
+        init: Some(init_trampoline::<P>),
+        fini: Some(fini_trampoline::<P>),
+        get_endpoint: Some(get_endpoint_trampoline::<P>),
+        register_memory: Some(register_trampoline::<P>),
+        unregister_memory: Some(unregister_trampoline::<P>),
+        connect: Some(connect_trampoline::<P>),
+        disconnect: Some(disconnect_trampoline::<P>),
+        submit: Some(submit_trampoline::<P>),
+        describe_peer: Some(describe_peer_trampoline::<P>),
+    }
+}
+
+/// The v1 table for a probe-only Rust transport plugin.
+pub const fn transport_table_v1_probe_only<P: TransportPlugin>() -> sys::ferry_transport_plugin_v1_t
+{
+    sys::ferry_transport_plugin_v1_t {
+        init: None,
+        fini: None,
+        get_endpoint: None,
+        register_memory: None,
+        unregister_memory: None,
+        connect: None,
+        disconnect: None,
+        submit: None,
+        describe_peer: None,
+        ..transport_table_v1::<P>()
+    }
+}
+
+/// Exports a [`TransportPlugin`] as `ferry_transport_plugin_v1`. With
+/// `probe_only`, the table carries no data path.
+#[macro_export]
+macro_rules! export_transport_plugin {
+    ($plugin:ty) => {
+        $crate::export_transport_plugin!(@table $plugin, transport_table_v1);
+    };
+    ($plugin:ty, probe_only) => {
+        $crate::export_transport_plugin!(@table $plugin, transport_table_v1_probe_only);
+    };
+    (@table $plugin:ty, $table:ident) => {
+        /// Entry point of this Ferry transport plugin (ABI v1).
+        #[unsafe(no_mangle)]
+        pub extern "C" fn ferry_transport_plugin_v1(
+        ) -> *const $crate::sys::ferry_transport_plugin_v1_t {
+            static TABLE: $crate::sys::ferry_transport_plugin_v1_t =
+                $crate::sdk::$table::<$plugin>();
+            &TABLE
+        }
+    };
+}

@@ -1,0 +1,705 @@
+//! The initiator side: a peer is a set of connections; requests are packed
+//! into frames (many small requests per frame, large ones split across
+//! connections) and every frame's response completes its requests.
+//!
+//! Each connection has a sender thread and a receiver thread. A submitting
+//! thread that finds its connection idle writes the frame itself without
+//! blocking (no thread hand-off on the latency path); whatever does not fit
+//! in the socket goes to the sender thread. The receiver is the only thread
+//! that completes requests of a connection, so a request is completed
+//! exactly once whether its response arrives, the peer dies, or the
+//! connection times out.
+
+use crate::sockio::{self, IoSlices};
+use crate::wire::{self, Desc, Header, Kind};
+use ferry_plugins_abi::sdk::{Completer, Op, PluginError, TransferRequest};
+use ferry_plugins_abi::sys;
+use ferry_plugins_abi::ErrorCode;
+use std::collections::VecDeque;
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Tunables, from the host's configuration.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Connections per peer (tcp.connections).
+    pub connections: usize,
+    /// A frame is closed once it carries this many bytes (tcp.frame_bytes).
+    pub frame_bytes: u64,
+    /// Requests at least this large are split across connections
+    /// (tcp.stripe_bytes).
+    pub stripe_bytes: u64,
+    pub timeout: Duration,
+    pub connect_timeout: Duration,
+}
+
+/// Completion of one request split into parts: the last part reports.
+struct Split {
+    token: u64,
+    remaining: AtomicUsize,
+    error: Mutex<Option<PluginError>>,
+}
+
+enum Done {
+    Token(u64),
+    Part(Arc<Split>),
+}
+
+struct Entry {
+    local: u64,
+    remote: u64,
+    len: u64,
+    done: Done,
+}
+
+impl Entry {
+    fn finish(self, completer: &Completer, result: Result<(), PluginError>) {
+        match self.done {
+            Done::Token(t) => completer.complete(t, result.as_ref().map(|_| ())),
+            Done::Part(split) => {
+                if let Err(e) = result {
+                    let mut slot = split.error.lock().unwrap_or_else(|p| p.into_inner());
+                    slot.get_or_insert(e);
+                }
+                if split.remaining.fetch_sub(1, Ordering::SeqCst) == 1 {
+                    let err = split.error.lock().unwrap_or_else(|p| p.into_inner()).take();
+                    completer.complete(split.token, err.as_ref().map_or(Ok(()), Err));
+                }
+            }
+        }
+    }
+}
+
+struct Inflight {
+    seq: u64,
+    kind: Kind,
+    entries: Vec<Entry>,
+}
+
+/// A frame on its way into the socket.
+struct OutFrame {
+    _head: Vec<u8>,
+    io: IoSlices,
+}
+
+#[derive(Default)]
+struct ConnState {
+    next_seq: u64,
+    inflight: VecDeque<Inflight>,
+    queue: VecDeque<OutFrame>,
+    sending: bool,
+    broken: Option<PluginError>,
+    closing: bool,
+}
+
+struct Conn {
+    stream: TcpStream,
+    fd: RawFd,
+    peer: String,
+    state: Mutex<ConnState>,
+    wake_sender: Condvar,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    completer: Completer,
+    settings: Arc<Settings>,
+}
+
+impl Conn {
+    fn lock(&self) -> MutexGuard<'_, ConnState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn is_broken(&self) -> bool {
+        let st = self.lock();
+        st.broken.is_some() || st.closing
+    }
+
+    /// Fails everything in flight on this connection, once.
+    fn fail(&self, error: PluginError) {
+        let inflight = {
+            let mut st = self.lock();
+            if st.broken.is_some() {
+                return;
+            }
+            st.broken = Some(error.clone());
+            st.queue.clear();
+            std::mem::take(&mut st.inflight)
+        };
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.wake_sender.notify_all();
+        for frame in inflight {
+            for e in frame.entries {
+                e.finish(&self.completer, Err(error.clone()));
+            }
+        }
+    }
+
+    /// Stops both threads and waits for them; in-flight requests fail.
+    fn close(&self) {
+        self.lock().closing = true;
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.wake_sender.notify_all();
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()));
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+
+    /// Queues a frame, writing it directly when the connection is idle.
+    fn enqueue(
+        self: &Arc<Self>,
+        kind: Kind,
+        descs: &[Desc],
+        payload: &[(u64, u64)],
+        entries: Vec<Entry>,
+    ) -> Result<(), (PluginError, Vec<Entry>)> {
+        let payload_len: u64 = payload.iter().map(|(_, l)| *l).sum();
+        let mut st = self.lock();
+        if let Some(e) = &st.broken {
+            return Err((e.clone(), entries));
+        }
+        if st.closing {
+            return Err((cancelled(&self.peer), entries));
+        }
+        let seq = st.next_seq;
+        st.next_seq += 1;
+        let header = Header {
+            kind,
+            count: descs.len() as u32,
+            seq,
+            payload_len,
+        };
+        let mut head = Vec::with_capacity(wire::HEADER_LEN + descs.len() * wire::DESC_LEN);
+        head.extend_from_slice(&header.encode());
+        wire::encode_descs(descs, &mut head);
+        let mut io = IoSlices::new();
+        io.push(head.as_ptr(), head.len());
+        for (addr, len) in payload {
+            io.push(*addr as *const u8, *len as usize);
+        }
+        let mut frame = OutFrame { _head: head, io };
+        st.inflight.push_back(Inflight { seq, kind, entries });
+        if st.sending || !st.queue.is_empty() {
+            st.queue.push_back(frame);
+            drop(st);
+            self.wake_sender.notify_one();
+            return Ok(());
+        }
+        st.sending = true;
+        drop(st);
+        // Fast path: as much as the socket takes now, without blocking.
+        let mut failed = None;
+        while !frame.io.is_done() {
+            match sockio::send_some(self.fd, &mut frame.io, true) {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        let mut st = self.lock();
+        st.sending = false;
+        if let Some(e) = failed {
+            drop(st);
+            self.fail(connection_error(&self.peer, "sending", &e.to_string()));
+            return Ok(());
+        }
+        if !frame.io.is_done() {
+            st.queue.push_front(frame);
+        }
+        let wake = !st.queue.is_empty();
+        drop(st);
+        if wake {
+            self.wake_sender.notify_one();
+        }
+        Ok(())
+    }
+
+    fn sender_loop(self: Arc<Self>) {
+        loop {
+            let mut frame = {
+                let mut st = self.lock();
+                loop {
+                    if st.broken.is_some() || st.closing {
+                        return;
+                    }
+                    if !st.sending && !st.queue.is_empty() {
+                        break;
+                    }
+                    st = self
+                        .wake_sender
+                        .wait_timeout(st, sockio::TICK)
+                        .map(|(g, _)| g)
+                        .unwrap_or_else(|p| p.into_inner().0);
+                }
+                st.sending = true;
+                match st.queue.pop_front() {
+                    Some(f) => f,
+                    None => {
+                        st.sending = false;
+                        continue;
+                    }
+                }
+            };
+            let result = sockio::send_all(self.fd, &mut frame.io, self.settings.timeout, || {
+                !self.is_broken()
+            });
+            self.lock().sending = false;
+            if let Err(e) = result {
+                let err = if e.is_timeout() {
+                    PluginError::new(
+                        ErrorCode::Timeout,
+                        format!(
+                            "tcp: {} stopped reading for {} ms; connection dropped",
+                            self.peer,
+                            self.settings.timeout.as_millis()
+                        ),
+                    )
+                } else {
+                    connection_error(&self.peer, "sending", &e.describe())
+                };
+                self.fail(err);
+                return;
+            }
+        }
+    }
+
+    /// Waits for the next response header; fails the connection when a
+    /// request has been in flight for the timeout without a byte arriving.
+    fn read_header(&self, hb: &mut [u8; wire::HEADER_LEN]) -> Result<(), PluginError> {
+        let mut s = IoSlices::new();
+        s.push(hb.as_mut_ptr(), hb.len());
+        let mut last_activity = Instant::now();
+        while !s.is_done() {
+            match sockio::recv_some(self.fd, &mut s, false) {
+                Ok(0) => {
+                    let st = self.lock();
+                    if st.closing {
+                        return Err(cancelled(&self.peer));
+                    }
+                    if let Some(e) = &st.broken {
+                        return Err(e.clone());
+                    }
+                    if st.inflight.is_empty() {
+                        last_activity = Instant::now();
+                    } else if last_activity.elapsed() > self.settings.timeout {
+                        return Err(PluginError::new(
+                            ErrorCode::Timeout,
+                            format!(
+                                "tcp: {} did not answer for {} ms",
+                                self.peer,
+                                self.settings.timeout.as_millis()
+                            ),
+                        ));
+                    }
+                }
+                Ok(_) => last_activity = Instant::now(),
+                Err(e) => return Err(connection_error(&self.peer, "receiving", &e.to_string())),
+            }
+        }
+        Ok(())
+    }
+
+    fn receiver_loop(self: Arc<Self>) {
+        let mut statuses_buf: Vec<u8> = Vec::new();
+        loop {
+            let mut hb = [0u8; wire::HEADER_LEN];
+            if let Err(e) = self.read_header(&mut hb) {
+                self.fail(e);
+                return;
+            }
+            let frame = match self.accept_response(&hb) {
+                Ok(f) => f,
+                Err(e) => {
+                    self.fail(e);
+                    return;
+                }
+            };
+            let (header, frame) = frame;
+            match self.finish_response(&header, &frame, &mut statuses_buf) {
+                Ok(statuses) => {
+                    for (e, status) in frame.entries.into_iter().zip(statuses) {
+                        let result = if status == sys::FERRY_OK {
+                            Ok(())
+                        } else {
+                            Err(refused(&self.peer, &e, status))
+                        };
+                        e.finish(&self.completer, result);
+                    }
+                }
+                Err(err) => {
+                    for e in frame.entries {
+                        e.finish(&self.completer, Err(err.clone()));
+                    }
+                    self.fail(err);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Checks a response header against the oldest frame in flight and
+    /// takes that frame: from here on this thread owns its completion.
+    fn accept_response(
+        &self,
+        hb: &[u8; wire::HEADER_LEN],
+    ) -> Result<(Header, Inflight), PluginError> {
+        let header = Header::decode(hb).map_err(|e| protocol(&self.peer, &e.0))?;
+        if header.kind != Kind::Response {
+            return Err(protocol(&self.peer, "expected a response frame"));
+        }
+        let mut st = self.lock();
+        let matches = st
+            .inflight
+            .front()
+            .is_some_and(|f| f.seq == header.seq && f.entries.len() == header.count as usize);
+        if !matches {
+            return Err(protocol(
+                &self.peer,
+                &format!(
+                    "response {} does not match the oldest request in flight",
+                    header.seq
+                ),
+            ));
+        }
+        let frame = st
+            .inflight
+            .pop_front()
+            .ok_or_else(|| protocol(&self.peer, "nothing in flight"))?;
+        Ok((header, frame))
+    }
+
+    /// Reads statuses and, for reads, the payload straight into local memory.
+    fn finish_response(
+        &self,
+        header: &Header,
+        frame: &Inflight,
+        buf: &mut Vec<u8>,
+    ) -> Result<Vec<i32>, PluginError> {
+        let deadline = Instant::now() + self.settings.timeout;
+        let keep_going = || !self.lock().closing;
+        buf.clear();
+        buf.resize(frame.entries.len() * wire::STATUS_LEN, 0);
+        let mut s = IoSlices::new();
+        s.push(buf.as_mut_ptr(), buf.len());
+        sockio::recv_all(self.fd, &mut s, Some(deadline), deadline, keep_going)
+            .map_err(|e| connection_error(&self.peer, "receiving statuses", &e.describe()))?;
+        let statuses = wire::decode_statuses(buf);
+        let expected: u64 = match frame.kind {
+            Kind::Read => frame
+                .entries
+                .iter()
+                .zip(&statuses)
+                .filter(|(_, s)| **s == sys::FERRY_OK)
+                .map(|(e, _)| e.len)
+                .sum(),
+            _ => 0,
+        };
+        if header.payload_len != expected {
+            return Err(protocol(
+                &self.peer,
+                &format!(
+                    "response carries {} payload bytes, {expected} expected",
+                    header.payload_len
+                ),
+            ));
+        }
+        if expected > 0 {
+            let mut s = IoSlices::new();
+            for (e, st) in frame.entries.iter().zip(&statuses) {
+                if *st == sys::FERRY_OK {
+                    s.push(e.local as *const u8, e.len as usize);
+                }
+            }
+            let deadline = Instant::now() + self.settings.timeout;
+            sockio::recv_all(self.fd, &mut s, Some(deadline), deadline, keep_going)
+                .map_err(|e| connection_error(&self.peer, "receiving data", &e.describe()))?;
+        }
+        Ok(statuses)
+    }
+}
+
+fn cancelled(peer: &str) -> PluginError {
+    PluginError::new(
+        ErrorCode::Cancelled,
+        format!("tcp: the connection to {peer} was closed locally"),
+    )
+}
+
+fn connection_error(peer: &str, what: &str, detail: &str) -> PluginError {
+    PluginError::new(
+        ErrorCode::Connection,
+        format!("tcp: {what} {peer}: {detail} (the peer died or dropped the connection?)"),
+    )
+}
+
+fn protocol(peer: &str, detail: &str) -> PluginError {
+    PluginError::new(
+        ErrorCode::Protocol,
+        format!("tcp: {peer} broke the protocol: {detail}"),
+    )
+}
+
+fn refused(peer: &str, e: &Entry, status: i32) -> PluginError {
+    let code = ErrorCode::from_raw(status).unwrap_or(ErrorCode::Protocol);
+    let why = match code {
+        ErrorCode::OutOfBounds => "not inside memory it registered".to_string(),
+        other => other.to_string(),
+    };
+    PluginError::new(
+        code,
+        format!("tcp: {peer} refused [{:#x}, +{}): {why}", e.remote, e.len),
+    )
+}
+
+/// A peer: its address and up to `connections` connections, made on demand.
+pub struct TcpPeer {
+    name: String,
+    addr: SocketAddr,
+    settings: Arc<Settings>,
+    completer: Completer,
+    slots: Vec<Mutex<Option<Arc<Conn>>>>,
+    next: AtomicUsize,
+    local_ip: Mutex<Option<std::net::IpAddr>>,
+}
+
+impl TcpPeer {
+    pub fn new(
+        name: String,
+        addr: SocketAddr,
+        settings: Arc<Settings>,
+        completer: Completer,
+    ) -> TcpPeer {
+        let slots = (0..settings.connections.max(1))
+            .map(|_| Mutex::new(None))
+            .collect();
+        TcpPeer {
+            name,
+            addr,
+            settings,
+            completer,
+            slots,
+            next: AtomicUsize::new(0),
+            local_ip: Mutex::new(None),
+        }
+    }
+
+    /// The connection in slot `i`, connecting (again) when needed.
+    fn conn(&self, i: usize) -> Result<Arc<Conn>, PluginError> {
+        let mut slot = self.slots[i].lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = slot.as_ref() {
+            if !c.is_broken() {
+                return Ok(c.clone());
+            }
+        }
+        if let Some(old) = slot.take() {
+            old.close();
+        }
+        let stream = TcpStream::connect_timeout(&self.addr, self.settings.connect_timeout)
+            .map_err(|e| {
+                let code = if e.kind() == std::io::ErrorKind::TimedOut {
+                    ErrorCode::Timeout
+                } else {
+                    ErrorCode::Connection
+                };
+                PluginError::new(
+                    code,
+                    format!("tcp: cannot connect to {} at {}: {e}", self.name, self.addr),
+                )
+            })?;
+        sockio::configure(&stream).map_err(|e| {
+            PluginError::new(ErrorCode::Io, format!("tcp: configuring a socket: {e}"))
+        })?;
+        if let Ok(local) = stream.local_addr() {
+            *self.local_ip.lock().unwrap_or_else(|p| p.into_inner()) = Some(local.ip());
+        }
+        let conn = Arc::new(Conn {
+            fd: stream.as_raw_fd(),
+            stream,
+            peer: self.name.clone(),
+            state: Mutex::new(ConnState::default()),
+            wake_sender: Condvar::new(),
+            threads: Mutex::new(Vec::new()),
+            completer: self.completer,
+            settings: self.settings.clone(),
+        });
+        let (a, b) = (conn.clone(), conn.clone());
+        let sender = std::thread::Builder::new()
+            .name("ferry-tcp-send".into())
+            .spawn(move || a.sender_loop());
+        let receiver = std::thread::Builder::new()
+            .name("ferry-tcp-recv".into())
+            .spawn(move || b.receiver_loop());
+        match (sender, receiver) {
+            (Ok(s), Ok(r)) => conn
+                .threads
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend([s, r]),
+            (s, r) => {
+                conn.lock().closing = true;
+                let _ = conn.stream.shutdown(std::net::Shutdown::Both);
+                for t in [s, r].into_iter().flatten() {
+                    let _ = t.join();
+                }
+                return Err(PluginError::new(
+                    ErrorCode::NoMemory,
+                    "tcp: cannot start connection threads",
+                ));
+            }
+        }
+        *slot = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// Splits, packs and queues `requests`; all accepted or none.
+    pub fn submit(&self, requests: &[TransferRequest<'_>]) -> Result<(), PluginError> {
+        let n = self.slots.len();
+        // Work items: (op, local, remote, len, done).
+        let mut items: Vec<(Op, Entry, bool)> = Vec::with_capacity(requests.len());
+        for r in requests {
+            let mut parts = 1u64;
+            if n > 1 && r.length >= self.settings.stripe_bytes.saturating_mul(2) {
+                parts = (r.length / self.settings.stripe_bytes).min(n as u64);
+            }
+            parts = parts.max(r.length.div_ceil(wire::MAX_FRAME_PAYLOAD));
+            if parts <= 1 {
+                items.push((
+                    r.op,
+                    Entry {
+                        local: r.local_addr,
+                        remote: r.remote_addr,
+                        len: r.length,
+                        done: Done::Token(r.token),
+                    },
+                    false,
+                ));
+                continue;
+            }
+            let split = Arc::new(Split {
+                token: r.token,
+                remaining: AtomicUsize::new(parts as usize),
+                error: Mutex::new(None),
+            });
+            let part_len = r.length.div_ceil(parts);
+            let mut off = 0;
+            while off < r.length {
+                let len = part_len.min(r.length - off);
+                items.push((
+                    r.op,
+                    Entry {
+                        local: r.local_addr + off,
+                        remote: r.remote_addr + off,
+                        len,
+                        done: Done::Part(split.clone()),
+                    },
+                    true,
+                ));
+                off += len;
+            }
+        }
+
+        // Pack into frames: one op per frame, bounded by descriptors and
+        // bytes; every part of a split request starts a frame of its own so
+        // the parts land on different connections.
+        let mut frames: Vec<(Op, Vec<Entry>)> = Vec::new();
+        let mut bytes = 0u64;
+        for (op, entry, is_part) in items {
+            let start_new = match frames.last() {
+                None => true,
+                Some((fop, entries)) => {
+                    *fop != op
+                        || is_part
+                        || entries.len() >= wire::MAX_DESCS
+                        || bytes >= self.settings.frame_bytes
+                        || bytes + entry.len > wire::MAX_FRAME_PAYLOAD
+                }
+            };
+            if start_new {
+                frames.push((op, Vec::new()));
+                bytes = 0;
+            }
+            bytes += entry.len;
+            if let Some((_, entries)) = frames.last_mut() {
+                entries.push(entry);
+            }
+            if is_part {
+                // A part fills its frame alone.
+                bytes = u64::MAX / 2;
+            }
+        }
+
+        // Connect every connection we are about to use before accepting
+        // anything, so a dead peer fails the whole submit cleanly.
+        let first = self.next.fetch_add(frames.len(), Ordering::Relaxed);
+        let mut conns: Vec<Arc<Conn>> = Vec::with_capacity(frames.len().min(n));
+        for k in 0..frames.len().min(n) {
+            conns.push(self.conn((first + k) % n)?);
+        }
+        for (k, (op, entries)) in frames.into_iter().enumerate() {
+            let conn = &conns[k % conns.len()];
+            let descs: Vec<Desc> = entries
+                .iter()
+                .map(|e| Desc {
+                    addr: e.remote,
+                    len: e.len,
+                })
+                .collect();
+            let (kind, payload): (Kind, Vec<(u64, u64)>) = match op {
+                Op::Write => (
+                    Kind::Write,
+                    entries.iter().map(|e| (e.local, e.len)).collect(),
+                ),
+                Op::Read => (Kind::Read, Vec::new()),
+            };
+            if let Err((err, entries)) = conn.enqueue(kind, &descs, &payload, entries) {
+                // Accepted already: report through completions.
+                for e in entries {
+                    e.finish(&self.completer, Err(err.clone()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn describe(&self) -> String {
+        let local = *self.local_ip.lock().unwrap_or_else(|p| p.into_inner());
+        let via = local
+            .and_then(|ip| {
+                crate::interfaces::list().ok()?.into_iter().find(|i| {
+                    i.addresses
+                        .iter()
+                        .any(|a| a.parse::<std::net::IpAddr>().ok() == Some(ip))
+                })
+            })
+            .map(|i| {
+                format!(
+                    " via {} ({})",
+                    i.name,
+                    local.map(|l| l.to_string()).unwrap_or_default()
+                )
+            })
+            .unwrap_or_default();
+        format!(
+            "tcp to {}{via}, up to {} connections, frames of {} KiB",
+            self.addr,
+            self.slots.len(),
+            self.settings.frame_bytes / 1024
+        )
+    }
+}
+
+impl Drop for TcpPeer {
+    fn drop(&mut self) {
+        for slot in &self.slots {
+            if let Some(c) = slot.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                c.close();
+            }
+        }
+    }
+}

@@ -1,0 +1,260 @@
+//! Scatter/gather socket I/O with deadlines: bytes go straight between the
+//! socket and the caller's memory (readv/writev style), never through an
+//! intermediate buffer.
+//!
+//! Sockets carry SO_RCVTIMEO/SO_SNDTIMEO of one [`TICK`], so a blocked call
+//! returns regularly and the loop can check its deadline and whether it was
+//! asked to stop.
+
+use std::io;
+use std::os::fd::RawFd;
+use std::time::{Duration, Instant};
+
+/// How often a blocked send or receive wakes up to check its deadline.
+pub const TICK: Duration = Duration::from_millis(100);
+const IOV_MAX: usize = 1024;
+
+/// A list of memory ranges consumed front to back.
+pub struct IoSlices {
+    iov: Vec<libc::iovec>,
+    idx: usize,
+    remaining: usize,
+}
+
+// SAFETY: the iovecs point at memory whose owner (the engine's registered
+// buffers, or buffers owned next to the IoSlices) keeps it valid while the
+// I/O runs; IoSlices itself is only plain data.
+unsafe impl Send for IoSlices {}
+
+impl IoSlices {
+    pub fn new() -> IoSlices {
+        IoSlices {
+            iov: Vec::new(),
+            idx: 0,
+            remaining: 0,
+        }
+    }
+
+    /// Adds a range. The caller keeps the memory valid until the I/O is done.
+    pub fn push(&mut self, ptr: *const u8, len: usize) {
+        if len == 0 {
+            return;
+        }
+        self.iov.push(libc::iovec {
+            iov_base: ptr.cast_mut().cast(),
+            iov_len: len,
+        });
+        self.remaining += len;
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.remaining == 0
+    }
+
+    fn advance(&mut self, mut n: usize) {
+        self.remaining -= n;
+        while n > 0 {
+            let v = &mut self.iov[self.idx];
+            if n >= v.iov_len {
+                n -= v.iov_len;
+                self.idx += 1;
+            } else {
+                // SAFETY: n < iov_len, so the new base stays inside the range.
+                v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n) }.cast();
+                v.iov_len -= n;
+                n = 0;
+            }
+        }
+    }
+
+    fn window(&mut self) -> (*mut libc::iovec, usize) {
+        let rest = &mut self.iov[self.idx..];
+        (rest.as_mut_ptr(), rest.len().min(IOV_MAX))
+    }
+}
+
+impl Default for IoSlices {
+    fn default() -> Self {
+        IoSlices::new()
+    }
+}
+
+/// One sendmsg; returns bytes sent (0 with `WouldBlock` mapped to Ok(0)).
+pub fn send_some(fd: RawFd, s: &mut IoSlices, dontwait: bool) -> io::Result<usize> {
+    if s.is_done() {
+        return Ok(0);
+    }
+    let (iov, n) = s.window();
+    // SAFETY: a zeroed msghdr is valid; we set only the iovec fields.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov;
+    msg.msg_iovlen = n as _;
+    let mut flags = libc::MSG_NOSIGNAL;
+    if dontwait {
+        flags |= libc::MSG_DONTWAIT;
+    }
+    // SAFETY: msg points at n valid iovecs describing readable memory.
+    let rc = unsafe { libc::sendmsg(fd, &msg, flags) };
+    if rc < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted {
+            return Ok(0);
+        }
+        return Err(e);
+    }
+    s.advance(rc as usize);
+    Ok(rc as usize)
+}
+
+/// One recvmsg; Ok(0) when nothing arrived within the socket's tick.
+pub fn recv_some(fd: RawFd, s: &mut IoSlices, dontwait: bool) -> io::Result<usize> {
+    if s.is_done() {
+        return Ok(0);
+    }
+    let (iov, n) = s.window();
+    // SAFETY: a zeroed msghdr is valid; we set only the iovec fields.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov;
+    msg.msg_iovlen = n as _;
+    let flags = if dontwait { libc::MSG_DONTWAIT } else { 0 };
+    // SAFETY: msg points at n valid iovecs describing writable memory.
+    let rc = unsafe { libc::recvmsg(fd, &mut msg, flags) };
+    if rc < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted {
+            return Ok(0);
+        }
+        return Err(e);
+    }
+    if rc == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "the peer closed the connection",
+        ));
+    }
+    s.advance(rc as usize);
+    Ok(rc as usize)
+}
+
+/// Why a loop stopped early.
+pub enum Stop {
+    /// The deadline passed.
+    Deadline,
+    /// The keep-going check said no.
+    Cancelled,
+}
+
+/// Sends everything, blocking in ticks; fails when no byte could be sent for
+/// `timeout` (the peer stopped reading) or `keep_going` returns false.
+pub fn send_all(
+    fd: RawFd,
+    s: &mut IoSlices,
+    timeout: Duration,
+    mut keep_going: impl FnMut() -> bool,
+) -> Result<(), IoStop> {
+    let mut last_progress = Instant::now();
+    while !s.is_done() {
+        match send_some(fd, s, false) {
+            Ok(0) => {
+                if !keep_going() {
+                    return Err(IoStop::Stopped(Stop::Cancelled));
+                }
+                if last_progress.elapsed() > timeout {
+                    return Err(IoStop::Stopped(Stop::Deadline));
+                }
+            }
+            Ok(_) => last_progress = Instant::now(),
+            Err(e) => return Err(IoStop::Io(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Receives until the slices are full; fails when `deadline` passes once the
+/// first byte has arrived, or when `keep_going` says so. Before the first
+/// byte it waits while `keep_going` allows and `first_byte_deadline` (if
+/// any) has not passed.
+pub fn recv_all(
+    fd: RawFd,
+    s: &mut IoSlices,
+    first_byte_deadline: Option<Instant>,
+    deadline: Instant,
+    mut keep_going: impl FnMut() -> bool,
+) -> Result<(), IoStop> {
+    let mut started = false;
+    while !s.is_done() {
+        match recv_some(fd, s, false) {
+            Ok(0) => {
+                if !keep_going() {
+                    return Err(IoStop::Stopped(Stop::Cancelled));
+                }
+                let now = Instant::now();
+                let limit = if started {
+                    Some(deadline)
+                } else {
+                    first_byte_deadline
+                };
+                if limit.is_some_and(|d| now > d) {
+                    return Err(IoStop::Stopped(Stop::Deadline));
+                }
+            }
+            Ok(_) => {
+                started = true;
+                if Instant::now() > deadline && !s.is_done() {
+                    return Err(IoStop::Stopped(Stop::Deadline));
+                }
+            }
+            Err(e) => return Err(IoStop::Io(e)),
+        }
+    }
+    Ok(())
+}
+
+pub enum IoStop {
+    Io(io::Error),
+    Stopped(Stop),
+}
+
+impl IoStop {
+    pub fn describe(&self) -> String {
+        match self {
+            IoStop::Io(e) => e.to_string(),
+            IoStop::Stopped(Stop::Deadline) => "timed out".into(),
+            IoStop::Stopped(Stop::Cancelled) => "cancelled".into(),
+        }
+    }
+
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, IoStop::Stopped(Stop::Deadline))
+    }
+}
+
+/// Sets the tick timeouts and TCP_NODELAY on a connected socket.
+pub fn configure(stream: &std::net::TcpStream) -> io::Result<()> {
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(TICK))?;
+    stream.set_write_timeout(Some(TICK))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advancing_across_ranges() {
+        let a = [0u8; 10];
+        let b = [0u8; 5];
+        let mut s = IoSlices::new();
+        s.push(a.as_ptr(), a.len());
+        s.push(b.as_ptr(), 0);
+        s.push(b.as_ptr(), b.len());
+        assert_eq!(s.remaining, 15);
+        s.advance(12);
+        assert_eq!(s.remaining, 3);
+        assert_eq!(s.idx, 1);
+        assert_eq!(s.iov[1].iov_len, 3);
+        s.advance(3);
+        assert!(s.is_done());
+    }
+}

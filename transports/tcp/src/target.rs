@@ -1,0 +1,255 @@
+//! The target side: accepts data connections and serves READ and WRITE
+//! frames against registered memory only.
+//!
+//! For each frame: read and check the header and descriptors, pin every
+//! range that lies inside a registered region, then move the payload
+//! straight between the socket and those ranges. A range outside registered
+//! memory gets an error status and its WRITE bytes are read into a scratch
+//! buffer and dropped, so the stream stays in step and nothing else is
+//! touched. Anything malformed closes the connection.
+
+use crate::regions::{Pin, Regions};
+use crate::sockio::{self, IoSlices, IoStop};
+use crate::wire::{self, Desc, Header, Kind};
+use ferry_plugins_abi::sys;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Incoming data connections served at once; more are closed at accept.
+pub const MAX_CONNECTIONS: usize = 1024;
+
+pub struct TargetConfig {
+    pub timeout: Duration,
+}
+
+pub struct Target {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    accept_thread: Option<JoinHandle<()>>,
+    conns: Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>>,
+}
+
+impl Target {
+    pub fn start(
+        bind: &str,
+        regions: Arc<Regions>,
+        config: TargetConfig,
+        log: Arc<dyn Fn(&str) + Send + Sync>,
+    ) -> std::io::Result<Target> {
+        let listener = TcpListener::bind(bind)?;
+        let addr = listener.local_addr()?;
+        listener.set_nonblocking(true)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns: Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>> = Arc::default();
+        let (stop2, conns2) = (stop.clone(), conns.clone());
+        let timeout = config.timeout;
+        let accept_thread = std::thread::Builder::new()
+            .name("ferry-tcp-accept".into())
+            .spawn(move || accept_loop(listener, regions, stop2, conns2, timeout, log))?;
+        Ok(Target {
+            addr,
+            stop,
+            accept_thread: Some(accept_thread),
+            conns,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.accept_thread.take() {
+            let _ = t.join();
+        }
+        let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
+        for (stream, _) in &conns {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+        for (_, t) in conns {
+            let _ = t.join();
+        }
+    }
+}
+
+fn accept_loop(
+    listener: TcpListener,
+    regions: Arc<Regions>,
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>>,
+    timeout: Duration,
+    log: Arc<dyn Fn(&str) + Send + Sync>,
+) {
+    let fd = listener.as_raw_fd();
+    while !stop.load(Ordering::SeqCst) {
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the duration of the call.
+        unsafe { libc::poll(&mut pfd, 1, 100) };
+        let (stream, peer) = match listener.accept() {
+            Ok(s) => s,
+            Err(_) => continue,
+        };
+        let mut list = conns.lock().unwrap_or_else(|e| e.into_inner());
+        list.retain(|(_, t)| !t.is_finished());
+        if list.len() >= MAX_CONNECTIONS {
+            log(&format!(
+                "refusing a data connection from {peer}: {MAX_CONNECTIONS} are open"
+            ));
+            continue;
+        }
+        if stream.set_nonblocking(false).is_err() || sockio::configure(&stream).is_err() {
+            continue;
+        }
+        let Ok(clone) = stream.try_clone() else {
+            continue;
+        };
+        let (regions, stop, log) = (regions.clone(), stop.clone(), log.clone());
+        let spawned = std::thread::Builder::new()
+            .name("ferry-tcp-target".into())
+            .spawn(move || {
+                if let Err(why) = serve(&stream, &regions, &stop, timeout) {
+                    log(&format!("data connection from {peer} closed: {why}"));
+                }
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+            });
+        if let Ok(t) = spawned {
+            list.push((clone, t));
+        }
+    }
+}
+
+/// A fixed buffer that swallows WRITE bytes aimed outside registered memory.
+const SCRATCH_LEN: usize = 64 * 1024;
+
+fn serve(
+    stream: &TcpStream,
+    regions: &Regions,
+    stop: &AtomicBool,
+    timeout: Duration,
+) -> Result<(), String> {
+    let fd = stream.as_raw_fd();
+    let keep_going = || !stop.load(Ordering::SeqCst);
+    let mut scratch = vec![0u8; SCRATCH_LEN];
+    let mut desc_bytes: Vec<u8> = Vec::new();
+    let mut out: Vec<u8> = Vec::new();
+    loop {
+        let mut hb = [0u8; wire::HEADER_LEN];
+        let mut s = IoSlices::new();
+        s.push(hb.as_mut_ptr(), hb.len());
+        // Idle connections wait indefinitely for their next frame; once a
+        // frame begins, all of it must arrive within the timeout.
+        let far = Instant::now() + Duration::from_secs(365 * 24 * 3600);
+        match sockio::recv_all(fd, &mut s, None, far, keep_going) {
+            Ok(()) => {}
+            Err(IoStop::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e.describe()),
+        }
+        let deadline = Instant::now() + timeout;
+        let header = Header::decode(&hb).map_err(|e| e.0)?;
+        if header.kind == Kind::Response {
+            return Err("a peer sent a response frame as a request".into());
+        }
+        desc_bytes.clear();
+        desc_bytes.resize(header.count as usize * wire::DESC_LEN, 0);
+        let mut s = IoSlices::new();
+        s.push(desc_bytes.as_mut_ptr(), desc_bytes.len());
+        sockio::recv_all(fd, &mut s, Some(deadline), deadline, keep_going)
+            .map_err(|e| format!("reading descriptors: {}", e.describe()))?;
+        let descs = wire::decode_descs(&header, &desc_bytes).map_err(|e| e.0)?;
+
+        // Check every range; keep the pins until the payload has moved.
+        let mut pins: Vec<Option<Pin>> = Vec::with_capacity(descs.len());
+        let mut statuses: Vec<i32> = Vec::with_capacity(descs.len());
+        for d in &descs {
+            match regions.pin(d.addr, d.len) {
+                Ok(p) => {
+                    pins.push(Some(p));
+                    statuses.push(sys::FERRY_OK);
+                }
+                Err(code) => {
+                    pins.push(None);
+                    statuses.push(code);
+                }
+            }
+        }
+
+        match header.kind {
+            Kind::Write => {
+                let mut s = IoSlices::new();
+                for (d, pin) in descs.iter().zip(&pins) {
+                    if pin.is_some() {
+                        s.push(d.addr as *const u8, d.len as usize);
+                    } else {
+                        push_scratch(&mut s, &mut scratch, d.len);
+                    }
+                }
+                sockio::recv_all(fd, &mut s, Some(deadline), deadline, keep_going)
+                    .map_err(|e| format!("reading a WRITE payload: {}", e.describe()))?;
+                drop(pins);
+                respond(fd, &mut out, &header, &statuses, &[], timeout, keep_going)?;
+            }
+            Kind::Read => {
+                respond(
+                    fd, &mut out, &header, &statuses, &descs, timeout, keep_going,
+                )?;
+                drop(pins);
+            }
+            Kind::Response => return Err("a peer sent a response frame as a request".into()),
+        }
+    }
+}
+
+/// Queues `len` bytes of scratch (reused as often as needed).
+fn push_scratch(s: &mut IoSlices, scratch: &mut [u8], mut len: u64) {
+    while len > 0 {
+        let n = len.min(scratch.len() as u64) as usize;
+        s.push(scratch.as_mut_ptr(), n);
+        len -= n as u64;
+    }
+}
+
+fn respond(
+    fd: i32,
+    out: &mut Vec<u8>,
+    request: &Header,
+    statuses: &[i32],
+    read_descs: &[Desc],
+    timeout: Duration,
+    keep_going: impl FnMut() -> bool,
+) -> Result<(), String> {
+    let payload_len: u64 = read_descs
+        .iter()
+        .zip(statuses)
+        .filter(|(_, s)| **s == sys::FERRY_OK)
+        .map(|(d, _)| d.len)
+        .sum();
+    let header = Header {
+        kind: Kind::Response,
+        count: request.count,
+        seq: request.seq,
+        payload_len,
+    };
+    out.clear();
+    out.extend_from_slice(&header.encode());
+    wire::encode_statuses(statuses, out);
+    let mut s = IoSlices::new();
+    s.push(out.as_ptr(), out.len());
+    for (d, st) in read_descs.iter().zip(statuses) {
+        if *st == sys::FERRY_OK {
+            s.push(d.addr as *const u8, d.len as usize);
+        }
+    }
+    sockio::send_all(fd, &mut s, timeout, keep_going)
+        .map_err(|e| format!("sending a response: {}", e.describe()))
+}

@@ -1,0 +1,259 @@
+//! The TCP transport's wire format. Every integer is little endian.
+//!
+//! ```text
+//! request  = header(kind WRITE|READ) descriptor{count} payload(WRITE only)
+//! response = header(kind RESPONSE)   status{count}     payload(READ only)
+//!
+//! header     = magic u32 "FERY" | version u8 | kind u8 | flags u16 |
+//!              count u32 | reserved u32 | seq u64 | payload_len u64   (32 bytes)
+//! descriptor = remote_addr u64 | len u64                              (16 bytes)
+//! status     = i32 (FERRY_OK or a FERRY_ERR_* code)                   (4 bytes)
+//! ```
+//!
+//! A WRITE's payload is the concatenation of its descriptors' bytes. A
+//! READ's response payload is the concatenation of the bytes of the
+//! descriptors whose status is FERRY_OK, in order. Responses come back in
+//! the order requests were sent on a connection; `seq` lets each side check.
+//! Decoding never trusts a length before checking it against the limits.
+
+use ferry_plugins_abi::sys;
+
+pub const MAGIC: u32 = u32::from_le_bytes(*b"FERY");
+pub const VERSION: u8 = 1;
+pub const HEADER_LEN: usize = 32;
+pub const DESC_LEN: usize = 16;
+pub const STATUS_LEN: usize = 4;
+/// Most descriptors in one frame (the kernel's IOV_MAX).
+pub const MAX_DESCS: usize = 1024;
+/// Most payload bytes in one frame; larger requests are split.
+pub const MAX_FRAME_PAYLOAD: u64 = 64 << 20;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    Write = 1,
+    Read = 2,
+    Response = 3,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    pub kind: Kind,
+    pub count: u32,
+    pub seq: u64,
+    pub payload_len: u64,
+}
+
+/// Why bytes from the network were refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WireError(pub String);
+
+impl std::fmt::Display for WireError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Header {
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4] = VERSION;
+        b[5] = self.kind as u8;
+        b[8..12].copy_from_slice(&self.count.to_le_bytes());
+        b[16..24].copy_from_slice(&self.seq.to_le_bytes());
+        b[24..32].copy_from_slice(&self.payload_len.to_le_bytes());
+        b
+    }
+
+    /// Decodes and checks a header: magic, version, kind, count limits, and
+    /// payload limits for its kind.
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Header, WireError> {
+        let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        if magic != MAGIC {
+            return Err(WireError(format!(
+                "not a Ferry TCP frame (magic {magic:#010x})"
+            )));
+        }
+        if b[4] != VERSION {
+            return Err(WireError(format!(
+                "TCP frame version {} is not supported (this side speaks {VERSION})",
+                b[4]
+            )));
+        }
+        let kind = match b[5] {
+            1 => Kind::Write,
+            2 => Kind::Read,
+            3 => Kind::Response,
+            k => return Err(WireError(format!("unknown TCP frame kind {k}"))),
+        };
+        let count = u32::from_le_bytes([b[8], b[9], b[10], b[11]]);
+        if count == 0 || count as usize > MAX_DESCS {
+            return Err(WireError(format!(
+                "a frame with {count} entries (allowed: 1 to {MAX_DESCS})"
+            )));
+        }
+        let seq = u64::from_le_bytes(b[16..24].try_into().unwrap_or([0; 8]));
+        let payload_len = u64::from_le_bytes(b[24..32].try_into().unwrap_or([0; 8]));
+        if payload_len > MAX_FRAME_PAYLOAD {
+            return Err(WireError(format!(
+                "a frame payload of {payload_len} bytes exceeds {MAX_FRAME_PAYLOAD}"
+            )));
+        }
+        if kind == Kind::Read && payload_len != 0 {
+            return Err(WireError("a READ request carries a payload".into()));
+        }
+        Ok(Header {
+            kind,
+            count,
+            seq,
+            payload_len,
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Desc {
+    pub addr: u64,
+    pub len: u64,
+}
+
+pub fn encode_descs(descs: &[Desc], out: &mut Vec<u8>) {
+    for d in descs {
+        out.extend_from_slice(&d.addr.to_le_bytes());
+        out.extend_from_slice(&d.len.to_le_bytes());
+    }
+}
+
+/// Decodes the descriptors of a request and checks them against its header:
+/// no empty or wrapping range, and (for writes) a payload length equal to
+/// their sum; a read may ask for at most `MAX_FRAME_PAYLOAD` bytes.
+pub fn decode_descs(header: &Header, bytes: &[u8]) -> Result<Vec<Desc>, WireError> {
+    if bytes.len() != header.count as usize * DESC_LEN {
+        return Err(WireError("descriptor block has the wrong length".into()));
+    }
+    let mut descs = Vec::with_capacity(header.count as usize);
+    let mut total: u64 = 0;
+    for chunk in bytes.chunks_exact(DESC_LEN) {
+        let addr = u64::from_le_bytes(chunk[0..8].try_into().unwrap_or([0; 8]));
+        let len = u64::from_le_bytes(chunk[8..16].try_into().unwrap_or([0; 8]));
+        if len == 0 || addr.checked_add(len).is_none() {
+            return Err(WireError(format!(
+                "descriptor [{addr:#x}, +{len}) is empty or wraps"
+            )));
+        }
+        total = total
+            .checked_add(len)
+            .filter(|t| *t <= MAX_FRAME_PAYLOAD)
+            .ok_or_else(|| WireError("descriptors add up to more than a frame allows".into()))?;
+        descs.push(Desc { addr, len });
+    }
+    if header.kind == Kind::Write && total != header.payload_len {
+        return Err(WireError(format!(
+            "WRITE payload is {} bytes but its descriptors add up to {total}",
+            header.payload_len
+        )));
+    }
+    Ok(descs)
+}
+
+pub fn encode_statuses(statuses: &[i32], out: &mut Vec<u8>) {
+    for s in statuses {
+        out.extend_from_slice(&s.to_le_bytes());
+    }
+}
+
+/// Decodes statuses, mapping values that are not known codes to
+/// `FERRY_ERR_PROTOCOL` so a peer cannot smuggle arbitrary numbers upward.
+pub fn decode_statuses(bytes: &[u8]) -> Vec<i32> {
+    bytes
+        .chunks_exact(STATUS_LEN)
+        .map(|c| {
+            let v = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            if v == sys::FERRY_OK || ferry_plugins_abi::ErrorCode::from_raw(v).is_some() {
+                v
+            } else {
+                sys::FERRY_ERR_PROTOCOL
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(kind: Kind, count: u32, payload_len: u64) -> Header {
+        Header {
+            kind,
+            count,
+            seq: 7,
+            payload_len,
+        }
+    }
+
+    #[test]
+    fn headers_round_trip() {
+        let h = header(Kind::Write, 3, 300);
+        assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+    }
+
+    #[test]
+    fn hostile_headers_are_refused() {
+        let good = header(Kind::Write, 1, 10).encode();
+        let mut b = good;
+        b[0] ^= 1;
+        assert!(Header::decode(&b).unwrap_err().0.contains("magic"));
+        let mut b = good;
+        b[4] = 2;
+        assert!(Header::decode(&b).unwrap_err().0.contains("version 2"));
+        let mut b = good;
+        b[5] = 9;
+        assert!(Header::decode(&b).is_err());
+        assert!(Header::decode(&header(Kind::Write, 0, 0).encode()).is_err());
+        assert!(Header::decode(&header(Kind::Write, 1025, 0).encode()).is_err());
+        assert!(Header::decode(&header(Kind::Write, 1, MAX_FRAME_PAYLOAD + 1).encode()).is_err());
+        assert!(Header::decode(&header(Kind::Read, 1, 1).encode()).is_err());
+    }
+
+    #[test]
+    fn descriptors_must_add_up_and_not_wrap() {
+        let h = header(Kind::Write, 2, 30);
+        let mut b = Vec::new();
+        encode_descs(
+            &[Desc { addr: 100, len: 10 }, Desc { addr: 200, len: 20 }],
+            &mut b,
+        );
+        assert_eq!(decode_descs(&h, &b).unwrap().len(), 2);
+        let wrong_total = header(Kind::Write, 2, 31);
+        assert!(decode_descs(&wrong_total, &b).is_err());
+        let mut wrap = Vec::new();
+        encode_descs(
+            &[Desc {
+                addr: u64::MAX,
+                len: 2,
+            }],
+            &mut wrap,
+        );
+        assert!(decode_descs(&header(Kind::Read, 1, 0), &wrap).is_err());
+        let mut empty = Vec::new();
+        encode_descs(&[Desc { addr: 1, len: 0 }], &mut empty);
+        assert!(decode_descs(&header(Kind::Read, 1, 0), &empty).is_err());
+        assert!(decode_descs(&h, &b[..16]).is_err());
+    }
+
+    #[test]
+    fn unknown_status_values_become_protocol_errors() {
+        let mut b = Vec::new();
+        encode_statuses(&[0, sys::FERRY_ERR_OUT_OF_BOUNDS, -999, 5], &mut b);
+        assert_eq!(
+            decode_statuses(&b),
+            vec![
+                0,
+                sys::FERRY_ERR_OUT_OF_BOUNDS,
+                sys::FERRY_ERR_PROTOCOL,
+                sys::FERRY_ERR_PROTOCOL
+            ]
+        );
+    }
+}
