@@ -144,6 +144,19 @@ impl TopologyFile {
 
     /// Validates `text` as the content of the file at `path`.
     pub(crate) fn parse(path: &Path, text: &str) -> Result<Self, TopologyError> {
+        // serde would also take a struct from a JSON array; a file is an object.
+        let body = text.trim_start();
+        if !body.is_empty() && !body.starts_with('{') {
+            let before = &text[..text.len() - body.len()];
+            let line = before.matches('\n').count() + 1;
+            let column = before.len() - before.rfind('\n').map_or(0, |newline| newline + 1) + 1;
+            return Err(TopologyError::TopologyFileSyntax {
+                path: path.to_path_buf(),
+                line,
+                column,
+                message: "expected a JSON object ({ ... }) at the top level".to_string(),
+            });
+        }
         let spec: FileSpec =
             serde_json::from_str(text).map_err(|error| syntax_error(path, &error))?;
         let invalid = |message: String| TopologyError::TopologyFileInvalid {
@@ -300,6 +313,15 @@ mod tests {
             .expect_err("unknown key")
             .to_string();
         assert!(typo.contains("prefered"), "{typo}");
+        let array = parse("\n  []").expect_err("array");
+        assert!(matches!(
+            array,
+            TopologyError::TopologyFileSyntax {
+                line: 2,
+                column: 3,
+                ..
+            }
+        ));
         let truncated = parse(r#"{"nics": ["#).expect_err("truncated").to_string();
         assert!(truncated.contains("line 1"), "{truncated}");
 

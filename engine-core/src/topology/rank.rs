@@ -4,15 +4,17 @@
 //! port is never first, however close), then path class, then RDMA before
 //! plain network interfaces, then faster before slower, then name.
 //!
-//! Spreading: GPUs whose best NICs tie would otherwise all take the first of
-//! them. Walking GPUs in ordinal order, each takes the tied NIC that the
+//! Spreading: GPUs whose best NICs tie (same usability, class, kind and
+//! speed) would otherwise all take the first of them. Walking GPUs in ordinal order, each takes the tied NIC that the
 //! fewest earlier GPUs took first (ties to the earlier NIC), and the rest of
 //! its tied NICs follow cyclically. For GPUs that share the same tied set this
 //! is round-robin: GPU k of the group starts at tied NIC k mod n, as NCCL
 //! spreads GPUs over equally close NICs. `cpu:N` rows are not spread (there is
-//! one row per node). A topology file pin replaces the computed order for its
-//! location: pinned NICs first, in the file's order, except that down NICs
-//! still go last.
+//! one row per node). NICs of different speeds do not tie: a GPU sharing a
+//! 400 Gb/s NIC is not sent to a 1 Gb/s management port on the same bridge.
+//!
+//! A topology file pin replaces the computed order for its location: pinned
+//! NICs first, in the file's order, except that down NICs still go last.
 
 use std::cmp::Reverse;
 use std::collections::BTreeMap;
