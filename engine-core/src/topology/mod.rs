@@ -54,6 +54,7 @@ mod discover;
 mod error;
 pub mod fixture;
 mod model;
+mod nic_discovery;
 mod nic_filter;
 pub mod override_file;
 mod pci;
