@@ -30,6 +30,7 @@ pub mod identity;
 pub mod info;
 pub mod location;
 pub mod memory;
+pub mod topology;
 pub mod transport;
 
 pub use batch::{BatchId, BatchStatus, RequestStatus};
