@@ -3,11 +3,19 @@
 //! Logging goes to stderr and follows FERRY_LOG (env_logger syntax, e.g.
 //! `FERRY_LOG=info` or `FERRY_LOG=ferry=debug`); the default shows warnings.
 
-use clap::{Parser, Subcommand};
+mod bench;
+mod demo;
+mod util;
+
+use clap::{Parser, Subcommand, ValueEnum};
 use ferry_core::host::CoreHost;
 use ferry_core::info::InfoReport;
+use ferry_core::topology::{fixture, Topology, TopologyConfig};
+use ferry_core::Op;
 use ferry_loader::LoaderConfig;
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 #[derive(Parser)]
 #[command(
@@ -16,15 +24,26 @@ use std::process::ExitCode;
     about = "Ferry moves KV-cache blocks and tensors between GPU and host memory across a cluster.",
     long_about = "Ferry moves KV-cache blocks and tensors between GPU and host memory across a \
 cluster. Plugins (transports such as tcp, shm, rdma; devices such as cuda) are found at run \
-time, so one build runs on every node.\n\nEnvironment:\n  FERRY_PLUGIN_PATH   colon list of \
-plugin directories or files, searched first\n  FERRY_TRANSPORTS    allow list (tcp,shm) or deny \
-list (^rdma) of transports\n  FERRY_PLUGIN_PROBE_TIMEOUT_MS  how long one plugin's probe may \
-take (default 10000)\n  FERRY_LOG           log filter (default warn), e.g. info or \
-ferry=debug"
+time, so one build runs on every node.\n\nEnvironment (defaults in README.md):\n  \
+FERRY_PLUGIN_PATH   colon list of plugin directories or files, searched first\n  \
+FERRY_TRANSPORTS    allow list (tcp,shm) or deny list (^rdma) of transports\n  \
+FERRY_LISTEN        control listener address (127.0.0.1:0)\n  \
+FERRY_HOSTNAME      host part of this engine's segment name\n  \
+FERRY_TIMEOUT_MS    deadline of every network wait (15000)\n  \
+FERRY_SYSFS_ROOT    read topology from this tree instead of /sys\n  \
+FERRY_NICS          allow (mlx5_0,mlx5_1) or deny (^mlx5_2) list of NICs\n  \
+FERRY_TOPOLOGY_FILE JSON file that pins or adds topology\n  \
+FERRY_LOG           log filter (warn), e.g. info or ferry=debug"
 )]
 struct Cli {
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum OpArg {
+    Read,
+    Write,
 }
 
 #[derive(Subcommand)]
@@ -38,6 +57,89 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Show which NIC is closest to which memory, as `nvidia-smi topo -m` would.
+    Topology {
+        /// Print JSON: numa_nodes, gpus, nics, paths, preferred.
+        #[arg(long)]
+        json: bool,
+        /// Write a named fake sysfs tree (for tests) into this directory and exit.
+        #[arg(long, hide = true, value_names = ["NAME", "DIR"], num_args = 2)]
+        write_fixture: Option<Vec<String>>,
+    },
+    /// A real transfer between two engines in two processes on this host,
+    /// saying what was chosen and why, then verifying every byte.
+    Demo {
+        /// Bytes to write and read back.
+        #[arg(long, default_value = "256M", value_parser = parse_size)]
+        size: u64,
+        /// Size of each request.
+        #[arg(long, default_value = "4M", value_parser = parse_size)]
+        block: u64,
+        #[arg(long, hide = true)]
+        role: Option<String>,
+    },
+    /// Measure throughput, ops/s and latency between two engines.
+    Bench {
+        #[command(subcommand)]
+        mode: BenchMode,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchMode {
+    /// Serve a buffer; prints `segment NAME` on its first line.
+    Target {
+        /// Control listener address; its port is in the segment name.
+        #[arg(long)]
+        listen: Option<String>,
+        #[arg(long, default_value = "1G", value_parser = parse_size)]
+        buffer_size: u64,
+        /// Exit after this many seconds (default: run until killed).
+        #[arg(long)]
+        duration: Option<f64>,
+    },
+    /// Drive reads or writes against a target and report.
+    Initiator {
+        /// The target's segment name (host:port).
+        #[arg(long)]
+        segment: String,
+        #[arg(long, value_enum, default_value = "write")]
+        op: OpArg,
+        #[arg(long, default_value = "64K", value_parser = parse_size)]
+        block_size: u64,
+        /// Requests per batch.
+        #[arg(long, default_value_t = 256)]
+        batch_size: usize,
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+        /// Seconds to run.
+        #[arg(long, default_value_t = 5.0)]
+        duration: f64,
+        /// Use this transport (else the engine chooses).
+        #[arg(long)]
+        transport: Option<String>,
+        /// Print one JSON object (gb_per_s, ops_per_s, latency_us{p50,p90,p99}, ...).
+        #[arg(long)]
+        json: bool,
+    },
+    /// This machine's single-stream TCP loopback limit, for ratios.
+    TcpLimit {
+        #[arg(long, default_value_t = 3.0)]
+        duration: f64,
+        #[arg(long, default_value = "1M", value_parser = parse_size)]
+        block: u64,
+        #[arg(long)]
+        json: bool,
+    },
+    #[command(hide = true)]
+    TcpSink {
+        #[arg(long)]
+        connect: String,
+    },
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    util::parse_size(s)
 }
 
 fn main() -> ExitCode {
@@ -45,24 +147,111 @@ fn main() -> ExitCode {
         .format_timestamp_millis()
         .init();
     let cli = Cli::parse();
-    match cli.command {
+    let result = match cli.command {
         Command::Info { json } => info(json),
+        Command::Topology {
+            json,
+            write_fixture,
+        } => topology(json, write_fixture),
+        Command::Demo { size, block, role } => match role.as_deref() {
+            Some("target") => demo::run_target(size),
+            Some(other) => Err(format!("unknown demo role {other:?}")),
+            None => demo::run(demo::DemoArgs { size, block }),
+        },
+        Command::Bench { mode } => match mode {
+            BenchMode::Target {
+                listen,
+                buffer_size,
+                duration,
+            } => bench::target(bench::TargetArgs {
+                listen,
+                buffer_size,
+                duration,
+            }),
+            BenchMode::Initiator {
+                segment,
+                op,
+                block_size,
+                batch_size,
+                threads,
+                duration,
+                transport,
+                json,
+            } => bench::initiator(bench::InitiatorArgs {
+                segment,
+                op: match op {
+                    OpArg::Read => Op::Read,
+                    OpArg::Write => Op::Write,
+                },
+                block_size,
+                batch_size,
+                threads,
+                duration,
+                json,
+                transport,
+            }),
+            BenchMode::TcpLimit {
+                duration,
+                block,
+                json,
+            } => bench::tcp_limit(duration, block as usize, json),
+            BenchMode::TcpSink { connect } => bench::tcp_sink(&connect),
+        },
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ferry: {e}");
+            ExitCode::from(1)
+        }
     }
 }
 
-fn info(json: bool) -> ExitCode {
-    let set = ferry_core::load_plugins(&LoaderConfig::from_env(), CoreHost::default());
+fn discover_topology() -> Result<Topology, String> {
+    Topology::discover(&TopologyConfig::from_env()).map_err(|e| e.to_string())
+}
+
+fn info(json: bool) -> Result<(), String> {
+    let topology = match discover_topology() {
+        Ok(t) => Some(Arc::new(t)),
+        Err(e) => {
+            eprintln!("ferry: topology: {e}");
+            None
+        }
+    };
+    let set = ferry_core::load_plugins(
+        &LoaderConfig::from_env(),
+        CoreHost::new(Default::default(), topology),
+    );
     let report = InfoReport::from_plugins(&set);
     if json {
-        match serde_json::to_string_pretty(&report) {
-            Ok(s) => println!("{s}"),
-            Err(e) => {
-                eprintln!("ferry: cannot print the report: {e}");
-                return ExitCode::from(1);
-            }
-        }
+        let text = serde_json::to_string_pretty(&report)
+            .map_err(|e| format!("cannot print the report: {e}"))?;
+        println!("{text}");
     } else {
         print!("{}", report.render_text());
     }
-    ExitCode::SUCCESS
+    Ok(())
+}
+
+fn topology(json: bool, write_fixture: Option<Vec<String>>) -> Result<(), String> {
+    if let Some(args) = write_fixture {
+        let (name, dir) = (&args[0], PathBuf::from(&args[1]));
+        let builder = fixture::named(name)
+            .ok_or_else(|| format!("no fixture {name:?}; known: {}", fixture::NAMES.join(", ")))?;
+        return builder
+            .write(&dir)
+            .map_err(|e| format!("writing {}: {e}", dir.display()));
+    }
+    let topology = discover_topology()?;
+    if json {
+        let text = serde_json::to_string_pretty(&topology.to_json()).map_err(|e| e.to_string())?;
+        println!("{text}");
+    } else {
+        print!("{}", topology.render_matrix());
+        for w in topology.warnings() {
+            eprintln!("warning: {w}");
+        }
+    }
+    Ok(())
 }

@@ -195,13 +195,20 @@ impl Batch {
     }
 
     /// Waits until every submitted request finished or `timeout` passed, and
-    /// returns the status either way. Spins briefly first: a small transfer
-    /// on a fast path completes within microseconds, sooner than a sleeping
-    /// thread wakes up.
-    pub fn wait(&self, timeout: Duration) -> BatchStatus {
+    /// returns the status either way. For up to `spin` it polls, calling
+    /// `progress` so that this thread picks up completions itself: a small
+    /// transfer completes within microseconds, much sooner than a sleeping
+    /// thread wakes up (a wake-up costs tens of microseconds on a VM).
+    pub fn wait(
+        &self,
+        timeout: Duration,
+        spin: Duration,
+        mut progress: impl FnMut(),
+    ) -> BatchStatus {
         let started = Instant::now();
-        let spin = Duration::from_micros(50).min(timeout);
+        let spin = spin.min(timeout);
         while self.pending.load(Ordering::SeqCst) != 0 && started.elapsed() < spin {
+            progress();
             std::hint::spin_loop();
         }
         if self.pending.load(Ordering::SeqCst) != 0 {

@@ -2,6 +2,7 @@
 //! wins). Every setting here is documented in the README with its default.
 
 use crate::error::{Error, ErrorCode, Result};
+use crate::topology::TopologyConfig;
 use ferry_loader::{LoaderConfig, NameFilter};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -12,6 +13,8 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:0";
 pub const DEFAULT_TIMEOUT_MS: u64 = 15_000;
 /// Default for FERRY_CONNECT_TIMEOUT_MS.
 pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 5_000;
+/// Default for FERRY_SPIN_US: how long a waiting thread polls before sleeping.
+pub const DEFAULT_SPIN_US: u64 = 100;
 
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -26,9 +29,15 @@ pub struct EngineConfig {
     pub timeout: Duration,
     /// Deadline of a connection attempt (FERRY_CONNECT_TIMEOUT_MS).
     pub connect_timeout: Duration,
+    /// How long a thread waiting for a batch polls (completing what arrives
+    /// itself) before it sleeps (FERRY_SPIN_US; 0 sleeps at once).
+    pub spin: Duration,
     /// Plugin settings ("tcp.connections" = "4"); override FERRY_TCP_CONNECTIONS.
     pub settings: BTreeMap<String, String>,
     pub loader: LoaderConfig,
+    /// Where topology comes from (FERRY_SYSFS_ROOT, FERRY_NICS,
+    /// FERRY_TOPOLOGY_FILE, CUDA_VISIBLE_DEVICES).
+    pub topology: TopologyConfig,
 }
 
 impl Default for EngineConfig {
@@ -38,8 +47,10 @@ impl Default for EngineConfig {
             hostname: None,
             timeout: Duration::from_millis(DEFAULT_TIMEOUT_MS),
             connect_timeout: Duration::from_millis(DEFAULT_CONNECT_TIMEOUT_MS),
+            spin: Duration::from_micros(DEFAULT_SPIN_US),
             settings: BTreeMap::new(),
             loader: LoaderConfig::default(),
+            topology: TopologyConfig::default(),
         }
     }
 }
@@ -59,12 +70,28 @@ fn parse_ms(var: &str, value: &str) -> Result<Duration> {
         })
 }
 
+fn parse_us(var: &str, value: &str) -> Result<Duration> {
+    value
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .filter(|v| *v <= 1_000_000)
+        .map(Duration::from_micros)
+        .ok_or_else(|| {
+            Error::new(
+                ErrorCode::InvalidArgument,
+                format!("{var}={value:?} is not a number of microseconds (0 to 1000000)"),
+            )
+        })
+}
+
 impl EngineConfig {
     /// Defaults overridden by FERRY_LISTEN, FERRY_HOSTNAME, FERRY_TIMEOUT_MS,
     /// FERRY_CONNECT_TIMEOUT_MS and the loader's variables.
     pub fn from_env() -> Result<EngineConfig> {
         let mut c = EngineConfig {
             loader: LoaderConfig::from_env(),
+            topology: TopologyConfig::from_env(),
             ..EngineConfig::default()
         };
         if let Ok(v) = std::env::var("FERRY_LISTEN") {
@@ -81,6 +108,9 @@ impl EngineConfig {
         if let Ok(v) = std::env::var("FERRY_CONNECT_TIMEOUT_MS") {
             c.connect_timeout = parse_ms("FERRY_CONNECT_TIMEOUT_MS", &v)?;
         }
+        if let Ok(v) = std::env::var("FERRY_SPIN_US") {
+            c.spin = parse_us("FERRY_SPIN_US", &v)?;
+        }
         Ok(c)
     }
 
@@ -94,6 +124,7 @@ impl EngineConfig {
             "hostname" => self.hostname = Some(value.to_string()).filter(|v| !v.is_empty()),
             "timeout_ms" => self.timeout = parse_ms("timeout_ms", value)?,
             "connect_timeout_ms" => self.connect_timeout = parse_ms("connect_timeout_ms", value)?,
+            "spin_us" => self.spin = parse_us("spin_us", value)?,
             "plugin_path" => {
                 let mut dirs: Vec<_> = std::env::split_paths(value)
                     .filter(|p| !p.as_os_str().is_empty())
@@ -102,6 +133,11 @@ impl EngineConfig {
                 self.loader.plugin_path = dirs;
             }
             "transports" => self.loader.transports = NameFilter::parse(value),
+            "nics" => self.topology.nic_filter = Some(value.to_string()).filter(|v| !v.is_empty()),
+            "sysfs_root" => self.topology.sysfs_root = value.into(),
+            "topology_file" => {
+                self.topology.topology_file = Some(value.into()).filter(|_| !value.is_empty())
+            }
             k if k.contains('.') && !k.starts_with('.') && !k.ends_with('.') => {
                 self.settings.insert(k.to_string(), value.to_string());
             }
@@ -110,8 +146,8 @@ impl EngineConfig {
                     ErrorCode::InvalidArgument,
                     format!(
                         "unknown option {key:?}: expected listen, hostname, timeout_ms, \
-                         connect_timeout_ms, plugin_path, transports, or a plugin setting \
-                         such as tcp.connections"
+                         connect_timeout_ms, spin_us, plugin_path, transports, nics, sysfs_root, \
+                         topology_file, or a plugin setting such as tcp.connections"
                     ),
                 ))
             }

@@ -18,8 +18,9 @@ use crate::descriptor::{
 use crate::error::{Error, ErrorCode, Result};
 use crate::host::CoreHost;
 use crate::identity::Identity;
-use crate::location::{numa_node_of, Location};
+use crate::location::{host_location, Location};
 use crate::memory::{LocalBuffer, MemoryRegistry, TransportRegistration};
+use crate::topology::{PathClass, Topology};
 use crate::transport::{PeerHandle, Transport};
 use ferry_loader::{PluginKind, PluginSet};
 use ferry_plugins_abi::sys;
@@ -172,10 +173,26 @@ pub struct Route {
     pub reason: String,
     /// The plugin's own description of how it reaches the peer.
     pub peer_detail: Option<String>,
+    /// For socket transports: the interface the kernel routes through.
+    pub nic: Option<RouteNic>,
+}
+
+/// The local interface toward a peer and where it sits in the topology.
+#[derive(Clone, Debug)]
+pub struct RouteNic {
+    pub interface: String,
+    pub local_ip: IpAddr,
+    pub loopback: bool,
+    /// The topology's NIC behind the interface (its PCI function), if any.
+    pub nic: Option<String>,
+    pub pci: Option<String>,
+    /// Path class from the local buffer's location to that NIC.
+    pub class: Option<PathClass>,
 }
 
 struct Shared {
     config: EngineConfig,
+    topology: Arc<Topology>,
     identity: Identity,
     name: String,
     plugins: PluginSet,
@@ -245,7 +262,17 @@ impl Engine {
         settings
             .entry("connect_timeout_ms".into())
             .or_insert_with(|| config.connect_timeout.as_millis().to_string());
-        let plugins = crate::load_plugins(&config.loader, CoreHost::new(settings));
+        let topology = Arc::new(
+            Topology::discover(&config.topology)
+                .map_err(|e| Error::new(ErrorCode::InvalidArgument, format!("topology: {e}")))?,
+        );
+        for w in topology.warnings() {
+            log::warn!("topology: {w}");
+        }
+        let plugins = crate::load_plugins(
+            &config.loader,
+            CoreHost::new(settings, Some(topology.clone())),
+        );
 
         let batches = Arc::new(BatchTable::default());
         let listen_host = bound.ip().to_string();
@@ -290,6 +317,7 @@ impl Engine {
         }
 
         let shared = Arc::new(Shared {
+            topology,
             identity: Identity::new(),
             name,
             plugins,
@@ -349,6 +377,11 @@ impl Engine {
         &self.shared.config
     }
 
+    /// The hardware topology this engine discovered at start.
+    pub fn topology(&self) -> &Arc<Topology> {
+        &self.shared.topology
+    }
+
     /// Registers `[addr, addr + len)` so that it can be a local buffer and
     /// peers can read and write it. `location` is detected when `None`
     /// (host memory: the NUMA node of its first page).
@@ -400,8 +433,13 @@ impl Engine {
         self.shared.submit(batch, requests)
     }
 
+    /// The batch's status now (after completing what has already arrived).
     pub fn batch_status(&self, batch: BatchId) -> Result<BatchStatus> {
-        Ok(self.shared.batches.get(batch)?.status())
+        let batch = self.shared.batches.get(batch)?;
+        if batch.pending() != 0 {
+            self.shared.progress();
+        }
+        Ok(batch.status())
     }
 
     pub fn request_status(&self, batch: BatchId, index: usize) -> Result<RequestStatus> {
@@ -410,7 +448,8 @@ impl Engine {
 
     /// Waits for every request of the batch to finish, or for `timeout`.
     pub fn wait(&self, batch: BatchId, timeout: Duration) -> Result<BatchStatus> {
-        Ok(self.shared.batches.get(batch)?.wait(timeout))
+        let batch = self.shared.batches.get(batch)?;
+        Ok(self.shared.wait(&batch, timeout))
     }
 
     /// Frees a batch whose requests have all finished.
@@ -422,15 +461,12 @@ impl Engine {
     /// configured timeout); the first failure is the error.
     pub fn transfer_sync(&self, requests: &[Request]) -> Result<()> {
         let batch = self.allocate_batch(requests.len().max(1))?;
-        let result = self.submit(batch, requests).map(|_| {
-            self.shared
-                .batches
-                .get(batch)
-                .map(|b| b.wait(self.shared.config.timeout * 2))
-        });
+        let result = self
+            .submit(batch, requests)
+            .and_then(|_| self.wait(batch, self.shared.config.timeout * 2));
         let status = match result {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) | Err(e) => {
+            Ok(s) => s,
+            Err(e) => {
                 let _ = self.wait(batch, self.shared.config.timeout * 2);
                 let _ = self.free_batch(batch);
                 return Err(e);
@@ -468,12 +504,23 @@ impl Engine {
         let (t, reason) = self.shared.select(&local, &seg, &view, remote, None)?;
         let peer = self.shared.peer(&seg, t).ok();
         let transport = &self.shared.transports[t];
+        let nic = if transport.name.starts_with("rdma") {
+            None
+        } else {
+            self.shared.route_nic(&seg, &local)
+        };
         Ok(Route {
             transport: transport.name.clone(),
             scope: seg.scope,
             reason,
             peer_detail: peer.and_then(|p| transport.describe(&p)),
+            nic,
         })
+    }
+
+    /// The descriptor of an open segment, as last fetched.
+    pub fn descriptor_of(&self, id: SegmentId) -> Result<SegmentDescriptor> {
+        Ok(self.shared.segment(id)?.view.read().descriptor.clone())
     }
 
     /// This engine's own descriptor, as peers see it.
@@ -507,6 +554,12 @@ fn remote_out_of_bounds(
     )
 }
 
+/// Requests for one (segment, transport), each with its index in `routed`.
+type TargetGroup = (
+    (SegmentId, usize),
+    Vec<(sys::ferry_transfer_request_t, usize)>,
+);
+
 /// A group of adjacent requests for one transport and segment.
 struct Pending {
     segment: Arc<RemoteSegment>,
@@ -522,6 +575,16 @@ struct Pending {
 }
 
 impl Shared {
+    fn progress(&self) {
+        for t in &self.transports {
+            t.progress();
+        }
+    }
+
+    fn wait(&self, batch: &crate::batch::Batch, timeout: Duration) -> BatchStatus {
+        batch.wait(timeout, self.config.spin, || self.progress())
+    }
+
     fn segment(&self, id: SegmentId) -> Result<Arc<RemoteSegment>> {
         self.segments
             .read()
@@ -540,6 +603,27 @@ impl Shared {
                     addr.saturating_add(len)
                 ),
             )
+        })
+    }
+
+    /// The interface the kernel uses toward the segment's host, and its NIC.
+    fn route_nic(&self, seg: &RemoteSegment, local: &LocalBuffer) -> Option<RouteNic> {
+        use std::net::ToSocketAddrs;
+        let peer = seg.name.to_socket_addrs().ok()?.next()?;
+        let local_ip = ferry_plugins_abi::sdk::net::source_address_toward(peer)?;
+        let itf = ferry_plugins_abi::sdk::net::interface_with(local_ip)?;
+        let nic = self
+            .topology
+            .nic_by_netdev(&itf.name)
+            .or_else(|| self.topology.nic(&itf.name));
+        let location = local.location.to_string();
+        Some(RouteNic {
+            interface: itf.name.clone(),
+            local_ip,
+            loopback: itf.loopback,
+            nic: nic.map(|n| n.name.clone()),
+            pci: nic.and_then(|n| n.pci.map(|p| p.to_string())),
+            class: nic.and_then(|n| self.topology.path_class(&location, &n.name)),
         })
     }
 
@@ -588,16 +672,16 @@ impl Shared {
             ));
         }
         self.memory.check_free(addr, len)?;
-        let location = match location {
-            Some(l) => l,
-            None => Location::Cpu(numa_node_of(addr as *const u8)),
-        };
-        let mem_kind = match location {
-            Location::Cpu(_) => sys::FERRY_MEM_HOST,
-            Location::Cuda(_) => {
+        let location = location.unwrap_or_else(|| host_location(addr));
+        let (mem_kind, numa) = match location {
+            Location::Cpu(n) => (sys::FERRY_MEM_HOST, Some(n)),
+            Location::Cuda(_) | Location::Rocm(_) => {
                 return Err(Error::new(
                     ErrorCode::Unsupported,
-                    "registering CUDA memory needs the cuda device plugin, which is not loaded",
+                    format!(
+                        "registering {location} memory needs a device plugin for it, and none \
+                         is loaded"
+                    ),
                 ))
             }
         };
@@ -607,7 +691,7 @@ impl Shared {
             if t.mem_kinds & mem_kind == 0 {
                 continue;
             }
-            match t.register(addr, len, mem_kind, &location_s, location.numa_node()) {
+            match t.register(addr, len, mem_kind, &location_s, numa) {
                 Ok((handle, key)) => registrations.push(TransportRegistration {
                     transport: i,
                     handle,
@@ -856,14 +940,14 @@ impl Shared {
                 ));
             }
             let local = self.local_buffer(i, r.local_addr, r.length)?;
-            if !segs.contains_key(&r.segment) {
-                let seg = self.segment(r.segment)?;
-                let view = seg.view.read().clone();
-                segs.insert(r.segment, (seg, view, false));
-            }
-            let entry = segs
-                .get_mut(&r.segment)
-                .ok_or_else(|| unknown_segment(r.segment))?;
+            let entry = match segs.entry(r.segment) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    let seg = self.segment(r.segment)?;
+                    let view = seg.view.read().clone();
+                    e.insert((seg, view, false))
+                }
+            };
             let mut remote = entry.1.find(r.remote_addr, r.length);
             if remote.is_none() && !entry.2 {
                 // The peer may have registered memory since we last looked.
@@ -934,10 +1018,7 @@ impl Shared {
         // 3. Reserve the batch slots and create one completion group per
         // coalesced request.
         let base = batch.reserve(requests.len())?;
-        let mut by_target: Vec<(
-            (SegmentId, usize),
-            Vec<(sys::ferry_transfer_request_t, usize)>,
-        )> = Vec::new();
+        let mut by_target: Vec<TargetGroup> = Vec::new();
         for (n, p) in routed.iter().enumerate() {
             let token = batch.add_group(base + p.first, p.count, p.local.clone());
             let local_mem = p

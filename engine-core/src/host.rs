@@ -1,22 +1,54 @@
 //! The services Ferry offers plugins (logging, configuration, topology),
-//! implemented over the engine's configuration.
+//! implemented over the engine's configuration and discovered topology.
 
+use crate::topology::{LinkState, NicKind, Topology};
 use ferry_loader::{config_env_var, HostServices};
 use ferry_plugins_abi::sdk::Nic;
-use ferry_plugins_abi::ErrorCode;
+use ferry_plugins_abi::{sys, ErrorCode};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
-/// Host services backed by explicit settings, then the environment.
+/// Host services backed by explicit settings, then the environment, and by
+/// the topology when one was discovered.
 #[derive(Clone, Debug, Default)]
 pub struct CoreHost {
     settings: BTreeMap<String, String>,
+    topology: Option<Arc<Topology>>,
 }
 
 impl CoreHost {
     /// `settings` override the environment: key "tcp.connections" is looked
     /// up here first, then as FERRY_TCP_CONNECTIONS.
-    pub fn new(settings: BTreeMap<String, String>) -> CoreHost {
-        CoreHost { settings }
+    pub fn new(settings: BTreeMap<String, String>, topology: Option<Arc<Topology>>) -> CoreHost {
+        CoreHost { settings, topology }
+    }
+}
+
+/// A topology NIC in the ABI's terms, with its class from some location.
+pub fn abi_nic(nic: &crate::topology::Nic, path_class: u32) -> Nic {
+    let link_layer = match nic.link_layer.as_deref() {
+        Some(l) if l.eq_ignore_ascii_case("infiniband") => sys::FERRY_LINK_INFINIBAND,
+        Some(l) if l.eq_ignore_ascii_case("ethernet") => sys::FERRY_LINK_ETHERNET,
+        _ if nic.kind == NicKind::Net => sys::FERRY_LINK_ETHERNET,
+        _ => sys::FERRY_LINK_UNKNOWN,
+    };
+    Nic {
+        kind: match nic.kind {
+            NicKind::Rdma => sys::FERRY_NIC_KIND_RDMA,
+            NicKind::Net => sys::FERRY_NIC_KIND_NET,
+        },
+        path_class,
+        name: nic.name.clone(),
+        netdev: nic.netdevs.first().cloned().unwrap_or_default(),
+        pci_bus_id: nic.pci.map(|p| p.to_string()).unwrap_or_default(),
+        numa_node: nic.numa,
+        port_state: match nic.state {
+            LinkState::Active => sys::FERRY_PORT_ACTIVE,
+            LinkState::Unknown => sys::FERRY_PORT_UNKNOWN,
+            LinkState::Armed | LinkState::Init | LinkState::Down => sys::FERRY_PORT_DOWN,
+        },
+        link_layer,
+        speed_mbps: nic.speed_mbps.unwrap_or(0),
     }
 }
 
@@ -28,7 +60,26 @@ impl HostServices for CoreHost {
             .or_else(|| std::env::var(config_env_var(key)).ok())
     }
 
-    fn nics(&self, _location: Option<&str>) -> Result<Vec<Nic>, ErrorCode> {
-        Ok(Vec::new())
+    fn nics(&self, location: Option<&str>) -> Result<Vec<Nic>, ErrorCode> {
+        let Some(topology) = &self.topology else {
+            return Ok(Vec::new());
+        };
+        match location {
+            None => Ok(topology
+                .nics()
+                .iter()
+                .map(|n| abi_nic(n, sys::FERRY_PATH_UNKNOWN))
+                .collect()),
+            Some(loc) => {
+                let ranked = topology.preferred_nics(loc).ok_or(ErrorCode::NotFound)?;
+                Ok(ranked
+                    .iter()
+                    .filter_map(|r| {
+                        let nic = topology.nic(&r.name)?;
+                        Some(abi_nic(nic, r.class.as_abi()))
+                    })
+                    .collect())
+            }
+        }
     }
 }

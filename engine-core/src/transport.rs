@@ -208,7 +208,7 @@ impl Transport {
         let sink = Box::into_raw(Box::new(sink));
         let engine_name = to_cstring_lossy(engine_name);
         let listen_host = to_cstring_lossy(listen_host);
-        let mut storage = Box::new(InitStorage {
+        let storage = Box::new(InitStorage {
             params: sys::ferry_transport_init_params_t {
                 hdr: sys::ferry_abi_header_t::for_table::<sys::ferry_transport_init_params_t>(),
                 engine_name: engine_name.as_ptr(),
@@ -227,7 +227,7 @@ impl Transport {
         let status = unsafe {
             init(
                 library.services(),
-                &mut storage.params,
+                &storage.params,
                 &mut instance,
                 &mut raw_err,
             )
@@ -441,6 +441,19 @@ impl Transport {
             .to_string_lossy()
             .into_owned();
         (!text.is_empty()).then_some(text)
+    }
+
+    /// Lets the plugin complete what has arrived, on this thread.
+    pub fn progress(&self) -> usize {
+        let table = self.table();
+        if !ferry_plugins_abi::has_field!(table, sys::ferry_transport_plugin_v1_t, progress) {
+            return 0;
+        }
+        match table.progress {
+            // SAFETY: the instance is live; progress takes only it.
+            Some(f) => usize::try_from(unsafe { f(self.instance) }).unwrap_or(0),
+            None => 0,
+        }
     }
 
     pub fn supports(&self, mem_kind: u64, scope: u32) -> bool {

@@ -291,6 +291,7 @@ pub struct ferry_transport_plugin_v1_t {
             err: *mut ferry_errbuf_t,
         ) -> ferry_status_t,
     >,
+    pub progress: Option<unsafe extern "C" fn(instance: *mut c_void) -> i32>,
 }
 
 pub const FERRY_TRANSPORT_PLUGIN_V1_SYMBOL: &str = "ferry_transport_plugin_v1";

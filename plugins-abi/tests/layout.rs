@@ -119,7 +119,8 @@ fn rust_layouts() -> Vec<Layout> {
                 connect,
                 disconnect,
                 submit,
-                describe_peer
+                describe_peer,
+                progress
             ]
         ),
         layout!(

@@ -360,6 +360,11 @@ typedef struct ferry_transport_plugin_v1 {
      * 4 connections"), for `ferry demo` and logs. Same sizing rule as above. */
     ferry_status_t (*describe_peer)(void *instance, void *peer_handle, char *buf, size_t cap,
                                     size_t *len, ferry_errbuf_t *err);
+    /* Optional: completes, on the calling thread and without blocking, what
+     * has already arrived; returns how many requests it completed. The engine
+     * calls it from threads that wait for a batch, so a waiting thread picks
+     * up its own completion instead of waiting for another thread to wake. */
+    int32_t (*progress)(void *instance);
 } ferry_transport_plugin_v1_t;
 
 #define FERRY_TRANSPORT_PLUGIN_V1_SYMBOL "ferry_transport_plugin_v1"

@@ -27,6 +27,7 @@ use std::ffi::{c_char, CStr, CString};
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Once;
 
+pub mod net;
 mod transport;
 pub use transport::*;
 

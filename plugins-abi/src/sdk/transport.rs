@@ -149,6 +149,11 @@ pub trait TransportInstance: Send + Sync + 'static {
     fn describe_peer(&self, _peer: &Self::Peer) -> Option<String> {
         None
     }
+    /// Completes, without blocking, what has already arrived; returns how
+    /// many requests it completed. Called by threads waiting on a batch.
+    fn progress(&self) -> usize {
+        0
+    }
 }
 
 /// The instance type of a probe-only plugin; export it with
@@ -484,6 +489,15 @@ pub unsafe extern "C" fn describe_peer_trampoline<P: TransportPlugin>(
     }
 }
 
+/// # Safety
+/// As [`transport_probe_trampoline`].
+pub unsafe extern "C" fn progress_trampoline<P: TransportPlugin>(inst: *mut c_void) -> i32 {
+    // SAFETY: instance pointer per the contract.
+    catch(|| Ok(unsafe { instance::<P>(inst) }?.progress()))
+        .map(|n| i32::try_from(n).unwrap_or(i32::MAX))
+        .unwrap_or(0)
+}
+
 /// The v1 table for a Rust transport plugin with a data path.
 pub const fn transport_table_v1<P: TransportPlugin>() -> sys::ferry_transport_plugin_v1_t {
     sys::ferry_transport_plugin_v1_t {
@@ -501,6 +515,7 @@ pub const fn transport_table_v1<P: TransportPlugin>() -> sys::ferry_transport_pl
         disconnect: Some(disconnect_trampoline::<P>),
         submit: Some(submit_trampoline::<P>),
         describe_peer: Some(describe_peer_trampoline::<P>),
+        progress: Some(progress_trampoline::<P>),
     }
 }
 
@@ -517,6 +532,7 @@ pub const fn transport_table_v1_probe_only<P: TransportPlugin>() -> sys::ferry_t
         disconnect: None,
         submit: None,
         describe_peer: None,
+        progress: None,
         ..transport_table_v1::<P>()
     }
 }

@@ -52,11 +52,11 @@ static ferry_status_t probe(const ferry_host_services_t *host, const ferry_probe
 }
 
 static const ferry_transport_plugin_v1_t table = {
-    {(uint32_t)sizeof(ferry_transport_plugin_v1_t), TABLE_ABI_MAJOR, 0},
-    PLUGIN_NAME,
-    "0.0.1",
-    "a plugin for the loader's tests",
-    probe,
+    .hdr = {(uint32_t)sizeof(ferry_transport_plugin_v1_t), TABLE_ABI_MAJOR, 0},
+    .name = PLUGIN_NAME,
+    .version = "0.0.1",
+    .description = "a plugin for the loader's tests",
+    .probe = probe,
 };
 
 #if defined(NO_ENTRY)

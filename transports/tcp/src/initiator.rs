@@ -2,15 +2,20 @@
 //! into frames (many small requests per frame, large ones split across
 //! connections) and every frame's response completes its requests.
 //!
-//! Each connection has a sender thread and a receiver thread. A submitting
-//! thread that finds its connection idle writes the frame itself without
-//! blocking (no thread hand-off on the latency path); whatever does not fit
-//! in the socket goes to the sender thread. The receiver is the only thread
-//! that completes requests of a connection, so a request is completed
-//! exactly once whether its response arrives, the peer dies, or the
-//! connection times out.
+//! Each connection has a sender thread and a receiver thread, but the
+//! latency path avoids both: a thread wake-up costs tens of microseconds on
+//! a VM, more than the whole round trip. A submitting thread that finds its
+//! connection idle writes the frame itself without blocking; only what does
+//! not fit in the socket goes to the sender thread. On the way back, a
+//! thread waiting for its batch calls `progress`, which reads any response
+//! that has fully arrived, without blocking. The receiver thread steps in
+//! only when a frame has been in flight for [`ENGAGE_AFTER`] (long transfers,
+//! or callers that do not wait), and it alone detects dead peers and
+//! timeouts. Whoever reads a response holds the connection's reader lock for
+//! the whole frame, and a frame leaves the in-flight queue exactly once, so
+//! every request is completed exactly once.
 
-use crate::sockio::{self, IoSlices};
+use crate::sockio::{self, Deadline, IoSlices};
 use crate::wire::{self, Desc, Header, Kind};
 use ferry_plugins_abi::sdk::{Completer, Op, PluginError, TransferRequest};
 use ferry_plugins_abi::sys;
@@ -78,7 +83,18 @@ struct Inflight {
     seq: u64,
     kind: Kind,
     entries: Vec<Entry>,
+    enqueued: Instant,
 }
+
+/// How long a frame may be in flight before the receiver thread starts
+/// reading for it (a waiting caller usually completes it sooner).
+pub const ENGAGE_AFTER: Duration = Duration::from_micros(200);
+/// Frames moving at least this much wake the receiver thread at once.
+const RECEIVER_READY_BYTES: u64 = 64 * 1024;
+/// How often an idle receiver looks for new work while recently active.
+const IDLE_POLL: Duration = Duration::from_millis(1);
+/// After this long without traffic the receiver sleeps until woken.
+const DEEP_SLEEP_AFTER: Duration = Duration::from_secs(1);
 
 /// A frame on its way into the socket.
 struct OutFrame {
@@ -86,7 +102,6 @@ struct OutFrame {
     io: IoSlices,
 }
 
-#[derive(Default)]
 struct ConnState {
     next_seq: u64,
     inflight: VecDeque<Inflight>,
@@ -94,14 +109,38 @@ struct ConnState {
     sending: bool,
     broken: Option<PluginError>,
     closing: bool,
+    /// When a response last completed (or the connection was made).
+    last_progress: Instant,
+    /// The receiver sleeps until notified (set after a long idle spell).
+    deep_sleep: bool,
 }
 
-struct Conn {
+impl Default for ConnState {
+    fn default() -> Self {
+        ConnState {
+            next_seq: 0,
+            inflight: VecDeque::new(),
+            queue: VecDeque::new(),
+            sending: false,
+            broken: None,
+            closing: false,
+            last_progress: Instant::now(),
+            deep_sleep: false,
+        }
+    }
+}
+
+pub(crate) struct Conn {
     stream: TcpStream,
     fd: RawFd,
     peer: String,
     state: Mutex<ConnState>,
     wake_sender: Condvar,
+    wake_receiver: Condvar,
+    /// Held by whoever reads a response frame, for the whole frame.
+    reader: Mutex<()>,
+    /// Frames in flight, readable without the state lock.
+    inflight_count: AtomicUsize,
     threads: Mutex<Vec<JoinHandle<()>>>,
     completer: Completer,
     settings: Arc<Settings>,
@@ -126,14 +165,31 @@ impl Conn {
             }
             st.broken = Some(error.clone());
             st.queue.clear();
+            self.inflight_count.store(0, Ordering::SeqCst);
             std::mem::take(&mut st.inflight)
         };
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
         self.wake_sender.notify_all();
+        self.wake_receiver.notify_all();
         for frame in inflight {
             for e in frame.entries {
                 e.finish(&self.completer, Err(error.clone()));
             }
+        }
+    }
+
+    /// Runs a connection thread's loop; should it panic (a bug), the
+    /// connection fails everything in flight instead of leaving it hanging.
+    fn guarded(self: Arc<Self>, body: impl FnOnce()) {
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).is_err() {
+            self.fail(PluginError::new(
+                ErrorCode::Internal,
+                format!(
+                    "tcp: a connection thread for {} failed unexpectedly (a bug; please \
+                     report it)",
+                    self.peer
+                ),
+            ));
         }
     }
 
@@ -142,6 +198,7 @@ impl Conn {
         self.lock().closing = true;
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
         self.wake_sender.notify_all();
+        self.wake_receiver.notify_all();
         let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()));
         for t in threads {
             let _ = t.join();
@@ -181,7 +238,20 @@ impl Conn {
             io.push(*addr as *const u8, *len as usize);
         }
         let mut frame = OutFrame { _head: head, io };
-        st.inflight.push_back(Inflight { seq, kind, entries });
+        st.inflight.push_back(Inflight {
+            seq,
+            kind,
+            entries,
+            enqueued: Instant::now(),
+        });
+        self.inflight_count.fetch_add(1, Ordering::SeqCst);
+        // A frame that will take a while to come back gets the receiver
+        // thread ready; small ones are left to the waiting caller.
+        let moved: u64 = descs.iter().map(|d| d.len).sum();
+        if st.deep_sleep || moved >= RECEIVER_READY_BYTES {
+            st.deep_sleep = false;
+            self.wake_receiver.notify_one();
+        }
         if st.sending || !st.queue.is_empty() {
             st.queue.push_back(frame);
             drop(st);
@@ -269,38 +339,155 @@ impl Conn {
         }
     }
 
-    /// Waits for the next response header; fails the connection when a
-    /// request has been in flight for the timeout without a byte arriving.
-    fn read_header(&self, hb: &mut [u8; wire::HEADER_LEN]) -> Result<(), PluginError> {
-        let mut s = IoSlices::new();
-        s.push(hb.as_mut_ptr(), hb.len());
-        let mut last_activity = Instant::now();
-        while !s.is_done() {
-            match sockio::recv_some(self.fd, &mut s, false) {
-                Ok(0) => {
-                    let st = self.lock();
-                    if st.closing {
-                        return Err(cancelled(&self.peer));
-                    }
-                    if let Some(e) = &st.broken {
-                        return Err(e.clone());
-                    }
-                    if st.inflight.is_empty() {
-                        last_activity = Instant::now();
-                    } else if last_activity.elapsed() > self.settings.timeout {
-                        return Err(PluginError::new(
-                            ErrorCode::Timeout,
-                            format!(
-                                "tcp: {} did not answer for {} ms",
-                                self.peer,
-                                self.settings.timeout.as_millis()
-                            ),
-                        ));
-                    }
+    /// Reads, checks and completes one response frame whose header is in
+    /// `hb`. The caller holds the reader lock.
+    /// `statuses_read` says the statuses are already in `statuses_buf`.
+    fn process_response(
+        &self,
+        hb: &[u8; wire::HEADER_LEN],
+        statuses_buf: &mut Vec<u8>,
+        statuses_read: bool,
+    ) -> Result<usize, PluginError> {
+        let (header, frame) = self.accept_response(hb)?;
+        match self.finish_response(&header, &frame, statuses_buf, statuses_read) {
+            Ok(statuses) => {
+                let n = frame.entries.len();
+                self.lock().last_progress = Instant::now();
+                for (e, status) in frame.entries.into_iter().zip(statuses) {
+                    let result = if status == sys::FERRY_OK {
+                        Ok(())
+                    } else {
+                        Err(refused(&self.peer, &e, status))
+                    };
+                    e.finish(&self.completer, result);
                 }
-                Ok(_) => last_activity = Instant::now(),
-                Err(e) => return Err(connection_error(&self.peer, "receiving", &e.to_string())),
+                Ok(n)
             }
+            Err(err) => {
+                for e in frame.entries {
+                    e.finish(&self.completer, Err(err.clone()));
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// Completes, without blocking, the responses that have fully arrived.
+    /// Returns the number of requests completed.
+    pub(crate) fn try_progress(&self, statuses_buf: &mut Vec<u8>) -> usize {
+        if self.inflight_count.load(Ordering::SeqCst) == 0 {
+            return 0;
+        }
+        let Ok(_reader) = self.reader.try_lock() else {
+            return 0;
+        };
+        let mut done = 0;
+        while self.inflight_count.load(Ordering::SeqCst) != 0 {
+            let mut hb = [0u8; wire::HEADER_LEN];
+            // SAFETY: hb is writable for its length; MSG_PEEK leaves the
+            // bytes in the socket.
+            let n = unsafe {
+                libc::recv(
+                    self.fd,
+                    hb.as_mut_ptr().cast(),
+                    hb.len(),
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
+            if n != wire::HEADER_LEN as isize {
+                break;
+            }
+            // A malformed header is left for the receiver thread to report.
+            let Ok(header) = Header::decode(&hb) else {
+                break;
+            };
+            let frame_len = wire::HEADER_LEN as u64
+                + u64::from(header.count) * wire::STATUS_LEN as u64
+                + header.payload_len;
+            let mut avail: libc::c_int = 0;
+            // SAFETY: FIONREAD writes one int.
+            if unsafe { libc::ioctl(self.fd, libc::FIONREAD, &mut avail) } != 0 {
+                break;
+            }
+            if (avail.max(0) as u64) < frame_len {
+                // Larger than the socket holds: the receiver thread, which
+                // may block, takes it.
+                self.wake_receiver.notify_one();
+                break;
+            }
+            // The whole frame is in the socket: none of these reads block.
+            // Header and statuses come in one call.
+            let status_len = header.count as usize * wire::STATUS_LEN;
+            statuses_buf.clear();
+            statuses_buf.resize(status_len, 0);
+            let mut s = IoSlices::new();
+            s.push(hb.as_mut_ptr(), hb.len());
+            s.push(statuses_buf.as_mut_ptr(), status_len);
+            if sockio::recv_some(self.fd, &mut s, true).ok() != Some(wire::HEADER_LEN + status_len)
+            {
+                // Not what FIONREAD promised: let the receiver thread sort it out.
+                self.fail(protocol(&self.peer, "short read of a response"));
+                break;
+            }
+            match self.process_response(&hb, statuses_buf, true) {
+                Ok(n) => done += n,
+                Err(e) => {
+                    self.fail(e);
+                    break;
+                }
+            }
+        }
+        done
+    }
+
+    /// Waits until a frame has been in flight for ENGAGE_AFTER; false when
+    /// the connection is going away.
+    fn wait_for_work(&self) -> Result<(), PluginError> {
+        let mut st = self.lock();
+        loop {
+            if st.closing {
+                return Err(cancelled(&self.peer));
+            }
+            if let Some(e) = &st.broken {
+                return Err(e.clone());
+            }
+            let pause = match st.inflight.front() {
+                Some(f) => match ENGAGE_AFTER.checked_sub(f.enqueued.elapsed()) {
+                    None | Some(Duration::ZERO) => return Ok(()),
+                    Some(rest) => rest,
+                },
+                None if st.last_progress.elapsed() > DEEP_SLEEP_AFTER => {
+                    st.deep_sleep = true;
+                    sockio::TICK
+                }
+                None => IDLE_POLL,
+            };
+            st = self
+                .wake_receiver
+                .wait_timeout(st, pause)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+            st.deep_sleep = false;
+        }
+    }
+
+    /// Fails the connection when something has been in flight for the
+    /// timeout without a response.
+    fn check_timeout(&self) -> Result<(), PluginError> {
+        let st = self.lock();
+        let Some(front) = st.inflight.front() else {
+            return Ok(());
+        };
+        let since = st.last_progress.max(front.enqueued);
+        if since.elapsed() > self.settings.timeout {
+            return Err(PluginError::new(
+                ErrorCode::Timeout,
+                format!(
+                    "tcp: {} did not answer for {} ms",
+                    self.peer,
+                    self.settings.timeout.as_millis()
+                ),
+            ));
         }
         Ok(())
     }
@@ -308,37 +495,53 @@ impl Conn {
     fn receiver_loop(self: Arc<Self>) {
         let mut statuses_buf: Vec<u8> = Vec::new();
         loop {
-            let mut hb = [0u8; wire::HEADER_LEN];
-            if let Err(e) = self.read_header(&mut hb) {
+            if let Err(e) = self.wait_for_work() {
                 self.fail(e);
                 return;
             }
-            let frame = match self.accept_response(&hb) {
-                Ok(f) => f,
-                Err(e) => {
+            // Engaged: wait for bytes (a tick at a time), then read one
+            // whole frame unless a waiting caller already took it.
+            let mut pfd = libc::pollfd {
+                fd: self.fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd for the duration of the call.
+            let ready = unsafe { libc::poll(&mut pfd, 1, sockio::TICK.as_millis() as i32) };
+            if ready <= 0 {
+                if let Err(e) = self.check_timeout() {
                     self.fail(e);
                     return;
                 }
-            };
-            let (header, frame) = frame;
-            match self.finish_response(&header, &frame, &mut statuses_buf) {
-                Ok(statuses) => {
-                    for (e, status) in frame.entries.into_iter().zip(statuses) {
-                        let result = if status == sys::FERRY_OK {
-                            Ok(())
-                        } else {
-                            Err(refused(&self.peer, &e, status))
-                        };
-                        e.finish(&self.completer, result);
-                    }
-                }
-                Err(err) => {
-                    for e in frame.entries {
-                        e.finish(&self.completer, Err(err.clone()));
-                    }
-                    self.fail(err);
+                continue;
+            }
+            let reader = self.reader.lock().unwrap_or_else(|p| p.into_inner());
+            let mut hb = [0u8; wire::HEADER_LEN];
+            let mut s = IoSlices::new();
+            s.push(hb.as_mut_ptr(), hb.len());
+            match sockio::recv_some(self.fd, &mut s, true) {
+                Ok(0) => continue,
+                Ok(_) => {}
+                Err(e) => {
+                    drop(reader);
+                    self.fail(connection_error(&self.peer, "receiving", &e.to_string()));
                     return;
                 }
+            }
+            let deadline = Instant::now() + self.settings.timeout;
+            let rest = sockio::recv_all(self.fd, &mut s, Deadline::At(deadline), || {
+                !self.lock().closing
+            });
+            let result = match rest {
+                Ok(()) => self
+                    .process_response(&hb, &mut statuses_buf, false)
+                    .map(|_| ()),
+                Err(e) => Err(connection_error(&self.peer, "receiving", &e.describe())),
+            };
+            drop(reader);
+            if let Err(e) = result {
+                self.fail(e);
+                return;
             }
         }
     }
@@ -371,6 +574,7 @@ impl Conn {
             .inflight
             .pop_front()
             .ok_or_else(|| protocol(&self.peer, "nothing in flight"))?;
+        self.inflight_count.fetch_sub(1, Ordering::SeqCst);
         Ok((header, frame))
     }
 
@@ -380,15 +584,18 @@ impl Conn {
         header: &Header,
         frame: &Inflight,
         buf: &mut Vec<u8>,
+        statuses_read: bool,
     ) -> Result<Vec<i32>, PluginError> {
         let deadline = Instant::now() + self.settings.timeout;
         let keep_going = || !self.lock().closing;
-        buf.clear();
-        buf.resize(frame.entries.len() * wire::STATUS_LEN, 0);
-        let mut s = IoSlices::new();
-        s.push(buf.as_mut_ptr(), buf.len());
-        sockio::recv_all(self.fd, &mut s, Some(deadline), deadline, keep_going)
-            .map_err(|e| connection_error(&self.peer, "receiving statuses", &e.describe()))?;
+        if !statuses_read {
+            buf.clear();
+            buf.resize(frame.entries.len() * wire::STATUS_LEN, 0);
+            let mut s = IoSlices::new();
+            s.push(buf.as_mut_ptr(), buf.len());
+            sockio::recv_all(self.fd, &mut s, Deadline::At(deadline), keep_going)
+                .map_err(|e| connection_error(&self.peer, "receiving statuses", &e.describe()))?;
+        }
         let statuses = wire::decode_statuses(buf);
         let expected: u64 = match frame.kind {
             Kind::Read => frame
@@ -417,7 +624,7 @@ impl Conn {
                 }
             }
             let deadline = Instant::now() + self.settings.timeout;
-            sockio::recv_all(self.fd, &mut s, Some(deadline), deadline, keep_going)
+            sockio::recv_all(self.fd, &mut s, Deadline::At(deadline), keep_going)
                 .map_err(|e| connection_error(&self.peer, "receiving data", &e.describe()))?;
         }
         Ok(statuses)
@@ -457,6 +664,30 @@ fn refused(peer: &str, e: &Entry, status: i32) -> PluginError {
     )
 }
 
+/// Every live connection of an instance, for `progress`.
+#[derive(Default)]
+pub struct ConnRegistry {
+    conns: std::sync::RwLock<Vec<std::sync::Weak<Conn>>>,
+}
+
+impl ConnRegistry {
+    fn add(&self, conn: &Arc<Conn>) {
+        let mut list = self.conns.write().unwrap_or_else(|p| p.into_inner());
+        list.retain(|w| w.strong_count() > 0);
+        list.push(Arc::downgrade(conn));
+    }
+
+    /// Completes, on this thread, every response that has fully arrived.
+    pub fn progress(&self) -> usize {
+        let list = self.conns.read().unwrap_or_else(|p| p.into_inner());
+        let mut buf = Vec::new();
+        list.iter()
+            .filter_map(|w| w.upgrade())
+            .map(|c| c.try_progress(&mut buf))
+            .sum()
+    }
+}
+
 /// A peer: its address and up to `connections` connections, made on demand.
 pub struct TcpPeer {
     name: String,
@@ -466,6 +697,7 @@ pub struct TcpPeer {
     slots: Vec<Mutex<Option<Arc<Conn>>>>,
     next: AtomicUsize,
     local_ip: Mutex<Option<std::net::IpAddr>>,
+    registry: Arc<ConnRegistry>,
 }
 
 impl TcpPeer {
@@ -474,6 +706,7 @@ impl TcpPeer {
         addr: SocketAddr,
         settings: Arc<Settings>,
         completer: Completer,
+        registry: Arc<ConnRegistry>,
     ) -> TcpPeer {
         let slots = (0..settings.connections.max(1))
             .map(|_| Mutex::new(None))
@@ -486,6 +719,7 @@ impl TcpPeer {
             slots,
             next: AtomicUsize::new(0),
             local_ip: Mutex::new(None),
+            registry,
         }
     }
 
@@ -524,6 +758,9 @@ impl TcpPeer {
             peer: self.name.clone(),
             state: Mutex::new(ConnState::default()),
             wake_sender: Condvar::new(),
+            wake_receiver: Condvar::new(),
+            reader: Mutex::new(()),
+            inflight_count: AtomicUsize::new(0),
             threads: Mutex::new(Vec::new()),
             completer: self.completer,
             settings: self.settings.clone(),
@@ -531,10 +768,10 @@ impl TcpPeer {
         let (a, b) = (conn.clone(), conn.clone());
         let sender = std::thread::Builder::new()
             .name("ferry-tcp-send".into())
-            .spawn(move || a.sender_loop());
+            .spawn(move || a.clone().guarded(|| a.sender_loop()));
         let receiver = std::thread::Builder::new()
             .name("ferry-tcp-recv".into())
-            .spawn(move || b.receiver_loop());
+            .spawn(move || b.clone().guarded(|| b.receiver_loop()));
         match (sender, receiver) {
             (Ok(s), Ok(r)) => conn
                 .threads
@@ -553,8 +790,23 @@ impl TcpPeer {
                 ));
             }
         }
+        self.registry.add(&conn);
         *slot = Some(conn.clone());
         Ok(conn)
+    }
+
+    /// The first slot whose connection has nothing in flight (or is not yet
+    /// made), else the next in round-robin order.
+    fn idle_slot(&self) -> usize {
+        for (i, slot) in self.slots.iter().enumerate() {
+            let slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+            match slot.as_ref() {
+                None => return i,
+                Some(c) if c.inflight_count.load(Ordering::SeqCst) == 0 => return i,
+                Some(_) => {}
+            }
+        }
+        self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len()
     }
 
     /// Splits, packs and queues `requests`; all accepted or none.
@@ -636,7 +888,14 @@ impl TcpPeer {
 
         // Connect every connection we are about to use before accepting
         // anything, so a dead peer fails the whole submit cleanly.
-        let first = self.next.fetch_add(frames.len(), Ordering::Relaxed);
+        // A lone frame goes to the first idle connection, so a caller issuing
+        // one request after another keeps hitting the same target thread
+        // (which polls for its next frame); batches spread round-robin.
+        let first = if frames.len() == 1 {
+            self.idle_slot()
+        } else {
+            self.next.fetch_add(frames.len(), Ordering::Relaxed)
+        };
         let mut conns: Vec<Arc<Conn>> = Vec::with_capacity(frames.len().min(n));
         for k in 0..frames.len().min(n) {
             conns.push(self.conn((first + k) % n)?);
@@ -670,20 +929,8 @@ impl TcpPeer {
     pub fn describe(&self) -> String {
         let local = *self.local_ip.lock().unwrap_or_else(|p| p.into_inner());
         let via = local
-            .and_then(|ip| {
-                crate::interfaces::list().ok()?.into_iter().find(|i| {
-                    i.addresses
-                        .iter()
-                        .any(|a| a.parse::<std::net::IpAddr>().ok() == Some(ip))
-                })
-            })
-            .map(|i| {
-                format!(
-                    " via {} ({})",
-                    i.name,
-                    local.map(|l| l.to_string()).unwrap_or_default()
-                )
-            })
+            .and_then(|ip| Some((ferry_plugins_abi::sdk::net::interface_with(ip)?, ip)))
+            .map(|(i, ip)| format!(" via {} ({ip})", i.name))
             .unwrap_or_default();
         format!(
             "tcp to {}{via}, up to {} connections, frames of {} KiB",

@@ -5,7 +5,6 @@
 //! Loaded at run time as `libferry_transport_tcp.so` through the plugin ABI.
 
 mod initiator;
-mod interfaces;
 mod regions;
 mod sockio;
 mod target;
@@ -17,7 +16,7 @@ use ferry_plugins_abi::sdk::{
 };
 use ferry_plugins_abi::sys;
 use ferry_plugins_abi::ErrorCode;
-use initiator::{Settings, TcpPeer};
+use initiator::{ConnRegistry, Settings, TcpPeer};
 use regions::Regions;
 use std::ffi::CStr;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
@@ -29,6 +28,7 @@ use target::{Target, TargetConfig};
 pub const DEFAULT_CONNECTIONS: usize = 4;
 pub const DEFAULT_FRAME_BYTES: u64 = 4 << 20;
 pub const DEFAULT_STRIPE_BYTES: u64 = 1 << 20;
+pub const DEFAULT_SPIN_US: u64 = 50;
 
 pub struct TcpTransport;
 
@@ -47,7 +47,7 @@ impl ferry_plugins_abi::sdk::TransportPlugin for TcpTransport {
         // The host's topology knows each interface's PCI function and NUMA
         // node; without it we still list the interfaces.
         let nics = host.nics(None).unwrap_or_default();
-        let interfaces = interfaces::list().map_err(|e| {
+        let interfaces = ferry_plugins_abi::sdk::net::list().map_err(|e| {
             PluginError::new(
                 ErrorCode::Io,
                 format!("cannot list network interfaces: {e}"),
@@ -110,6 +110,7 @@ pub struct TcpInstance {
     regions: Arc<Regions>,
     target: Target,
     advertised: String,
+    conns: Arc<ConnRegistry>,
 }
 
 impl TcpInstance {
@@ -149,6 +150,7 @@ impl TcpInstance {
             regions.clone(),
             TargetConfig {
                 timeout: settings.timeout,
+                spin: Duration::from_micros(setting(&host, "tcp.spin_us", DEFAULT_SPIN_US)?),
             },
             log,
         )
@@ -185,6 +187,7 @@ impl TcpInstance {
             regions,
             target,
             advertised,
+            conns: Arc::default(),
         })
     }
 }
@@ -248,6 +251,7 @@ impl TransportInstance for TcpInstance {
             addr,
             self.settings.clone(),
             self.completer,
+            self.conns.clone(),
         ))
     }
 
@@ -257,6 +261,10 @@ impl TransportInstance for TcpInstance {
 
     fn describe_peer(&self, peer: &TcpPeer) -> Option<String> {
         Some(peer.describe())
+    }
+
+    fn progress(&self) -> usize {
+        self.conns.progress()
     }
 }
 

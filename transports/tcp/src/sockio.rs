@@ -170,41 +170,44 @@ pub fn send_all(
     Ok(())
 }
 
-/// Receives until the slices are full; fails when `deadline` passes once the
-/// first byte has arrived, or when `keep_going` says so. Before the first
-/// byte it waits while `keep_going` allows and `first_byte_deadline` (if
-/// any) has not passed.
+/// When a receive must finish.
+#[derive(Clone, Copy, Debug)]
+pub enum Deadline {
+    /// By this instant.
+    At(Instant),
+    /// No limit until the first byte arrives, then within this long: an idle
+    /// connection may wait for its next frame forever, a frame may not.
+    AfterFirstByte(Duration),
+}
+
+/// Receives until the slices are full; fails when the deadline passes or
+/// `keep_going` says so (checked at least once a tick).
 pub fn recv_all(
     fd: RawFd,
     s: &mut IoSlices,
-    first_byte_deadline: Option<Instant>,
-    deadline: Instant,
+    deadline: Deadline,
     mut keep_going: impl FnMut() -> bool,
 ) -> Result<(), IoStop> {
-    let mut started = false;
+    let mut limit = match deadline {
+        Deadline::At(at) => Some(at),
+        Deadline::AfterFirstByte(_) => None,
+    };
     while !s.is_done() {
         match recv_some(fd, s, false) {
             Ok(0) => {
                 if !keep_going() {
                     return Err(IoStop::Stopped(Stop::Cancelled));
                 }
-                let now = Instant::now();
-                let limit = if started {
-                    Some(deadline)
-                } else {
-                    first_byte_deadline
-                };
-                if limit.is_some_and(|d| now > d) {
-                    return Err(IoStop::Stopped(Stop::Deadline));
-                }
             }
             Ok(_) => {
-                started = true;
-                if Instant::now() > deadline && !s.is_done() {
-                    return Err(IoStop::Stopped(Stop::Deadline));
+                if let (None, Deadline::AfterFirstByte(d)) = (limit, deadline) {
+                    limit = Some(Instant::now() + d);
                 }
             }
             Err(e) => return Err(IoStop::Io(e)),
+        }
+        if !s.is_done() && limit.is_some_and(|l| Instant::now() > l) {
+            return Err(IoStop::Stopped(Stop::Deadline));
         }
     }
     Ok(())

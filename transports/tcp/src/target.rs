@@ -9,7 +9,7 @@
 //! touched. Anything malformed closes the connection.
 
 use crate::regions::{Pin, Regions};
-use crate::sockio::{self, IoSlices, IoStop};
+use crate::sockio::{self, Deadline, IoSlices, IoStop};
 use crate::wire::{self, Desc, Header, Kind};
 use ferry_plugins_abi::sys;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -24,13 +24,19 @@ pub const MAX_CONNECTIONS: usize = 1024;
 
 pub struct TargetConfig {
     pub timeout: Duration,
+    /// How long a connection's thread polls for the next frame (tcp.spin_us).
+    pub spin: Duration,
 }
+
+/// The target's connections: a clone of each socket (to shut it down) and
+/// the thread serving it.
+type ConnList = Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>>;
 
 pub struct Target {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
     accept_thread: Option<JoinHandle<()>>,
-    conns: Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>>,
+    conns: ConnList,
 }
 
 impl Target {
@@ -44,12 +50,11 @@ impl Target {
         let addr = listener.local_addr()?;
         listener.set_nonblocking(true)?;
         let stop = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>> = Arc::default();
+        let conns: ConnList = Arc::default();
         let (stop2, conns2) = (stop.clone(), conns.clone());
-        let timeout = config.timeout;
         let accept_thread = std::thread::Builder::new()
             .name("ferry-tcp-accept".into())
-            .spawn(move || accept_loop(listener, regions, stop2, conns2, timeout, log))?;
+            .spawn(move || accept_loop(listener, regions, stop2, conns2, config, log))?;
         Ok(Target {
             addr,
             stop,
@@ -83,10 +88,11 @@ fn accept_loop(
     listener: TcpListener,
     regions: Arc<Regions>,
     stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>>,
-    timeout: Duration,
+    conns: ConnList,
+    config: TargetConfig,
     log: Arc<dyn Fn(&str) + Send + Sync>,
 ) {
+    let (timeout, spin) = (config.timeout, config.spin);
     let fd = listener.as_raw_fd();
     while !stop.load(Ordering::SeqCst) {
         let mut pfd = libc::pollfd {
@@ -118,9 +124,18 @@ fn accept_loop(
         let spawned = std::thread::Builder::new()
             .name("ferry-tcp-target".into())
             .spawn(move || {
-                if let Err(why) = serve(&stream, &regions, &stop, timeout) {
-                    log(&format!("data connection from {peer} closed: {why}"));
+                let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    serve(&stream, &regions, &stop, timeout, spin)
+                }));
+                match served {
+                    Ok(Ok(())) => {}
+                    Ok(Err(why)) => log(&format!("data connection from {peer} closed: {why}")),
+                    Err(_) => log(&format!(
+                        "data connection from {peer} closed: its thread failed unexpectedly \
+                         (a bug; please report it)"
+                    )),
                 }
+                // The peer sees the connection close and fails its requests.
                 let _ = stream.shutdown(std::net::Shutdown::Both);
             });
         if let Ok(t) = spawned {
@@ -137,6 +152,7 @@ fn serve(
     regions: &Regions,
     stop: &AtomicBool,
     timeout: Duration,
+    spin: Duration,
 ) -> Result<(), String> {
     let fd = stream.as_raw_fd();
     let keep_going = || !stop.load(Ordering::SeqCst);
@@ -144,13 +160,17 @@ fn serve(
     let mut desc_bytes: Vec<u8> = Vec::new();
     let mut out: Vec<u8> = Vec::new();
     loop {
+        // Every frame has at least one descriptor: read the header and the
+        // first descriptor in one call.
         let mut hb = [0u8; wire::HEADER_LEN];
+        let mut first_desc = [0u8; wire::DESC_LEN];
         let mut s = IoSlices::new();
         s.push(hb.as_mut_ptr(), hb.len());
+        s.push(first_desc.as_mut_ptr(), first_desc.len());
         // Idle connections wait indefinitely for their next frame; once a
         // frame begins, all of it must arrive within the timeout.
-        let far = Instant::now() + Duration::from_secs(365 * 24 * 3600);
-        match sockio::recv_all(fd, &mut s, None, far, keep_going) {
+        spin_for_next_frame(fd, spin);
+        match sockio::recv_all(fd, &mut s, Deadline::AfterFirstByte(timeout), keep_going) {
             Ok(()) => {}
             Err(IoStop::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e.describe()),
@@ -161,10 +181,14 @@ fn serve(
             return Err("a peer sent a response frame as a request".into());
         }
         desc_bytes.clear();
+        desc_bytes.extend_from_slice(&first_desc);
         desc_bytes.resize(header.count as usize * wire::DESC_LEN, 0);
         let mut s = IoSlices::new();
-        s.push(desc_bytes.as_mut_ptr(), desc_bytes.len());
-        sockio::recv_all(fd, &mut s, Some(deadline), deadline, keep_going)
+        s.push(
+            desc_bytes[wire::DESC_LEN..].as_mut_ptr(),
+            desc_bytes.len() - wire::DESC_LEN,
+        );
+        sockio::recv_all(fd, &mut s, Deadline::At(deadline), keep_going)
             .map_err(|e| format!("reading descriptors: {}", e.describe()))?;
         let descs = wire::decode_descs(&header, &desc_bytes).map_err(|e| e.0)?;
 
@@ -194,7 +218,7 @@ fn serve(
                         push_scratch(&mut s, &mut scratch, d.len);
                     }
                 }
-                sockio::recv_all(fd, &mut s, Some(deadline), deadline, keep_going)
+                sockio::recv_all(fd, &mut s, Deadline::At(deadline), keep_going)
                     .map_err(|e| format!("reading a WRITE payload: {}", e.describe()))?;
                 drop(pins);
                 respond(fd, &mut out, &header, &statuses, &[], timeout, keep_going)?;
@@ -207,6 +231,25 @@ fn serve(
             }
             Kind::Response => return Err("a peer sent a response frame as a request".into()),
         }
+    }
+}
+
+/// Polls for the next frame for up to `spin` before the thread sleeps: a
+/// peer issuing requests one after another gets each picked up without a
+/// thread wake-up, which costs more than the round trip itself on a VM.
+fn spin_for_next_frame(fd: i32, spin: Duration) {
+    let started = Instant::now();
+    while started.elapsed() < spin {
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the duration of the call.
+        if unsafe { libc::poll(&mut pfd, 1, 0) } != 0 {
+            return;
+        }
+        std::hint::spin_loop();
     }
 }
 

@@ -1,9 +1,11 @@
-//! The host's network interfaces that are up and have an address.
+//! The host's network interfaces that are up and have an address: what a
+//! socket-based transport can use, and which interface carries a route.
 
 use std::collections::BTreeMap;
 use std::ffi::CStr;
 use std::net::{Ipv4Addr, Ipv6Addr};
 
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Interface {
     pub name: String,
     pub loopback: bool,
@@ -60,4 +62,39 @@ pub fn list() -> std::io::Result<Vec<Interface>> {
     // SAFETY: head came from getifaddrs and is freed exactly once.
     unsafe { libc::freeifaddrs(head) };
     Ok(by_name.into_values().collect())
+}
+
+/// The interface holding `ip`, if one does.
+pub fn interface_with(ip: std::net::IpAddr) -> Option<Interface> {
+    list().ok()?.into_iter().find(|i| {
+        i.addresses
+            .iter()
+            .any(|a| a.parse::<std::net::IpAddr>().ok() == Some(ip))
+    })
+}
+
+/// The local address the kernel would use to reach `peer`, found without
+/// sending anything (connecting a UDP socket only picks the route).
+pub fn source_address_toward(peer: std::net::SocketAddr) -> Option<std::net::IpAddr> {
+    let bind = if peer.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    };
+    let sock = std::net::UdpSocket::bind(bind).ok()?;
+    sock.connect(peer).ok()?;
+    Some(sock.local_addr().ok()?.ip())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_is_listed_and_found_by_address() {
+        let lo = interface_with("127.0.0.1".parse().unwrap()).expect("loopback interface");
+        assert!(lo.loopback);
+        let src = source_address_toward("127.0.0.1:9".parse().unwrap()).unwrap();
+        assert!(src.is_loopback());
+    }
 }

@@ -1,0 +1,348 @@
+//! `ferry bench`: throughput, ops/s and latency percentiles between two
+//! engines, shaped like Mooncake's transfer_engine_bench, and the machine's
+//! own limits measured the same way (`tcp-limit`).
+
+use crate::util::{human_size, percentile, Buffer};
+use ferry_core::{BatchStatus, Engine, EngineConfig, Op, Request};
+use serde::Serialize;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub struct TargetArgs {
+    pub listen: Option<String>,
+    pub buffer_size: u64,
+    pub duration: Option<f64>,
+}
+
+pub fn target(args: TargetArgs) -> Result<(), String> {
+    let mut config = EngineConfig::from_env().map_err(|e| e.to_string())?;
+    if let Some(l) = args.listen {
+        config.listen = l;
+    }
+    let engine = Engine::new(config).map_err(|e| e.to_string())?;
+    let buffer = Buffer::new(args.buffer_size as usize)?;
+    engine
+        .register_memory(buffer.addr(), args.buffer_size, None)
+        .map_err(|e| e.to_string())?;
+    println!("segment {}", engine.segment_name());
+    let _ = std::io::stdout().flush();
+    eprintln!(
+        "ferry bench target: serving {} of host memory at {}; transports: {}. Stop with Ctrl-C.",
+        human_size(args.buffer_size),
+        engine.segment_name(),
+        engine.transports().join(", ")
+    );
+    let started = Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_millis(200));
+        if args
+            .duration
+            .is_some_and(|d| started.elapsed().as_secs_f64() > d)
+        {
+            return Ok(());
+        }
+    }
+}
+
+pub struct InitiatorArgs {
+    pub segment: String,
+    pub op: Op,
+    pub block_size: u64,
+    pub batch_size: usize,
+    pub threads: usize,
+    pub duration: f64,
+    pub json: bool,
+    pub transport: Option<String>,
+}
+
+#[derive(Serialize)]
+struct Latency {
+    p50: f64,
+    p90: f64,
+    p99: f64,
+    max: f64,
+    samples: usize,
+}
+
+#[derive(Serialize)]
+struct Report {
+    op: &'static str,
+    transport: String,
+    block_size: u64,
+    batch_size: usize,
+    threads: usize,
+    duration_s: f64,
+    bytes: u64,
+    gb_per_s: f64,
+    ops_per_s: f64,
+    /// Per request: from its batch's submission to the batch's completion.
+    latency_us: Latency,
+}
+
+pub fn initiator(args: InitiatorArgs) -> Result<(), String> {
+    if args.block_size == 0 || args.batch_size == 0 || args.threads == 0 {
+        return Err("--block-size, --batch-size and --threads must be positive".into());
+    }
+    let engine = Arc::new(
+        Engine::new(EngineConfig::from_env().map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?,
+    );
+    let seg = engine
+        .open_segment(&args.segment)
+        .map_err(|e| e.to_string())?;
+    let remote = engine
+        .descriptor_of(seg)
+        .map_err(|e| e.to_string())?
+        .buffers
+        .iter()
+        .max_by_key(|b| b.len)
+        .map(|b| (b.addr, b.len))
+        .ok_or("the target registered no memory")?;
+    // Each thread works in its own slice of the remote buffer, cycling
+    // through it; its local buffer holds one batch.
+    let window = remote.1 / args.threads as u64;
+    let per_batch = args.block_size * args.batch_size as u64;
+    if window < args.block_size {
+        return Err(format!(
+            "the target's buffer ({}) is too small for {} threads of {} blocks",
+            human_size(remote.1),
+            args.threads,
+            human_size(args.block_size)
+        ));
+    }
+    let slots = (window / args.block_size).max(1);
+    let local_len = per_batch.min(slots * args.block_size);
+    let local = Buffer::new((local_len * args.threads as u64) as usize)?;
+    engine
+        .register_memory(local.addr(), local.len() as u64, None)
+        .map_err(|e| e.to_string())?;
+    let route = engine
+        .route(seg, local.addr(), remote.0, args.block_size)
+        .map_err(|e| e.to_string())?;
+    let transport = args.transport.clone().unwrap_or(route.transport.clone());
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let bytes = Arc::new(AtomicU64::new(0));
+    let latencies = Arc::new(Mutex::new(Vec::<f64>::new()));
+    let failure: Arc<Mutex<Option<String>>> = Arc::default();
+    let started = Instant::now();
+    let mut workers = Vec::new();
+    for t in 0..args.threads as u64 {
+        let reqs: Vec<Request> = (0..args.batch_size as u64)
+            .map(|i| {
+                let slot = i % slots;
+                let local_off = (i * args.block_size) % local_len;
+                let mut r = Request::new(
+                    args.op,
+                    local.addr() + t * local_len + local_off,
+                    seg,
+                    remote.0 + t * window + slot * args.block_size,
+                    args.block_size,
+                );
+                r.transport = args.transport.clone();
+                r
+            })
+            .collect();
+        let (engine, stop, bytes, latencies, failure) = (
+            engine.clone(),
+            stop.clone(),
+            bytes.clone(),
+            latencies.clone(),
+            failure.clone(),
+        );
+        let timeout = engine.config().timeout * 2;
+        workers.push(std::thread::spawn(move || {
+            let mut mine = Vec::with_capacity(1 << 16);
+            let batch_bytes: u64 = reqs.iter().map(|r| r.length).sum();
+            while !stop.load(Ordering::Relaxed) {
+                let result = run_batch(&engine, &reqs, timeout);
+                match result {
+                    Ok(elapsed) => {
+                        mine.push(elapsed.as_secs_f64() * 1e6);
+                        bytes.fetch_add(batch_bytes, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        failure
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_or_insert(e);
+                        stop.store(true, Ordering::Relaxed);
+                    }
+                }
+            }
+            latencies
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(mine);
+        }));
+    }
+    let mut last = (Instant::now(), 0u64);
+    while started.elapsed().as_secs_f64() < args.duration && !stop.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(100).min(Duration::from_secs_f64(
+            (args.duration - started.elapsed().as_secs_f64()).max(0.0),
+        )));
+        if last.0.elapsed() >= Duration::from_secs(1) {
+            let now = bytes.load(Ordering::Relaxed);
+            let dt = last.0.elapsed().as_secs_f64();
+            eprintln!(
+                "  {:5.1} s  {:7.3} GB/s  {:9.0} ops/s",
+                started.elapsed().as_secs_f64(),
+                (now - last.1) as f64 / dt / 1e9,
+                (now - last.1) as f64 / args.block_size as f64 / dt
+            );
+            last = (Instant::now(), now);
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        let _ = w.join();
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    if let Some(e) = failure.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        return Err(format!("a batch failed: {e}"));
+    }
+    let total = bytes.load(Ordering::Relaxed);
+    let mut lat = std::mem::take(&mut *latencies.lock().unwrap_or_else(|p| p.into_inner()));
+    lat.sort_by(|a, b| a.total_cmp(b));
+    let report = Report {
+        op: match args.op {
+            Op::Read => "read",
+            Op::Write => "write",
+        },
+        transport,
+        block_size: args.block_size,
+        batch_size: args.batch_size,
+        threads: args.threads,
+        duration_s: elapsed,
+        bytes: total,
+        gb_per_s: total as f64 / elapsed / 1e9,
+        ops_per_s: total as f64 / args.block_size as f64 / elapsed,
+        latency_us: Latency {
+            p50: percentile(&lat, 0.5),
+            p90: percentile(&lat, 0.9),
+            p99: percentile(&lat, 0.99),
+            max: lat.last().copied().unwrap_or(0.0),
+            samples: lat.len(),
+        },
+    };
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string(&report).map_err(|e| e.to_string())?
+        );
+    } else {
+        println!(
+            "{} {} x {} per batch, {} thread(s), over {}: {:.3} GB/s, {:.0} ops/s, \
+             latency p50 {:.1} us p90 {:.1} us p99 {:.1} us",
+            report.op,
+            human_size(report.block_size),
+            report.batch_size,
+            report.threads,
+            report.transport,
+            report.gb_per_s,
+            report.ops_per_s,
+            report.latency_us.p50,
+            report.latency_us.p90,
+            report.latency_us.p99
+        );
+    }
+    Ok(())
+}
+
+fn run_batch(engine: &Engine, reqs: &[Request], timeout: Duration) -> Result<Duration, String> {
+    let t0 = Instant::now();
+    let batch = engine
+        .allocate_batch(reqs.len())
+        .map_err(|e| e.to_string())?;
+    let status: Result<BatchStatus, String> = engine
+        .submit(batch, reqs)
+        .and_then(|_| engine.wait(batch, timeout))
+        .map_err(|e| e.to_string());
+    let elapsed = t0.elapsed();
+    let status = match status {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = engine.wait(batch, timeout);
+            let _ = engine.free_batch(batch);
+            return Err(e);
+        }
+    };
+    if !status.is_done() {
+        return Err(format!(
+            "{} requests still pending after {timeout:?}",
+            status.pending
+        ));
+    }
+    let _ = engine.free_batch(batch);
+    match status.first_error {
+        Some((i, e)) => Err(format!("request {i}: {e}")),
+        None => Ok(elapsed),
+    }
+}
+
+/// The single-stream TCP limit of this machine: one process writes 1 MiB
+/// blocks into a loopback socket, another reads them, for `duration`.
+pub fn tcp_limit(duration: f64, block: usize, json: bool) -> Result<(), String> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let child = std::process::Command::new(exe)
+        .args(["bench", "tcp-sink", "--connect", &addr.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start the receiving process: {e}"))?;
+    let (mut stream, _) = listener.accept().map_err(|e| e.to_string())?;
+    let _ = stream.set_nodelay(true);
+    let data = vec![0x5au8; block];
+    let started = Instant::now();
+    while started.elapsed().as_secs_f64() < duration {
+        stream.write_all(&data).map_err(|e| e.to_string())?;
+    }
+    drop(stream);
+    let out = child.wait_with_output().map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut parts = text.split_whitespace();
+    let bytes: f64 = parts
+        .next()
+        .and_then(|v| v.parse().ok())
+        .ok_or("no result from the sink")?;
+    let secs: f64 = parts
+        .next()
+        .and_then(|v| v.parse().ok())
+        .ok_or("no result from the sink")?;
+    let gbps = bytes / secs / 1e9;
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"limit": "tcp-single-stream", "gb_per_s": gbps, "bytes": bytes, "duration_s": secs, "block_size": block})
+        );
+    } else {
+        println!(
+            "single-stream TCP loopback: {gbps:.3} GB/s ({} blocks)",
+            human_size(block as u64)
+        );
+    }
+    Ok(())
+}
+
+/// The receiving side of `tcp-limit`: counts bytes until EOF.
+pub fn tcp_sink(connect: &str) -> Result<(), String> {
+    let mut stream = TcpStream::connect(connect).map_err(|e| e.to_string())?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total: u64 = 0;
+    let mut first: Option<Instant> = None;
+    loop {
+        let n = stream.read(&mut buf).map_err(|e| e.to_string())?;
+        if n == 0 {
+            break;
+        }
+        first.get_or_insert_with(Instant::now);
+        total += n as u64;
+    }
+    let secs = first.map(|f| f.elapsed().as_secs_f64()).unwrap_or(0.0);
+    println!("{total} {secs}");
+    Ok(())
+}

@@ -1,0 +1,269 @@
+//! `ferry demo`: a real transfer between two engines in two processes on
+//! this host, explaining every choice on the way.
+//!
+//! The parent is the initiator; it starts itself again as the target
+//! (`ferry demo --role target`), which registers a buffer, prints its segment
+//! name, and answers "checksum" on stdin with the CRC32 of its buffer, so
+//! the data is verified where it landed, not only after reading it back.
+
+use crate::util::{crc32, fill_pattern, human_size, Buffer};
+use ferry_core::loader::{PluginKind, PluginState};
+use ferry_core::{Engine, EngineConfig, Op, Request};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct DemoArgs {
+    pub size: u64,
+    pub block: u64,
+}
+
+fn engine() -> Result<Engine, String> {
+    let config = EngineConfig::from_env().map_err(|e| e.to_string())?;
+    Engine::new(config).map_err(|e| format!("cannot start an engine: {e}"))
+}
+
+/// The target process: serve a zeroed buffer until stdin closes.
+pub fn run_target(size: u64) -> Result<(), String> {
+    let engine = engine()?;
+    let buffer = Buffer::new(size as usize)?;
+    engine
+        .register_memory(buffer.addr(), size, None)
+        .map_err(|e| e.to_string())?;
+    println!("SEGMENT {}", engine.segment_name());
+    let _ = std::io::stdout().flush();
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        if line.trim() == "checksum" {
+            println!("CHECKSUM {:08x}", crc32(buffer.as_slice()));
+            let _ = std::io::stdout().flush();
+        }
+    }
+    Ok(())
+}
+
+struct TargetProcess {
+    child: Child,
+    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
+}
+
+impl TargetProcess {
+    fn start(size: u64) -> Result<(TargetProcess, String), String> {
+        let exe = std::env::current_exe().map_err(|e| format!("cannot find myself: {e}"))?;
+        let mut child = Command::new(exe)
+            .args(["demo", "--role", "target", "--size", &size.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot start the target process: {e}"))?;
+        let stdout = child.stdout.take().ok_or("no stdout from the target")?;
+        let mut t = TargetProcess {
+            child,
+            lines: BufReader::new(stdout).lines(),
+        };
+        let name = t.expect("SEGMENT ")?;
+        Ok((t, name))
+    }
+
+    fn expect(&mut self, prefix: &str) -> Result<String, String> {
+        match self.lines.next() {
+            Some(Ok(line)) if line.starts_with(prefix) => Ok(line[prefix.len()..].to_string()),
+            Some(Ok(line)) => Err(format!("the target said {line:?}")),
+            _ => Err("the target process exited early (see its messages above)".into()),
+        }
+    }
+
+    fn checksum(&mut self) -> Result<u32, String> {
+        let stdin = self.child.stdin.as_mut().ok_or("no stdin to the target")?;
+        writeln!(stdin, "checksum").map_err(|e| e.to_string())?;
+        stdin.flush().map_err(|e| e.to_string())?;
+        let hex = self.expect("CHECKSUM ")?;
+        u32::from_str_radix(hex.trim(), 16).map_err(|e| e.to_string())
+    }
+}
+
+impl Drop for TargetProcess {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn gbps(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+fn transfer(
+    engine: &Engine,
+    op: Op,
+    local: u64,
+    seg: u64,
+    remote: u64,
+    size: u64,
+    block: u64,
+) -> Result<Duration, String> {
+    let reqs: Vec<Request> = (0..size / block)
+        .map(|i| Request::new(op, local + i * block, seg, remote + i * block, block))
+        .collect();
+    let started = Instant::now();
+    engine.transfer_sync(&reqs).map_err(|e| e.to_string())?;
+    Ok(started.elapsed())
+}
+
+pub fn run(args: DemoArgs) -> Result<(), String> {
+    let DemoArgs { size, block } = args;
+    if size == 0 || block == 0 || size % block != 0 {
+        return Err("--size must be a non-zero multiple of --block".into());
+    }
+    println!("Ferry demo: a target and an initiator, two processes on this host.\n");
+    let (mut target, segment) = TargetProcess::start(size)?;
+    let engine = engine()?;
+    println!(
+        "  target     pid {:<7} segment {segment}",
+        target.child.id()
+    );
+    println!(
+        "  initiator  pid {:<7} segment {}",
+        std::process::id(),
+        engine.segment_name()
+    );
+
+    println!("\nPlugins loaded on this host:");
+    for p in &engine.plugins().plugins {
+        let r = &p.report;
+        let mark = match r.state {
+            PluginState::Enabled => "+",
+            _ => "-",
+        };
+        println!(
+            "  {mark} {:<10} {:<9} {:<8} {}: {}",
+            r.name,
+            r.kind.as_str(),
+            r.state.as_str(),
+            r.version.as_deref().unwrap_or("-"),
+            r.reason
+        );
+    }
+    if engine.plugins().enabled(PluginKind::Transport).count() == 0 {
+        return Err("no transport plugin is enabled; `ferry info` says why".into());
+    }
+    for (name, e) in engine.transport_failures() {
+        println!("  ! {name} failed to start: {e}");
+    }
+
+    let topo = engine.topology();
+    println!(
+        "\nTopology (sysfs): {} NUMA node(s), {} GPU(s), NICs: {}",
+        topo.numa_nodes().len(),
+        topo.gpus().len(),
+        if topo.nics().is_empty() {
+            "none".to_string()
+        } else {
+            topo.nics()
+                .iter()
+                .map(|n| {
+                    format!(
+                        "{} ({}{})",
+                        n.name,
+                        n.kind.as_str(),
+                        n.pci.map(|p| format!(", {p}")).unwrap_or_default()
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    );
+
+    let mut src = Buffer::new(size as usize)?;
+    let dst = Buffer::new(size as usize)?;
+    fill_pattern(src.as_mut_slice(), 0x5eed);
+    let want = crc32(src.as_slice());
+    for b in [&src, &dst] {
+        engine
+            .register_memory(b.addr(), size, None)
+            .map_err(|e| e.to_string())?;
+    }
+    let seg = engine.open_segment(&segment).map_err(|e| e.to_string())?;
+    let remote = engine
+        .descriptor_of(seg)
+        .map_err(|e| e.to_string())?
+        .buffers
+        .first()
+        .map(|b| b.addr)
+        .ok_or("the target registered no buffer")?;
+    let route = engine
+        .route(seg, src.addr(), remote, block)
+        .map_err(|e| e.to_string())?;
+    println!(
+        "\nRoute for {} of host memory to {segment}:",
+        human_size(size)
+    );
+    println!("  transport  {} ({})", route.transport, route.reason);
+    if let Some(detail) = &route.peer_detail {
+        println!("  path       {detail}");
+    }
+    match &route.nic {
+        Some(n) if n.loopback => println!(
+            "  NIC        {} ({}): loopback, the peer is on this host; no PCI path is involved",
+            n.interface, n.local_ip
+        ),
+        Some(n) => println!(
+            "  NIC        {} ({}){}{}",
+            n.interface,
+            n.local_ip,
+            n.pci
+                .as_deref()
+                .map(|p| format!(", PCI {p}"))
+                .unwrap_or_default(),
+            n.class
+                .map(|c| format!(
+                    ", path class {} from the buffer ({})",
+                    c.as_str(),
+                    c.description()
+                ))
+                .unwrap_or_default()
+        ),
+        None => {}
+    }
+
+    println!();
+    let t = transfer(&engine, Op::Write, src.addr(), seg, remote, size, block)?;
+    println!(
+        "Write {} in {} requests of {}: {:.3} s, {:.2} GB/s",
+        human_size(size),
+        size / block,
+        human_size(block),
+        t.as_secs_f64(),
+        gbps(size, t)
+    );
+    let at_target = target.checksum()?;
+    let ok_write = at_target == want;
+    println!(
+        "  target's checksum {at_target:08x} {} initiator's {want:08x}",
+        if ok_write { "==" } else { "!=" }
+    );
+    let t = transfer(&engine, Op::Read, dst.addr(), seg, remote, size, block)?;
+    let got = crc32(dst.as_slice());
+    let ok_read = got == want;
+    println!(
+        "Read back {}: {:.3} s, {:.2} GB/s\n  checksum {got:08x} {} {want:08x}",
+        human_size(size),
+        t.as_secs_f64(),
+        gbps(size, t),
+        if ok_read { "==" } else { "!=" }
+    );
+    if ok_write && ok_read {
+        println!("\nOK: every byte arrived and came back intact.");
+        Ok(())
+    } else {
+        Err("data corrupted in transfer".into())
+    }
+}
