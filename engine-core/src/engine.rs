@@ -883,7 +883,9 @@ impl Shared {
                     seg.name,
                     seg.scope.as_str(),
                     if rejected.is_empty() {
-                        "no transport is running".to_string()
+                        "this engine has no transport plugin that can move data (`ferry info` \
+                         shows why each plugin is disabled; FERRY_PLUGIN_PATH adds directories)"
+                            .to_string()
                     } else {
                         rejected.join("; ")
                     }

@@ -1,0 +1,696 @@
+//! libferry: Ferry's C API (`include/ferry.h`, generated from this file by
+//! cbindgen and checked in; a test fails when they drift).
+//!
+//! Conventions, after rustls-ffi:
+//! - every fallible function returns a `ferry_status_t` (FERRY_OK or a
+//!   negative FERRY_ERR_* code, the same codes as ferry/plugin.h) and, on
+//!   failure, leaves a message for `ferry_last_error()` on the calling thread;
+//! - every exported body runs inside [`ffi_boundary!`], so a panic becomes
+//!   FERRY_ERR_PANIC instead of unwinding into C;
+//! - null pointers are checked and reported, never dereferenced;
+//! - opaque handles come in `_new` / `_free` pairs; `_free(NULL)` is a no-op.
+
+#![allow(non_camel_case_types)]
+
+use ferry_core::batch::RequestStatus;
+use ferry_core::{Engine, EngineConfig, Error, ErrorCode, Op, Request};
+use ferry_plugins_abi::sys;
+use std::cell::RefCell;
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Once;
+use std::time::Duration;
+
+/// A status code: FERRY_OK (0) or a negative FERRY_ERR_* from ferry/plugin.h.
+pub type ferry_status_t = i32;
+/// An open remote segment.
+pub type ferry_segment_id = u64;
+/// A batch of requests.
+pub type ferry_batch_id = u64;
+
+/// Engine options being gathered before `ferry_engine_new`.
+pub struct ferry_config {
+    inner: EngineConfig,
+}
+
+/// An engine: registered memory, open segments, batches.
+pub struct ferry_engine {
+    inner: Engine,
+}
+
+/// One transfer. `op` is FERRY_OP_READ (remote to local) or FERRY_OP_WRITE.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ferry_request {
+    pub op: u32,
+    /// Must be 0.
+    pub reserved: u32,
+    pub local_addr: *mut c_void,
+    pub segment: ferry_segment_id,
+    pub remote_addr: u64,
+    pub length: u64,
+}
+
+/// The state of a batch.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct ferry_batch_summary {
+    /// Requests submitted so far.
+    pub total: u64,
+    pub completed: u64,
+    pub failed: u64,
+    pub pending: u64,
+    /// Index of the first failed request, or -1.
+    pub first_failed: i64,
+    /// Its error code, or FERRY_OK.
+    pub first_error: ferry_status_t,
+}
+
+/// A request still in flight.
+pub const FERRY_REQUEST_PENDING: u32 = 0;
+/// A request that finished successfully.
+pub const FERRY_REQUEST_COMPLETED: u32 = 1;
+/// A request that failed; see its error code.
+pub const FERRY_REQUEST_FAILED: u32 = 2;
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_last_error(message: &str) {
+    let c = ferry_plugins_abi::sdk::to_cstring_lossy(message);
+    LAST_ERROR.with(|l| *l.borrow_mut() = c);
+}
+
+fn fail(e: Error) -> ferry_status_t {
+    set_last_error(&e.to_string());
+    e.code.as_raw()
+}
+
+fn invalid(what: &str) -> Error {
+    Error::new(ErrorCode::InvalidArgument, format!("{what} is NULL"))
+}
+
+/// Runs an exported function's body: clears the last error, turns `Err`
+/// into its code (message kept for ferry_last_error) and a panic into
+/// FERRY_ERR_PANIC. Every `extern "C"` function of this crate uses it.
+macro_rules! ffi_boundary {
+    ($body:expr) => {{
+        LAST_ERROR.with(|l| *l.borrow_mut() = CString::default());
+        let result: Result<(), Error> = match catch_unwind(AssertUnwindSafe(|| $body)) {
+            Ok(r) => r,
+            Err(_) => Err(Error::new(
+                ErrorCode::Panic,
+                "Ferry panicked inside this call (a bug; please report it)",
+            )),
+        };
+        match result {
+            Ok(()) => sys::FERRY_OK,
+            Err(e) => fail(e),
+        }
+    }};
+}
+
+static LOGGER: Once = Once::new();
+
+/// Starts logging to stderr once, filtered by FERRY_LOG (default: warn).
+fn init_logging() {
+    LOGGER.call_once(|| {
+        let _ =
+            env_logger::Builder::from_env(env_logger::Env::new().filter_or("FERRY_LOG", "warn"))
+                .format_timestamp_millis()
+                .try_init();
+    });
+}
+
+/// # Safety
+/// `s` must be null or a NUL-terminated string.
+unsafe fn str_arg<'a>(s: *const c_char, what: &str) -> Result<&'a str, Error> {
+    if s.is_null() {
+        return Err(invalid(what));
+    }
+    // SAFETY: non-null and NUL-terminated per the caller's contract.
+    unsafe { CStr::from_ptr(s) }
+        .to_str()
+        .map_err(|_| Error::new(ErrorCode::InvalidArgument, format!("{what} is not UTF-8")))
+}
+
+/// # Safety
+/// `p` must be null or point to a live `T`.
+unsafe fn obj<'a, T>(p: *const T, what: &str) -> Result<&'a T, Error> {
+    // SAFETY: null or live per the caller's contract.
+    unsafe { p.as_ref() }.ok_or_else(|| invalid(what))
+}
+
+/// Copies `text` with a NUL into `buf` (`cap` bytes); `*len` gets its length
+/// without the NUL. FERRY_ERR_NO_MEMORY when it does not fit (call again).
+///
+/// # Safety
+/// `buf` null or writable for `cap` bytes; `len` null or valid.
+unsafe fn copy_text(
+    text: &str,
+    buf: *mut c_char,
+    cap: usize,
+    len: *mut usize,
+) -> Result<(), Error> {
+    if !len.is_null() {
+        // SAFETY: valid out-pointer per the contract.
+        unsafe { *len = text.len() };
+    }
+    if buf.is_null() || cap <= text.len() {
+        return Err(Error::new(
+            ErrorCode::NoMemory,
+            format!("the buffer needs {} bytes (with the NUL)", text.len() + 1),
+        ));
+    }
+    // SAFETY: buf holds at least text.len() + 1 bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), text.len());
+        *buf.add(text.len()) = 0;
+    }
+    Ok(())
+}
+
+/// The message of the most recent call on this thread that failed (empty
+/// after a call that succeeded). Valid until the next Ferry call on this
+/// thread; never NULL.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferry_last_error() -> *const c_char {
+    LAST_ERROR.with(|l| l.borrow().as_ptr())
+}
+
+/// "FERRY_OK", "FERRY_ERR_TIMEOUT", ... for a status code; never NULL.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferry_status_name(status: ferry_status_t) -> *const c_char {
+    const NAMES: [&CStr; 18] = [
+        c"FERRY_OK",
+        c"FERRY_ERR_INVALID_ARGUMENT",
+        c"FERRY_ERR_UNSUPPORTED",
+        c"FERRY_ERR_UNAVAILABLE",
+        c"FERRY_ERR_NOT_FOUND",
+        c"FERRY_ERR_OUT_OF_BOUNDS",
+        c"FERRY_ERR_TIMEOUT",
+        c"FERRY_ERR_CONNECTION",
+        c"FERRY_ERR_PROTOCOL",
+        c"FERRY_ERR_NO_MEMORY",
+        c"FERRY_ERR_BUSY",
+        c"FERRY_ERR_ABI_MISMATCH",
+        c"FERRY_ERR_PLUGIN",
+        c"FERRY_ERR_PANIC",
+        c"FERRY_ERR_PERMISSION",
+        c"FERRY_ERR_CANCELLED",
+        c"FERRY_ERR_IO",
+        c"FERRY_ERR_INTERNAL",
+    ];
+    let idx = usize::try_from(-i64::from(status)).unwrap_or(usize::MAX);
+    NAMES
+        .get(idx)
+        .copied()
+        .unwrap_or(c"FERRY_ERR_UNKNOWN")
+        .as_ptr()
+}
+
+/// Ferry's version, "0.1.0"; never NULL.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferry_version() -> *const c_char {
+    static VERSION: &CStr =
+        match CStr::from_bytes_with_nul(concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes()) {
+            Ok(v) => v,
+            Err(_) => c"unknown",
+        };
+    VERSION.as_ptr()
+}
+
+/// New options with the defaults and the FERRY_* environment applied.
+///
+/// # Safety
+/// `out` must be a valid pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_config_new(out: *mut *mut ferry_config) -> ferry_status_t {
+    ffi_boundary!({
+        init_logging();
+        if out.is_null() {
+            return Err(invalid("out"));
+        }
+        let inner = EngineConfig::from_env()?;
+        // SAFETY: out is a valid pointer (checked non-null above).
+        unsafe { *out = Box::into_raw(Box::new(ferry_config { inner })) };
+        Ok(())
+    })
+}
+
+/// Sets an option: `listen` ("0.0.0.0:7000"), `hostname`, `timeout_ms`,
+/// `connect_timeout_ms`, `spin_us`, `plugin_path`, `transports` ("tcp,shm"
+/// or "^rdma"), `nics`, `sysfs_root`, `topology_file`, or a plugin setting
+/// such as `tcp.connections`.
+///
+/// # Safety
+/// `config` from ferry_config_new; `key` and `value` NUL-terminated strings.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_config_set(
+    config: *mut ferry_config,
+    key: *const c_char,
+    value: *const c_char,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let config = unsafe { config.as_mut() }.ok_or_else(|| invalid("config"))?;
+        // SAFETY: per the contract.
+        let (key, value) = unsafe { (str_arg(key, "key")?, str_arg(value, "value")?) };
+        config.inner.set(key, value)
+    })
+}
+
+/// Frees options; NULL is ignored.
+///
+/// # Safety
+/// `config` from ferry_config_new, not used afterwards.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_config_free(config: *mut ferry_config) {
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        if !config.is_null() {
+            // SAFETY: created by Box::into_raw in ferry_config_new.
+            drop(unsafe { Box::from_raw(config) });
+        }
+    }));
+}
+
+/// Starts an engine: loads plugins, starts transports and the control
+/// listener. `config` may be NULL (defaults and environment).
+///
+/// # Safety
+/// `config` NULL or from ferry_config_new (not consumed); `out` valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_engine_new(
+    config: *const ferry_config,
+    out: *mut *mut ferry_engine,
+) -> ferry_status_t {
+    ffi_boundary!({
+        init_logging();
+        if out.is_null() {
+            return Err(invalid("out"));
+        }
+        // SAFETY: null or valid per the contract.
+        let config = match unsafe { config.as_ref() } {
+            Some(c) => c.inner.clone(),
+            None => EngineConfig::from_env()?,
+        };
+        let inner = Engine::new(config)?;
+        // SAFETY: out checked non-null.
+        unsafe { *out = Box::into_raw(Box::new(ferry_engine { inner })) };
+        Ok(())
+    })
+}
+
+/// Stops an engine; requests still in flight fail. NULL is ignored.
+///
+/// # Safety
+/// `engine` from ferry_engine_new, not used afterwards by any thread.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_engine_free(engine: *mut ferry_engine) {
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        if !engine.is_null() {
+            // SAFETY: created by Box::into_raw in ferry_engine_new.
+            drop(unsafe { Box::from_raw(engine) });
+        }
+    }));
+}
+
+/// This engine's segment name ("host:port") for peers to open.
+///
+/// # Safety
+/// `engine` valid; `buf` writable for `cap` bytes; `len` NULL or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_engine_segment_name(
+    engine: *const ferry_engine,
+    buf: *mut c_char,
+    cap: usize,
+    len: *mut usize,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let e = unsafe { obj(engine, "engine")? };
+        // SAFETY: per the contract.
+        unsafe { copy_text(e.inner.segment_name(), buf, cap, len) }
+    })
+}
+
+/// Registers `[addr, addr + len)`. `location` is "cpu:N", "cuda:N", or NULL
+/// to detect it.
+///
+/// # Safety
+/// `engine` valid; the memory stays allocated until unregistered.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_register_memory(
+    engine: *const ferry_engine,
+    addr: *mut c_void,
+    len: usize,
+    location: *const c_char,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let e = unsafe { obj(engine, "engine")? };
+        let location = if location.is_null() {
+            None
+        } else {
+            // SAFETY: non-null C string per the contract.
+            Some(ferry_core::location::parse_location(unsafe {
+                str_arg(location, "location")?
+            })?)
+        };
+        e.inner.register_memory(addr as u64, len as u64, location)
+    })
+}
+
+/// Unregisters the buffer that starts at `addr` (after its transfers in
+/// flight finish).
+///
+/// # Safety
+/// `engine` valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_unregister_memory(
+    engine: *const ferry_engine,
+    addr: *mut c_void,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        unsafe { obj(engine, "engine")? }
+            .inner
+            .unregister_memory(addr as u64)
+    })
+}
+
+/// Opens a peer's segment by name ("host:port").
+///
+/// # Safety
+/// `engine` valid; `name` a C string; `out` valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_open_segment(
+    engine: *const ferry_engine,
+    name: *const c_char,
+    out: *mut ferry_segment_id,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let e = unsafe { obj(engine, "engine")? };
+        // SAFETY: per the contract.
+        let name = unsafe { str_arg(name, "name")? };
+        if out.is_null() {
+            return Err(invalid("out"));
+        }
+        let id = e.inner.open_segment(name)?;
+        // SAFETY: checked non-null.
+        unsafe { *out = id };
+        Ok(())
+    })
+}
+
+/// Closes a segment.
+///
+/// # Safety
+/// `engine` valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_close_segment(
+    engine: *const ferry_engine,
+    segment: ferry_segment_id,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        unsafe { obj(engine, "engine")? }
+            .inner
+            .close_segment(segment)
+    })
+}
+
+/// A new batch with room for `capacity` requests.
+///
+/// # Safety
+/// `engine` valid; `out` valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_batch_new(
+    engine: *const ferry_engine,
+    capacity: usize,
+    out: *mut ferry_batch_id,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let e = unsafe { obj(engine, "engine")? };
+        if out.is_null() {
+            return Err(invalid("out"));
+        }
+        let id = e.inner.allocate_batch(capacity)?;
+        // SAFETY: checked non-null.
+        unsafe { *out = id };
+        Ok(())
+    })
+}
+
+fn to_requests(raw: &[ferry_request]) -> Result<Vec<Request>, Error> {
+    raw.iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let op =
+                match r.op {
+                    sys::FERRY_OP_READ => Op::Read,
+                    sys::FERRY_OP_WRITE => Op::Write,
+                    other => return Err(Error::new(
+                        ErrorCode::InvalidArgument,
+                        format!(
+                            "request {i}: op {other} is neither FERRY_OP_READ nor FERRY_OP_WRITE"
+                        ),
+                    )),
+                };
+            if r.reserved != 0 {
+                return Err(Error::new(
+                    ErrorCode::InvalidArgument,
+                    format!("request {i}: reserved must be 0"),
+                ));
+            }
+            Ok(Request::new(
+                op,
+                r.local_addr as u64,
+                r.segment,
+                r.remote_addr,
+                r.length,
+            ))
+        })
+        .collect()
+}
+
+/// # Safety
+/// `requests` null (with count 0) or valid for `count` elements.
+unsafe fn request_slice<'a>(
+    requests: *const ferry_request,
+    count: usize,
+) -> Result<&'a [ferry_request], Error> {
+    if count == 0 {
+        return Ok(&[]);
+    }
+    if requests.is_null() {
+        return Err(invalid("requests"));
+    }
+    // SAFETY: non-null and valid for count elements per the contract.
+    Ok(unsafe { std::slice::from_raw_parts(requests, count) })
+}
+
+/// Adds requests to a batch and starts them. If any request is invalid,
+/// nothing is submitted and the error names it.
+///
+/// # Safety
+/// `engine` valid; `requests` valid for `count` elements.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_batch_submit(
+    engine: *const ferry_engine,
+    batch: ferry_batch_id,
+    requests: *const ferry_request,
+    count: usize,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let e = unsafe { obj(engine, "engine")? };
+        // SAFETY: per the contract.
+        let reqs = to_requests(unsafe { request_slice(requests, count)? })?;
+        e.inner.submit(batch, &reqs)
+    })
+}
+
+fn fill_status(s: &ferry_core::BatchStatus, out: Option<&mut ferry_batch_summary>) {
+    if let Some(out) = out {
+        *out = ferry_batch_summary {
+            total: s.total as u64,
+            completed: s.completed as u64,
+            failed: s.failed as u64,
+            pending: s.pending as u64,
+            first_failed: s.first_error.as_ref().map_or(-1, |(i, _)| *i as i64),
+            first_error: s
+                .first_error
+                .as_ref()
+                .map_or(sys::FERRY_OK, |(_, e)| e.code.as_raw()),
+        };
+    }
+}
+
+fn status_result(s: &ferry_core::BatchStatus) -> Result<(), Error> {
+    match &s.first_error {
+        Some((i, e)) => Err(Error::new(e.code, format!("request {i}: {}", e.message))),
+        None => Ok(()),
+    }
+}
+
+/// The batch's state now. Returns FERRY_OK even when requests failed: look
+/// at `out`.
+///
+/// # Safety
+/// `engine` valid; `out` valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_batch_status(
+    engine: *const ferry_engine,
+    batch: ferry_batch_id,
+    out: *mut ferry_batch_summary,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let e = unsafe { obj(engine, "engine")? };
+        // SAFETY: null or valid per the contract.
+        let out = unsafe { out.as_mut() }.ok_or_else(|| invalid("out"))?;
+        fill_status(&e.inner.batch_status(batch)?, Some(out));
+        Ok(())
+    })
+}
+
+/// One request's state (FERRY_REQUEST_PENDING / _COMPLETED / _FAILED) and,
+/// when failed, its error code (else FERRY_OK). The message of a failed
+/// request is available from ferry_last_error() after this call.
+///
+/// # Safety
+/// `engine` valid; `state` and `error` valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_batch_request_status(
+    engine: *const ferry_engine,
+    batch: ferry_batch_id,
+    index: usize,
+    state: *mut u32,
+    error: *mut ferry_status_t,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let e = unsafe { obj(engine, "engine")? };
+        if state.is_null() || error.is_null() {
+            return Err(invalid("state or error"));
+        }
+        let (st, code) = match e.inner.request_status(batch, index)? {
+            RequestStatus::Pending => (FERRY_REQUEST_PENDING, sys::FERRY_OK),
+            RequestStatus::Completed => (FERRY_REQUEST_COMPLETED, sys::FERRY_OK),
+            RequestStatus::Failed(err) => {
+                set_last_error(&err.to_string());
+                (FERRY_REQUEST_FAILED, err.code.as_raw())
+            }
+        };
+        // SAFETY: both checked non-null.
+        unsafe {
+            *state = st;
+            *error = code;
+        }
+        Ok(())
+    })
+}
+
+/// Waits up to `timeout_ms` (-1: the engine's timeout) for the batch.
+/// Returns FERRY_OK when every request succeeded, FERRY_ERR_TIMEOUT when some
+/// are still pending, else the first failed request's code (its message in
+/// ferry_last_error). `out` (may be NULL) gets the state either way.
+///
+/// # Safety
+/// `engine` valid; `out` NULL or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_batch_wait(
+    engine: *const ferry_engine,
+    batch: ferry_batch_id,
+    timeout_ms: i64,
+    out: *mut ferry_batch_summary,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let e = unsafe { obj(engine, "engine")? };
+        let timeout = if timeout_ms < 0 {
+            e.inner.config().timeout * 2
+        } else {
+            Duration::from_millis(timeout_ms as u64)
+        };
+        let s = e.inner.wait(batch, timeout)?;
+        // SAFETY: null or valid per the contract.
+        fill_status(&s, unsafe { out.as_mut() });
+        if !s.is_done() {
+            return Err(Error::new(
+                ErrorCode::Timeout,
+                format!("{} of {} requests still pending", s.pending, s.total),
+            ));
+        }
+        status_result(&s)
+    })
+}
+
+/// Frees a batch whose requests have all finished (FERRY_ERR_BUSY if not).
+///
+/// # Safety
+/// `engine` valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_batch_free(
+    engine: *const ferry_engine,
+    batch: ferry_batch_id,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        unsafe { obj(engine, "engine")? }.inner.free_batch(batch)
+    })
+}
+
+/// Submits `requests` as one batch and waits for them; the first failure
+/// is the result.
+///
+/// # Safety
+/// `engine` valid; `requests` valid for `count` elements.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_transfer_sync(
+    engine: *const ferry_engine,
+    requests: *const ferry_request,
+    count: usize,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let e = unsafe { obj(engine, "engine")? };
+        // SAFETY: per the contract.
+        let reqs = to_requests(unsafe { request_slice(requests, count)? })?;
+        e.inner.transfer_sync(&reqs)
+    })
+}
+
+/// `ferry info --json` for this process: the plugin search path and every
+/// plugin with its state and reason.
+///
+/// # Safety
+/// `buf` writable for `cap` bytes; `len` NULL or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_info_json(
+    buf: *mut c_char,
+    cap: usize,
+    len: *mut usize,
+) -> ferry_status_t {
+    ffi_boundary!({
+        init_logging();
+        let topology = ferry_core::topology::Topology::discover(
+            &ferry_core::topology::TopologyConfig::from_env(),
+        )
+        .ok()
+        .map(std::sync::Arc::new);
+        let set = ferry_core::load_plugins(
+            &ferry_core::loader::LoaderConfig::from_env(),
+            ferry_core::host::CoreHost::new(Default::default(), topology),
+        );
+        let report = ferry_core::info::InfoReport::from_plugins(&set);
+        let text = serde_json::to_string(&report)
+            .map_err(|e| Error::new(ErrorCode::Internal, e.to_string()))?;
+        // SAFETY: per the contract.
+        unsafe { copy_text(&text, buf, cap, len) }
+    })
+}

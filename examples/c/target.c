@@ -1,0 +1,41 @@
+/*
+ * A Ferry target in C: registers a buffer and serves it until stdin closes.
+ *
+ *   ./target [size]
+ *
+ * Prints "SEGMENT <name> <address> <size>" once ready; on each "checksum"
+ * line from stdin it prints "CHECKSUM <hex>" of its buffer.
+ */
+#include "common.h"
+#include <string.h>
+
+int main(int argc, char **argv) {
+    size_t size = argc > 1 ? strtoull(argv[1], NULL, 0) : (64u << 20);
+    ferry_config *config = NULL;
+    CHECK(ferry_config_new(&config));
+    CHECK(ferry_config_set(config, "listen", "127.0.0.1:0"));
+    ferry_engine *engine = NULL;
+    CHECK(ferry_engine_new(config, &engine));
+    ferry_config_free(config);
+
+    unsigned char *buf = calloc(1, size);
+    if (buf == NULL) return 1;
+    CHECK(ferry_register_memory(engine, buf, size, NULL));
+
+    char name[256];
+    CHECK(ferry_engine_segment_name(engine, name, sizeof name, NULL));
+    printf("SEGMENT %s %p %zu\n", name, (void *)buf, size);
+    fflush(stdout);
+
+    char line[64];
+    while (fgets(line, sizeof line, stdin) != NULL) {
+        if (strncmp(line, "checksum", 8) == 0) {
+            printf("CHECKSUM %016llx\n", (unsigned long long)checksum(buf, size));
+            fflush(stdout);
+        }
+    }
+    CHECK(ferry_unregister_memory(engine, buf));
+    ferry_engine_free(engine);
+    free(buf);
+    return 0;
+}
