@@ -449,17 +449,18 @@ fn to_requests(raw: &[ferry_request]) -> Result<Vec<Request>, Error> {
     raw.iter()
         .enumerate()
         .map(|(i, r)| {
-            let op =
-                match r.op {
-                    sys::FERRY_OP_READ => Op::Read,
-                    sys::FERRY_OP_WRITE => Op::Write,
-                    other => return Err(Error::new(
+            let op = match r.op {
+                sys::FERRY_OP_READ => Op::Read,
+                sys::FERRY_OP_WRITE => Op::Write,
+                other => {
+                    return Err(Error::new(
                         ErrorCode::InvalidArgument,
                         format!(
                             "request {i}: op {other} is neither FERRY_OP_READ nor FERRY_OP_WRITE"
                         ),
-                    )),
-                };
+                    ))
+                }
+            };
             if r.reserved != 0 {
                 return Err(Error::new(
                     ErrorCode::InvalidArgument,
