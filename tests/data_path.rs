@@ -71,9 +71,11 @@ fn out_of_bounds_requests_are_refused_and_touch_nothing() {
     let initiator = engine();
     let mut remote = vec![0xAAu8; 3 * 4096];
     let local = vec![0x55u8; 8192];
-    // Register only the middle page of the target's memory.
+    // Register the middle page of the target's memory, and the last page as
+    // a second, adjacent buffer; the first page is not registered.
     let mid = remote.as_mut_ptr() as u64 + 4096;
     target.register_memory(mid, 4096, None).unwrap();
+    target.register_memory(mid + 4096, 4096, None).unwrap();
     initiator
         .register_memory(local.as_ptr() as u64, 8192, None)
         .unwrap();
@@ -85,8 +87,13 @@ fn out_of_bounds_requests_are_refused_and_touch_nothing() {
             Request::new(Op::Write, l, seg, mid - 1, 16),
             ErrorCode::OutOfBounds,
         ),
+        // Straddles the two adjacent registered buffers: inside neither.
         (
             Request::new(Op::Write, l, seg, mid + 4000, 200),
+            ErrorCode::OutOfBounds,
+        ),
+        (
+            Request::new(Op::Read, l, seg, mid + 4090, 12),
             ErrorCode::OutOfBounds,
         ),
         (
@@ -127,6 +134,16 @@ fn out_of_bounds_requests_are_refused_and_touch_nothing() {
     assert!(remote[..4096].iter().all(|b| *b == 0xAA));
     assert!(remote[4096..8192].iter().all(|b| *b == 0x55));
     assert!(remote[8192..].iter().all(|b| *b == 0xAA));
+    // Two requests that coalesce across the buffer boundary are not merged
+    // into one that straddles it: each lands in its own buffer.
+    initiator
+        .transfer_sync(&[
+            Request::new(Op::Write, l, seg, mid + 4096 - 8, 8),
+            Request::new(Op::Write, l + 8, seg, mid + 4096, 8),
+        ])
+        .unwrap();
+    assert!(remote[8192..8200].iter().all(|b| *b == 0x55));
+    assert!(remote[8200..].iter().all(|b| *b == 0xAA));
 }
 
 #[test]
