@@ -2,45 +2,18 @@
 //! batch, and garbage thrown at the control and data ports.
 
 use ferry_core::{Engine, EngineConfig, ErrorCode, Op, Request};
-use ferry_tests::ferry_bin;
-use std::io::{BufRead, BufReader, Read, Write};
+use ferry_tests::{ferry_bin, TargetProcess};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// `ferry bench target` in its own process; killed when dropped.
-struct TargetProcess {
-    child: Child,
-    segment: String,
-}
-
-impl TargetProcess {
-    fn start(buffer: &str) -> TargetProcess {
-        let mut child = Command::new(ferry_bin())
-            .args(["bench", "target", "--buffer-size", buffer])
-            .env("FERRY_TRANSPORTS", "tcp")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let segment = line
-            .strip_prefix("segment ")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .trim()
-            .to_string();
-        TargetProcess { child, segment }
-    }
-}
-
-impl Drop for TargetProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+fn target(buffer: &str) -> TargetProcess {
+    TargetProcess::start(
+        &["--buffer-size", buffer],
+        &[("FERRY_TRANSPORTS", "tcp")],
+        &[],
+    )
 }
 
 fn engine(timeout_ms: &str) -> Engine {
@@ -78,8 +51,8 @@ fn ferry_demo_moves_and_verifies_data_between_two_processes() {
 
 #[test]
 fn a_peer_killed_mid_batch_fails_it_in_time_and_other_peers_keep_working() {
-    let mut doomed = TargetProcess::start("64M");
-    let healthy = TargetProcess::start("16M");
+    let mut doomed = target("64M");
+    let healthy = target("16M");
     let e = engine("3000");
     let local = vec![0x42u8; 4 << 20];
     e.register_memory(local.as_ptr() as u64, local.len() as u64, None)
@@ -93,7 +66,9 @@ fn a_peer_killed_mid_batch_fails_it_in_time_and_other_peers_keep_working() {
         .map(|_| Request::new(Op::Write, local.as_ptr() as u64, seg, remote, 4 << 20))
         .collect();
     let batch = e.allocate_batch(reqs.len()).unwrap();
+    let t0 = Instant::now();
     e.submit(batch, &reqs).unwrap();
+    eprintln!("submit took {:?}", t0.elapsed());
     std::thread::sleep(Duration::from_millis(30));
     doomed.child.kill().unwrap();
     let started = Instant::now();
@@ -140,7 +115,7 @@ fn a_peer_killed_mid_batch_fails_it_in_time_and_other_peers_keep_working() {
 
 #[test]
 fn garbage_on_the_control_and_data_ports_is_refused_and_the_target_keeps_serving() {
-    let target = TargetProcess::start("16M");
+    let target = target("16M");
     let e = engine("3000");
     let local = vec![7u8; 1 << 20];
     e.register_memory(local.as_ptr() as u64, local.len() as u64, None)

@@ -178,6 +178,28 @@ ferry_status_t ferry_register_memory(const struct ferry_engine *engine,
                                      const char *location);
 
 /**
+ * Allocates `len` bytes of host memory (on NUMA node `numa_node`, or -1
+ * for any) and registers it. Same-host peers map such memory directly (shm),
+ * which is the fastest way between processes of one host. Free it with
+ * ferry_free_memory; what is left is freed with the engine.
+ *
+ * # Safety
+ * `engine` valid; `out` valid.
+ */
+ferry_status_t ferry_allocate_memory(const struct ferry_engine *engine,
+                                     size_t len,
+                                     int32_t numa_node,
+                                     void **out);
+
+/**
+ * Unregisters and frees memory from ferry_allocate_memory.
+ *
+ * # Safety
+ * `engine` valid.
+ */
+ferry_status_t ferry_free_memory(const struct ferry_engine *engine, void *addr);
+
+/**
  * Unregisters the buffer that starts at `addr` (after its transfers in
  * flight finish).
  *

@@ -362,6 +362,52 @@ pub unsafe extern "C" fn ferry_register_memory(
     })
 }
 
+/// Allocates `len` bytes of host memory (on NUMA node `numa_node`, or -1
+/// for any) and registers it. Same-host peers map such memory directly (shm),
+/// which is the fastest way between processes of one host. Free it with
+/// ferry_free_memory; what is left is freed with the engine.
+///
+/// # Safety
+/// `engine` valid; `out` valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_allocate_memory(
+    engine: *const ferry_engine,
+    len: usize,
+    numa_node: i32,
+    out: *mut *mut c_void,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let e = unsafe { obj(engine, "engine")? };
+        if out.is_null() {
+            return Err(invalid("out"));
+        }
+        let addr = e
+            .inner
+            .allocate_memory(len as u64, u32::try_from(numa_node).ok())?;
+        // SAFETY: checked non-null.
+        unsafe { *out = addr as *mut c_void };
+        Ok(())
+    })
+}
+
+/// Unregisters and frees memory from ferry_allocate_memory.
+///
+/// # Safety
+/// `engine` valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_free_memory(
+    engine: *const ferry_engine,
+    addr: *mut c_void,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        unsafe { obj(engine, "engine")? }
+            .inner
+            .free_memory(addr as u64)
+    })
+}
+
 /// Unregisters the buffer that starts at `addr` (after its transfers in
 /// flight finish).
 ///

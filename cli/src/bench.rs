@@ -15,6 +15,9 @@ pub struct TargetArgs {
     pub listen: Option<String>,
     pub buffer_size: u64,
     pub duration: Option<f64>,
+    /// Serve memory the engine allocates (shareable by same-host transports)
+    /// instead of plain application memory.
+    pub allocate: bool,
 }
 
 pub fn target(args: TargetArgs) -> Result<(), String> {
@@ -23,15 +26,29 @@ pub fn target(args: TargetArgs) -> Result<(), String> {
         config.listen = l;
     }
     let engine = Engine::new(config).map_err(|e| e.to_string())?;
-    let buffer = Buffer::new(args.buffer_size as usize)?;
-    engine
-        .register_memory(buffer.addr(), args.buffer_size, None)
-        .map_err(|e| e.to_string())?;
+    // Either the engine's own memory or plain application memory.
+    let _buffer = if args.allocate {
+        engine
+            .allocate_memory(args.buffer_size, None)
+            .map_err(|e| e.to_string())?;
+        None
+    } else {
+        let buffer = Buffer::new(args.buffer_size as usize)?;
+        engine
+            .register_memory(buffer.addr(), args.buffer_size, None)
+            .map_err(|e| e.to_string())?;
+        Some(buffer)
+    };
     println!("segment {}", engine.segment_name());
     let _ = std::io::stdout().flush();
     eprintln!(
-        "ferry bench target: serving {} of host memory at {}; transports: {}. Stop with Ctrl-C.",
+        "ferry bench target: serving {} of {} memory at {}; transports: {}. Stop with Ctrl-C.",
         human_size(args.buffer_size),
+        if args.allocate {
+            "engine-allocated"
+        } else {
+            "application"
+        },
         engine.segment_name(),
         engine.transports().join(", ")
     );
@@ -46,6 +63,10 @@ pub fn target(args: TargetArgs) -> Result<(), String> {
         }
     }
 }
+
+/// Bytes a benchmark cycles through on each side, so that it measures
+/// memory rather than cache (the memcpy limit uses the same).
+const WORKING_SET: u64 = 64 << 20;
 
 pub struct InitiatorArgs {
     pub segment: String,
@@ -113,8 +134,14 @@ pub fn initiator(args: InitiatorArgs) -> Result<(), String> {
             human_size(args.block_size)
         ));
     }
+    // Each batch moves on through the remote window and through a local
+    // buffer of at least WORKING_SET, so transfers touch memory, not cache,
+    // like the memcpy limit they are compared with.
     let slots = (window / args.block_size).max(1);
-    let local_len = per_batch.min(slots * args.block_size);
+    let local_slots = (per_batch.max(WORKING_SET) / args.block_size)
+        .min(slots)
+        .max(1);
+    let local_len = local_slots * args.block_size;
     let local = Buffer::new((local_len * args.threads as u64) as usize)?;
     engine
         .register_memory(local.addr(), local.len() as u64, None)
@@ -131,21 +158,25 @@ pub fn initiator(args: InitiatorArgs) -> Result<(), String> {
     let started = Instant::now();
     let mut workers = Vec::new();
     for t in 0..args.threads as u64 {
-        let reqs: Vec<Request> = (0..args.batch_size as u64)
-            .map(|i| {
-                let slot = i % slots;
-                let local_off = (i * args.block_size) % local_len;
-                let mut r = Request::new(
-                    args.op,
-                    local.addr() + t * local_len + local_off,
-                    seg,
-                    remote.0 + t * window + slot * args.block_size,
-                    args.block_size,
-                );
-                r.transport = args.transport.clone();
-                r
-            })
-            .collect();
+        let (op, block, hint) = (args.op, args.block_size, args.transport.clone());
+        let (local_base, remote_base) = (local.addr() + t * local_len, remote.0 + t * window);
+        let batch_size = args.batch_size as u64;
+        let make_batch = move |n: u64| -> Vec<Request> {
+            (0..batch_size)
+                .map(|i| {
+                    let k = n * batch_size + i;
+                    let mut r = Request::new(
+                        op,
+                        local_base + (k % local_slots) * block,
+                        seg,
+                        remote_base + (k % slots) * block,
+                        block,
+                    );
+                    r.transport = hint.clone();
+                    r
+                })
+                .collect()
+        };
         let (engine, stop, bytes, latencies, failure) = (
             engine.clone(),
             stop.clone(),
@@ -156,8 +187,11 @@ pub fn initiator(args: InitiatorArgs) -> Result<(), String> {
         let timeout = engine.config().timeout * 2;
         workers.push(std::thread::spawn(move || {
             let mut mine = Vec::with_capacity(1 << 16);
-            let batch_bytes: u64 = reqs.iter().map(|r| r.length).sum();
+            let batch_bytes = block * batch_size;
+            let mut n = 0u64;
             while !stop.load(Ordering::Relaxed) {
+                let reqs = make_batch(n);
+                n += 1;
                 let result = run_batch(&engine, &reqs, timeout);
                 match result {
                     Ok(elapsed) => {
@@ -344,5 +378,41 @@ pub fn tcp_sink(connect: &str) -> Result<(), String> {
     }
     let secs = first.map(|f| f.elapsed().as_secs_f64()).unwrap_or(0.0);
     println!("{total} {secs}");
+    Ok(())
+}
+
+/// Single-thread memcpy bandwidth at one block size: the limit a same-host
+/// transport is compared with. Copies a working set of `total` bytes (so
+/// large blocks do not all sit in cache) in `block` pieces for `duration`.
+pub fn memcpy_limit(block: u64, duration: f64, json: bool) -> Result<(), String> {
+    let block = block as usize;
+    let total = (WORKING_SET as usize).max(block);
+    let src = Buffer::new(total)?;
+    let mut dst = Buffer::new(total)?;
+    let blocks = total / block;
+    let started = Instant::now();
+    let mut bytes = 0u64;
+    let mut i = 0;
+    while started.elapsed().as_secs_f64() < duration {
+        for _ in 0..blocks.min(64) {
+            let off = (i % blocks) * block;
+            dst.as_mut_slice()[off..off + block].copy_from_slice(&src.as_slice()[off..off + block]);
+            i += 1;
+            bytes += block as u64;
+        }
+    }
+    std::hint::black_box(dst.as_slice()[0]);
+    let gbps = bytes as f64 / started.elapsed().as_secs_f64() / 1e9;
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"limit": "memcpy-single-thread", "block_size": block, "gb_per_s": gbps})
+        );
+    } else {
+        println!(
+            "single-thread memcpy of {} blocks: {gbps:.2} GB/s",
+            human_size(block as u64)
+        );
+    }
     Ok(())
 }

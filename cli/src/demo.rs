@@ -23,23 +23,26 @@ fn engine() -> Result<Engine, String> {
     Engine::new(config).map_err(|e| format!("cannot start an engine: {e}"))
 }
 
-/// The target process: serve a zeroed buffer until stdin closes.
+/// The target process: serve a buffer the engine allocates (so a same-host
+/// transport can share it best) until stdin closes.
 pub fn run_target(size: u64) -> Result<(), String> {
     let engine = engine()?;
-    let buffer = Buffer::new(size as usize)?;
-    engine
-        .register_memory(buffer.addr(), size, None)
+    let addr = engine
+        .allocate_memory(size, None)
         .map_err(|e| e.to_string())?;
     println!("SEGMENT {}", engine.segment_name());
     let _ = std::io::stdout().flush();
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
         if line.trim() == "checksum" {
-            println!("CHECKSUM {:08x}", crc32(buffer.as_slice()));
+            // SAFETY: the engine allocated `size` bytes at addr and keeps
+            // them until free_memory; no transfer runs while we checksum.
+            let data = unsafe { std::slice::from_raw_parts(addr as *const u8, size as usize) };
+            println!("CHECKSUM {:08x}", crc32(data));
             let _ = std::io::stdout().flush();
         }
     }
-    Ok(())
+    engine.free_memory(addr).map_err(|e| e.to_string())
 }
 
 struct TargetProcess {

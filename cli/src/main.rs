@@ -97,6 +97,10 @@ enum BenchMode {
         /// Exit after this many seconds (default: run until killed).
         #[arg(long)]
         duration: Option<f64>,
+        /// Serve memory the engine allocates (shm maps it into peers) rather
+        /// than plain application memory (shm reaches it by cross-memory attach).
+        #[arg(long)]
+        allocate: bool,
     },
     /// Drive reads or writes against a target and report.
     Initiator {
@@ -128,6 +132,15 @@ enum BenchMode {
         duration: f64,
         #[arg(long, default_value = "1M", value_parser = parse_size)]
         block: u64,
+        #[arg(long)]
+        json: bool,
+    },
+    /// This machine's single-thread memcpy bandwidth, for same-host ratios.
+    MemcpyLimit {
+        #[arg(long, default_value = "64M", value_parser = parse_size)]
+        block: u64,
+        #[arg(long, default_value_t = 2.0)]
+        duration: f64,
         #[arg(long)]
         json: bool,
     },
@@ -163,11 +176,18 @@ fn main() -> ExitCode {
                 listen,
                 buffer_size,
                 duration,
+                allocate,
             } => bench::target(bench::TargetArgs {
                 listen,
                 buffer_size,
                 duration,
+                allocate,
             }),
+            BenchMode::MemcpyLimit {
+                block,
+                duration,
+                json,
+            } => bench::memcpy_limit(block, duration, json),
             BenchMode::Initiator {
                 segment,
                 op,

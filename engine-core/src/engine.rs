@@ -156,6 +156,9 @@ impl RemoteView {
     }
 }
 
+/// A transport's answer for each remote buffer key: served, or why not.
+type KeyVerdicts = HashMap<Vec<u8>, std::result::Result<(), String>>;
+
 struct RemoteSegment {
     id: SegmentId,
     name: String,
@@ -163,6 +166,8 @@ struct RemoteSegment {
     view: RwLock<Arc<RemoteView>>,
     /// Connected peers, by transport index; created on first use.
     peers: Mutex<HashMap<usize, Arc<PeerHandle>>>,
+    /// Per transport, whether it serves a remote buffer with a given key.
+    verdicts: Mutex<HashMap<usize, KeyVerdicts>>,
 }
 
 /// Why a transport was chosen, for logs and `ferry demo`.
@@ -205,6 +210,17 @@ struct Shared {
     batches: Arc<BatchTable>,
     /// (segment, transport) pairs already logged.
     logged_routes: Mutex<HashSet<(SegmentId, usize)>>,
+    /// Memory this engine allocated for the application, by address.
+    allocations: Mutex<HashMap<u64, Allocation>>,
+}
+
+/// Who allocated a buffer handed out by `allocate_memory`.
+#[derive(Clone, Copy, Debug)]
+enum Allocation {
+    /// A transport's shareable memory (transport index).
+    Transport(usize),
+    /// A plain anonymous mapping of this many bytes.
+    Anonymous(u64),
 }
 
 impl ControlHandler for Shared {
@@ -329,6 +345,7 @@ impl Engine {
             next_segment: AtomicU64::new(1),
             batches,
             logged_routes: Mutex::new(HashSet::new()),
+            allocations: Mutex::new(HashMap::new()),
             config,
         });
         let weak: Weak<dyn ControlHandler> = Arc::downgrade(&shared) as Weak<dyn ControlHandler>;
@@ -387,6 +404,21 @@ impl Engine {
     /// (host memory: the NUMA node of its first page).
     pub fn register_memory(&self, addr: u64, len: u64, location: Option<Location>) -> Result<()> {
         self.shared.register_memory(addr, len, location)
+    }
+
+    /// Allocates `len` bytes of host memory (near NUMA node `numa_node` when
+    /// given) and registers it. The memory comes from the transport that
+    /// shares it best (shm maps it into same-host peers, so they copy with
+    /// plain loads and stores); without such a transport, from the kernel.
+    /// Free it with [`Engine::free_memory`]; what is left is freed with the
+    /// engine.
+    pub fn allocate_memory(&self, len: u64, numa_node: Option<u32>) -> Result<u64> {
+        self.shared.allocate_memory(len, numa_node)
+    }
+
+    /// Unregisters and frees memory from [`Engine::allocate_memory`].
+    pub fn free_memory(&self, addr: u64) -> Result<()> {
+        self.shared.free_memory(addr)
     }
 
     /// Unregisters the buffer that starts at `addr`. Transfers in flight that
@@ -504,7 +536,11 @@ impl Engine {
         let (t, reason) = self.shared.select(&local, &seg, &view, remote, None)?;
         let peer = self.shared.peer(&seg, t).ok();
         let transport = &self.shared.transports[t];
-        let nic = if transport.name.starts_with("rdma") {
+        // Socket transports go where the kernel routes; RDMA picks its NICs
+        // itself and same-host transports use none.
+        let nic = if transport.name.starts_with("rdma")
+            || transport.scopes & sys::FERRY_SCOPE_CROSS_HOST == 0
+        {
             None
         } else {
             self.shared.route_nic(&seg, &local)
@@ -721,6 +757,65 @@ impl Shared {
         Ok(())
     }
 
+    fn allocate_memory(&self, len: u64, numa_node: Option<u32>) -> Result<u64> {
+        if len == 0 {
+            return Err(Error::new(
+                ErrorCode::InvalidArgument,
+                "cannot allocate 0 bytes",
+            ));
+        }
+        let mut found = None;
+        for (i, t) in self.transports.iter().enumerate() {
+            match t.allocate(len, numa_node) {
+                None => continue,
+                Some(Ok(addr)) => {
+                    found = Some((addr, Allocation::Transport(i)));
+                    break;
+                }
+                Some(Err(e)) => log::warn!("{}: cannot allocate {len} bytes: {e}", t.name),
+            }
+        }
+        let (addr, owner) = match found {
+            Some(f) => f,
+            None => (anonymous_map(len)?, Allocation::Anonymous(len)),
+        };
+        let location = numa_node.map(Location::Cpu);
+        if let Err(e) = self.register_memory(addr, len, location) {
+            self.release(addr, owner);
+            return Err(e);
+        }
+        self.allocations.lock().insert(addr, owner);
+        Ok(addr)
+    }
+
+    fn free_memory(&self, addr: u64) -> Result<()> {
+        let owner = self.allocations.lock().get(&addr).copied().ok_or_else(|| {
+            Error::new(
+                ErrorCode::NotFound,
+                format!("{addr:#x} was not returned by allocate_memory (or is freed already)"),
+            )
+        })?;
+        self.unregister_memory(addr)?;
+        self.allocations.lock().remove(&addr);
+        self.release(addr, owner);
+        Ok(())
+    }
+
+    fn release(&self, addr: u64, owner: Allocation) {
+        match owner {
+            Allocation::Transport(i) => {
+                if let Err(e) = self.transports[i].free(addr) {
+                    log::warn!("freeing {addr:#x}: {e}");
+                }
+            }
+            // SAFETY: addr/len describe a mapping anonymous_map made and that
+            // nothing references any more (unregistered above).
+            Allocation::Anonymous(len) => unsafe {
+                libc::munmap(addr as *mut libc::c_void, len as usize);
+            },
+        }
+    }
+
     fn unregister_memory(&self, addr: u64) -> Result<()> {
         let buffer = self.memory.remove(addr).ok_or_else(|| {
             Error::new(
@@ -788,6 +883,7 @@ impl Shared {
             scope,
             view: RwLock::new(Arc::new(RemoteView::new(descriptor))),
             peers: Mutex::new(HashMap::new()),
+            verdicts: Mutex::new(HashMap::new()),
         });
         let mut segments = self.segments.write();
         // Another thread may have opened it meanwhile: keep one.
@@ -813,12 +909,16 @@ impl Shared {
                 view.descriptor.engine_id
             );
             seg.peers.lock().clear();
+            seg.verdicts.lock().clear();
         }
         *current = view.clone();
         Ok(view)
     }
 
-    /// Picks the transport for one request and says why.
+    /// Picks the transport for one request and says why: the best-ranked
+    /// transport that can move this memory to a peer in this scope, runs at
+    /// the peer, has a key for the remote buffer, and does not decline this
+    /// peer or buffer (asked once, remembered).
     fn select(
         &self,
         local: &LocalBuffer,
@@ -831,6 +931,9 @@ impl Shared {
         let mut candidates: Vec<(usize, (u8, u8))> = Vec::new();
         let mut rejected: Vec<String> = Vec::new();
         for (i, t) in self.transports.iter().enumerate() {
+            if hint.is_some_and(|h| h != t.name) {
+                continue;
+            }
             let verdict = if t.mem_kinds & local.mem_kind == 0 {
                 Some(format!("{} cannot move {} memory", t.name, local.location))
             } else if !crate::transport::scope_served(t.scopes, seg.scope.raw()) {
@@ -854,34 +957,41 @@ impl Shared {
                 None => candidates.push((i, rank(t))),
             }
         }
-        if let Some(h) = hint {
-            return match candidates
-                .iter()
-                .find(|(i, _)| self.transports[*i].name == h)
-            {
-                Some((i, _)) => Ok((*i, format!("{h} was requested"))),
-                None => Err(Error::new(
-                    ErrorCode::Unsupported,
-                    format!(
-                        "transport {h} was requested but cannot serve this request{}",
-                        if rejected.is_empty() {
-                            String::new()
-                        } else {
-                            format!(" ({})", rejected.join("; "))
-                        }
-                    ),
-                )),
-            };
-        }
         candidates.sort_by_key(|(i, r)| (*r, *i));
-        let Some(&(best, _)) = candidates.first() else {
-            return Err(Error::new(
-                ErrorCode::Unavailable,
-                format!(
-                    "no transport can move {} memory to {} ({}): {}",
+        let mut chosen = None;
+        for (i, _) in &candidates {
+            let key = remote_buf
+                .keys
+                .get(&self.transports[*i].name)
+                .map(Vec::as_slice)
+                .unwrap_or_default();
+            match self.acceptance(seg, *i, key) {
+                Ok(()) => {
+                    chosen = Some(*i);
+                    break;
+                }
+                Err(why) => rejected.push(format!("{} declined: {why}", self.transports[*i].name)),
+            }
+        }
+        let Some(best) = chosen else {
+            let what = match hint {
+                Some(h) => format!("transport {h} was requested but cannot serve this request"),
+                None => format!(
+                    "no transport can move {} memory to {} ({})",
                     local.location,
                     seg.name,
-                    seg.scope.as_str(),
+                    seg.scope.as_str()
+                ),
+            };
+            let code = if hint.is_some() {
+                ErrorCode::Unsupported
+            } else {
+                ErrorCode::Unavailable
+            };
+            return Err(Error::new(
+                code,
+                format!(
+                    "{what}: {}",
                     if rejected.is_empty() {
                         "this engine has no transport plugin that can move data (`ferry info` \
                          shows why each plugin is disabled; FERRY_PLUGIN_PATH adds directories)"
@@ -893,6 +1003,9 @@ impl Shared {
             ));
         };
         let t = &self.transports[best];
+        if hint.is_some() {
+            return Ok((best, format!("{} was requested", t.name)));
+        }
         let mut reason = format!(
             "{} memory to {} memory on {}: {}",
             local.location,
@@ -900,9 +1013,11 @@ impl Shared {
             seg.scope.as_str(),
             rank_reason(t, seg.scope)
         );
-        let others: Vec<&str> = candidates[1..]
+        let others: Vec<&str> = candidates
             .iter()
-            .map(|(i, _)| self.transports[*i].name.as_str())
+            .map(|(i, _)| *i)
+            .filter(|i| *i != best && rank(&self.transports[*i]) >= rank(t))
+            .map(|i| self.transports[i].name.as_str())
             .collect();
         if !others.is_empty() {
             reason.push_str(&format!("; preferred over {}", others.join(", ")));
@@ -911,6 +1026,49 @@ impl Shared {
             reason.push_str(&format!("; not usable: {}", rejected.join("; ")));
         }
         Ok((best, reason))
+    }
+
+    /// Whether a transport serves this segment's buffer with `key`: asks
+    /// the plugin once (connect, then accepts) and remembers the answer.
+    fn acceptance(
+        &self,
+        seg: &RemoteSegment,
+        transport: usize,
+        key: &[u8],
+    ) -> std::result::Result<(), String> {
+        if let Some(v) = seg.verdicts.lock().get(&transport).and_then(|m| m.get(key)) {
+            return v.clone();
+        }
+        let t = &self.transports[transport];
+        let strip = |m: String| -> String {
+            m.strip_prefix(&format!("{}: ", t.name))
+                .map(str::to_string)
+                .unwrap_or(m)
+        };
+        let verdict = match self.peer(seg, transport) {
+            Ok(peer) => match t.accepts(&peer, key) {
+                Ok(()) => Ok(()),
+                Err(e) => Err(strip(e.message)),
+            },
+            // Other connection errors are the peer's state, not a refusal:
+            // let the request try and report them.
+            Err(e) if e.code != ErrorCode::Unavailable => return Ok(()),
+            Err(e) => Err(strip(e.message)),
+        };
+        if let Err(why) = &verdict {
+            log::info!(
+                "segment {}: {} declined some of its buffers ({why}); using the next transport \
+                 for them",
+                seg.name,
+                t.name
+            );
+        }
+        seg.verdicts
+            .lock()
+            .entry(transport)
+            .or_default()
+            .insert(key.to_vec(), verdict.clone());
+        verdict
     }
 
     fn peer(&self, seg: &RemoteSegment, transport: usize) -> Result<Arc<PeerHandle>> {
@@ -1078,6 +1236,44 @@ impl Shared {
     }
 }
 
+/// A private anonymous mapping of `len` bytes.
+fn anonymous_map(len: u64) -> Result<u64> {
+    let len = usize::try_from(len)
+        .map_err(|_| Error::new(ErrorCode::InvalidArgument, "allocation too large"))?;
+    // SAFETY: a fresh anonymous mapping; the result is checked below.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(Error::new(
+            ErrorCode::NoMemory,
+            format!(
+                "cannot allocate {len} bytes: {}",
+                std::io::Error::last_os_error()
+            ),
+        ));
+    }
+    Ok(ptr as u64)
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Memory handed out by allocate_memory belongs to the engine.
+        let allocations: Vec<(u64, Allocation)> = self.allocations.lock().drain().collect();
+        for (addr, owner) in allocations {
+            let _ = self.unregister_memory(addr);
+            self.release(addr, owner);
+        }
+    }
+}
+
 /// Lower is better: transports limited to one process beat those limited to
 /// one host, which beat cross-host ones; among cross-host ones RDMA beats
 /// vendor plugins, which beat TCP, the transport of last resort.
@@ -1112,7 +1308,7 @@ fn rank_reason(t: &Transport, scope: Scope) -> String {
                 format!("{} is the only cross-host transport both ends run", t.name)
             }
             _ => format!(
-                "{} works between any two engines (no same-host transport both ends run)",
+                "{} works between any two engines (no same-host transport can serve this)",
                 t.name
             ),
         },

@@ -97,6 +97,8 @@ impl ErrBuf {
         let code = ErrorCode::from_raw(status).unwrap_or(ErrorCode::Plugin);
         let msg = if msg.is_empty() {
             format!("{plugin}: {what} failed ({code})")
+        } else if msg.starts_with(&format!("{plugin}:")) {
+            msg
         } else {
             format!("{plugin}: {msg}")
         };
@@ -441,6 +443,72 @@ impl Transport {
             .to_string_lossy()
             .into_owned();
         (!text.is_empty()).then_some(text)
+    }
+
+    /// Shareable memory from the plugin; `None` when it allocates none.
+    pub fn allocate(&self, len: u64, numa_node: Option<u32>) -> Option<Result<u64>> {
+        let table = self.table();
+        if !ferry_plugins_abi::has_field!(table, sys::ferry_transport_plugin_v1_t, free_memory) {
+            return None;
+        }
+        let f = table.allocate_memory?;
+        table.free_memory?;
+        let mut addr: *mut c_void = std::ptr::null_mut();
+        let mut err = ErrBuf::new();
+        let mut raw = err.raw();
+        let numa = numa_node.and_then(|n| i32::try_from(n).ok()).unwrap_or(-1);
+        // SAFETY: addr and err are valid out-pointers for the call.
+        let status = unsafe { f(self.instance, len, numa, &mut addr, &mut raw) };
+        match status {
+            sys::FERRY_OK if !addr.is_null() => Some(Ok(addr as u64)),
+            sys::FERRY_ERR_UNSUPPORTED => None,
+            _ => Some(Err(err.error(&self.name, "allocate_memory", status))),
+        }
+    }
+
+    pub fn free(&self, addr: u64) -> Result<()> {
+        let f = self
+            .table()
+            .free_memory
+            .ok_or_else(|| missing(&self.name, "free_memory"))?;
+        let mut err = ErrBuf::new();
+        let mut raw = err.raw();
+        // SAFETY: addr came from this instance's allocate_memory.
+        let status = unsafe { f(self.instance, addr as *mut c_void, &mut raw) };
+        if status == sys::FERRY_OK {
+            Ok(())
+        } else {
+            Err(err.error(&self.name, "free_memory", status))
+        }
+    }
+
+    /// Whether the plugin serves this peer's buffer with `key` (plugins
+    /// without the check serve every buffer they were given a key for).
+    pub fn accepts(&self, peer: &PeerHandle, key: &[u8]) -> Result<()> {
+        let table = self.table();
+        if !ferry_plugins_abi::has_field!(table, sys::ferry_transport_plugin_v1_t, accepts) {
+            return Ok(());
+        }
+        let Some(f) = table.accepts else {
+            return Ok(());
+        };
+        let mut err = ErrBuf::new();
+        let mut raw = err.raw();
+        // SAFETY: peer from connect; key valid for its length.
+        let status = unsafe {
+            f(
+                self.instance,
+                peer.handle,
+                key.as_ptr(),
+                key.len(),
+                &mut raw,
+            )
+        };
+        if status == sys::FERRY_OK {
+            Ok(())
+        } else {
+            Err(err.error(&self.name, "accepts", status))
+        }
     }
 
     /// Lets the plugin complete what has arrived, on this thread.

@@ -246,6 +246,9 @@ static const ferry_transport_plugin_v1_t memcpy_plugin = {
     memcpy_submit,
     memcpy_describe,
     NULL, /* progress: every request completes inside submit */
+    NULL, /* allocate_memory: plain host memory is all it needs */
+    NULL, /* free_memory */
+    NULL, /* accepts: connect already refuses peers outside this process */
 };
 
 __attribute__((visibility("default"))) const ferry_transport_plugin_v1_t *

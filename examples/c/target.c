@@ -18,9 +18,12 @@ int main(int argc, char **argv) {
     CHECK(ferry_engine_new(config, &engine));
     ferry_config_free(config);
 
-    unsigned char *buf = calloc(1, size);
-    if (buf == NULL) return 1;
-    CHECK(ferry_register_memory(engine, buf, size, NULL));
+    /* Memory from the engine: same-host peers map it (shm), others reach it
+     * over the network. ferry_register_memory works for any other memory. */
+    void *mem = NULL;
+    CHECK(ferry_allocate_memory(engine, size, -1, &mem));
+    unsigned char *buf = mem;
+    memset(buf, 0, size);
 
     char name[256];
     CHECK(ferry_engine_segment_name(engine, name, sizeof name, NULL));
@@ -34,8 +37,7 @@ int main(int argc, char **argv) {
             fflush(stdout);
         }
     }
-    CHECK(ferry_unregister_memory(engine, buf));
+    CHECK(ferry_free_memory(engine, buf));
     ferry_engine_free(engine);
-    free(buf);
     return 0;
 }

@@ -292,6 +292,31 @@ pub struct ferry_transport_plugin_v1_t {
         ) -> ferry_status_t,
     >,
     pub progress: Option<unsafe extern "C" fn(instance: *mut c_void) -> i32>,
+    pub allocate_memory: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            len: u64,
+            numa_node: i32,
+            addr: *mut *mut c_void,
+            err: *mut ferry_errbuf_t,
+        ) -> ferry_status_t,
+    >,
+    pub free_memory: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            addr: *mut c_void,
+            err: *mut ferry_errbuf_t,
+        ) -> ferry_status_t,
+    >,
+    pub accepts: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            peer_handle: *mut c_void,
+            remote_key: *const u8,
+            key_len: usize,
+            err: *mut ferry_errbuf_t,
+        ) -> ferry_status_t,
+    >,
 }
 
 pub const FERRY_TRANSPORT_PLUGIN_V1_SYMBOL: &str = "ferry_transport_plugin_v1";

@@ -120,7 +120,10 @@ fn rust_layouts() -> Vec<Layout> {
                 disconnect,
                 submit,
                 describe_peer,
-                progress
+                progress,
+                allocate_memory,
+                free_memory,
+                accepts
             ]
         ),
         layout!(

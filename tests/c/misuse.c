@@ -58,6 +58,11 @@ int main(void) {
     expect("free batch", ferry_batch_free(e, b), FERRY_OK);
     expect("free batch twice", ferry_batch_free(e, b), FERRY_ERR_NOT_FOUND);
     expect("unregister", ferry_unregister_memory(e, buf), FERRY_OK);
+    void *mem = NULL;
+    expect("allocate zero", ferry_allocate_memory(e, 0, -1, &mem), FERRY_ERR_INVALID_ARGUMENT);
+    expect("allocate", ferry_allocate_memory(e, 1 << 20, -1, &mem), FERRY_OK);
+    expect("free unknown", ferry_free_memory(e, buf), FERRY_ERR_NOT_FOUND);
+    expect("free", ferry_free_memory(e, mem), FERRY_OK);
     ferry_engine_free(e);
     ferry_engine_free(NULL);
     printf("name of -999: %s\n", ferry_status_name(-999));

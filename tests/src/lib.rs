@@ -4,8 +4,9 @@
 //! These tests use what `cargo build --workspace` produced (the `ferry`
 //! binary, plugin .so files); `scripts/test` builds it first.
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
@@ -72,4 +73,50 @@ pub fn compile_shared(sources: &[PathBuf], out: &Path, extra: &[&str]) {
         sources,
         String::from_utf8_lossy(&output.stderr)
     );
+}
+
+/// A `ferry bench target` in its own process, killed when dropped.
+pub struct TargetProcess {
+    pub child: Child,
+    pub segment: String,
+}
+
+impl TargetProcess {
+    /// Runs `ferry bench target <args>` (through `wrapper`, e.g. setpriv,
+    /// when given) and waits for its `segment NAME` line.
+    pub fn start(args: &[&str], envs: &[(&str, &str)], wrapper: &[&str]) -> TargetProcess {
+        let mut cmd = match wrapper.split_first() {
+            Some((w, rest)) => {
+                let mut c = Command::new(w);
+                c.args(rest).arg(ferry_bin());
+                c
+            }
+            None => Command::new(ferry_bin()),
+        };
+        cmd.args(["bench", "target"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("start ferry bench target");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("read the segment line");
+        let segment = line
+            .strip_prefix("segment ")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .trim()
+            .to_string();
+        TargetProcess { child, segment }
+    }
+}
+
+impl Drop for TargetProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

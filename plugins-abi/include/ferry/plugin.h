@@ -365,6 +365,21 @@ typedef struct ferry_transport_plugin_v1 {
      * calls it from threads that wait for a batch, so a waiting thread picks
      * up its own completion instead of waiting for another thread to wake. */
     int32_t (*progress)(void *instance);
+    /* Optional: allocates `len` bytes of host memory that this transport can
+     * share best (e.g. a file peers map), near NUMA node `numa_node` (-1: any).
+     * The engine then registers it as usual. */
+    ferry_status_t (*allocate_memory)(void *instance, uint64_t len, int32_t numa_node,
+                                      void **addr, ferry_errbuf_t *err);
+    /* Optional: frees memory from allocate_memory (after it is unregistered). */
+    ferry_status_t (*free_memory)(void *instance, void *addr, ferry_errbuf_t *err);
+    /* Optional: whether this peer's buffer with this key (from the peer's
+     * register_memory) can be served: FERRY_OK, or FERRY_ERR_UNAVAILABLE with
+     * the reason (another user, another namespace, a permission). The engine
+     * asks once per peer and key and routes refused requests to the next
+     * transport. connect may likewise refuse a whole peer with
+     * FERRY_ERR_UNAVAILABLE. */
+    ferry_status_t (*accepts)(void *instance, void *peer_handle, const uint8_t *remote_key,
+                              size_t key_len, ferry_errbuf_t *err);
 } ferry_transport_plugin_v1_t;
 
 #define FERRY_TRANSPORT_PLUGIN_V1_SYMBOL "ferry_transport_plugin_v1"

@@ -154,6 +154,23 @@ pub trait TransportInstance: Send + Sync + 'static {
     fn progress(&self) -> usize {
         0
     }
+    /// Allocates host memory this transport shares best; `None` when it
+    /// has no such memory (the engine then allocates plainly).
+    fn allocate_memory(&self, _len: u64, _numa_node: Option<u32>) -> Option<PluginResult<u64>> {
+        None
+    }
+    /// Whether a peer's buffer with this key can be served; refuse with
+    /// `ErrorCode::Unavailable` and the reason (the engine routes elsewhere).
+    fn accepts(&self, _peer: &Self::Peer, _remote_key: &[u8]) -> PluginResult<()> {
+        Ok(())
+    }
+    /// Frees memory from [`TransportInstance::allocate_memory`].
+    fn free_memory(&self, _addr: u64) -> PluginResult<()> {
+        Err(PluginError::new(
+            ErrorCode::NotFound,
+            "this transport allocated no memory",
+        ))
+    }
 }
 
 /// The instance type of a probe-only plugin; export it with
@@ -498,6 +515,68 @@ pub unsafe extern "C" fn progress_trampoline<P: TransportPlugin>(inst: *mut c_vo
         .unwrap_or(0)
 }
 
+/// # Safety
+/// As [`transport_probe_trampoline`].
+pub unsafe extern "C" fn allocate_trampoline<P: TransportPlugin>(
+    inst: *mut c_void,
+    len: u64,
+    numa_node: i32,
+    addr: *mut *mut c_void,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe {
+        boundary(err, || {
+            if addr.is_null() {
+                return Err(invalid("addr out-pointer"));
+            }
+            let got = instance::<P>(inst)?
+                .allocate_memory(len, u32::try_from(numa_node).ok())
+                .unwrap_or_else(|| {
+                    Err(PluginError::new(
+                        ErrorCode::Unsupported,
+                        "this transport does not allocate memory",
+                    ))
+                })?;
+            *addr = got as *mut c_void;
+            Ok(())
+        })
+    }
+}
+
+/// # Safety
+/// As [`transport_probe_trampoline`].
+pub unsafe extern "C" fn free_trampoline<P: TransportPlugin>(
+    inst: *mut c_void,
+    addr: *mut c_void,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe { boundary(err, || instance::<P>(inst)?.free_memory(addr as u64)) }
+}
+
+/// # Safety
+/// As [`transport_probe_trampoline`].
+pub unsafe extern "C" fn accepts_trampoline<P: TransportPlugin>(
+    inst: *mut c_void,
+    peer: *mut c_void,
+    key: *const u8,
+    key_len: usize,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe {
+        boundary(err, || {
+            let peer = peer
+                .cast::<PeerOf<P>>()
+                .cast_const()
+                .as_ref()
+                .ok_or_else(|| invalid("peer"))?;
+            instance::<P>(inst)?.accepts(peer, bytes(key, key_len))
+        })
+    }
+}
+
 /// The v1 table for a Rust transport plugin with a data path.
 pub const fn transport_table_v1<P: TransportPlugin>() -> sys::ferry_transport_plugin_v1_t {
     sys::ferry_transport_plugin_v1_t {
@@ -516,6 +595,9 @@ pub const fn transport_table_v1<P: TransportPlugin>() -> sys::ferry_transport_pl
         submit: Some(submit_trampoline::<P>),
         describe_peer: Some(describe_peer_trampoline::<P>),
         progress: Some(progress_trampoline::<P>),
+        allocate_memory: Some(allocate_trampoline::<P>),
+        free_memory: Some(free_trampoline::<P>),
+        accepts: Some(accepts_trampoline::<P>),
     }
 }
 
@@ -533,6 +615,9 @@ pub const fn transport_table_v1_probe_only<P: TransportPlugin>() -> sys::ferry_t
         submit: None,
         describe_peer: None,
         progress: None,
+        allocate_memory: None,
+        free_memory: None,
+        accepts: None,
         ..transport_table_v1::<P>()
     }
 }
