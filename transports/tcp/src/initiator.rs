@@ -89,6 +89,8 @@ struct Inflight {
 /// How long a frame may be in flight before the receiver thread starts
 /// reading for it (a waiting caller usually completes it sooner).
 pub const ENGAGE_AFTER: Duration = Duration::from_micros(200);
+/// Frames up to this size are written by the submitting thread itself.
+const DIRECT_SEND_MAX: usize = 64 * 1024;
 /// Frames moving at least this much wake the receiver thread at once.
 const RECEIVER_READY_BYTES: u64 = 64 * 1024;
 /// How often an idle receiver looks for new work while recently active.
@@ -252,7 +254,9 @@ impl Conn {
             st.deep_sleep = false;
             self.wake_receiver.notify_one();
         }
-        if st.sending || !st.queue.is_empty() {
+        // Only small frames are written by the submitting thread: a large
+        // one would keep the caller busy for as long as it takes.
+        if st.sending || !st.queue.is_empty() || frame.io.len() > DIRECT_SEND_MAX {
             st.queue.push_back(frame);
             drop(st);
             self.wake_sender.notify_one();

@@ -51,6 +51,11 @@ impl IoSlices {
         self.remaining == 0
     }
 
+    /// Bytes still to move.
+    pub fn len(&self) -> usize {
+        self.remaining
+    }
+
     fn advance(&mut self, mut n: usize) {
         self.remaining -= n;
         while n > 0 {
@@ -252,9 +257,9 @@ mod tests {
         s.push(a.as_ptr(), a.len());
         s.push(b.as_ptr(), 0);
         s.push(b.as_ptr(), b.len());
-        assert_eq!(s.remaining, 15);
+        assert_eq!(s.len(), 15);
         s.advance(12);
-        assert_eq!(s.remaining, 3);
+        assert_eq!(s.len(), 3);
         assert_eq!(s.idx, 1);
         assert_eq!(s.iov[1].iov_len, 3);
         s.advance(3);
