@@ -107,7 +107,7 @@ struct RemoteBuffer {
     addr: u64,
     len: u64,
     location: String,
-    keys: HashMap<String, Vec<u8>>,
+    keys: HashMap<String, Arc<[u8]>>,
 }
 
 /// A peer's descriptor, decoded for the data path.
@@ -129,7 +129,7 @@ impl RemoteView {
                 keys: b
                     .keys
                     .iter()
-                    .filter_map(|k| Some((k.transport.clone(), b.key(&k.transport)?)))
+                    .filter_map(|k| Some((k.transport.clone(), Arc::from(b.key(&k.transport)?))))
                     .collect(),
             })
             .collect();
@@ -155,6 +155,9 @@ impl RemoteView {
         (end <= b.addr + b.len).then_some(idx)
     }
 }
+
+/// What a route depends on: segment, remote buffer, local buffer, hint.
+type RouteMemo = (SegmentId, usize, *const LocalBuffer, Option<String>);
 
 /// A transport's answer for each remote buffer key: served, or why not.
 type KeyVerdicts = HashMap<Vec<u8>, std::result::Result<(), String>>;
@@ -533,7 +536,9 @@ impl Engine {
         let remote = view
             .find(remote_addr, len)
             .ok_or_else(|| remote_out_of_bounds(0, &seg, remote_addr, len, view.buffers.len()))?;
-        let (t, reason) = self.shared.select(&local, &seg, &view, remote, None)?;
+        let (t, reason) = self
+            .shared
+            .select(&local, &seg, &view, remote, None, true)?;
         let peer = self.shared.peer(&seg, t).ok();
         let transport = &self.shared.transports[t];
         // Socket transports go where the kernel routes; RDMA picks its NICs
@@ -607,7 +612,7 @@ struct Pending {
     local_addr: u64,
     remote_addr: u64,
     length: u64,
-    remote_key: Vec<u8>,
+    remote_key: Arc<[u8]>,
 }
 
 impl Shared {
@@ -919,6 +924,8 @@ impl Shared {
     /// transport that can move this memory to a peer in this scope, runs at
     /// the peer, has a key for the remote buffer, and does not decline this
     /// peer or buffer (asked once, remembered).
+    /// The reason is only put into words when `explain` is set (for logs
+    /// and `route`), which keeps the per-request path free of formatting.
     fn select(
         &self,
         local: &LocalBuffer,
@@ -926,6 +933,7 @@ impl Shared {
         view: &RemoteView,
         remote: usize,
         hint: Option<&str>,
+        explain: bool,
     ) -> Result<(usize, String)> {
         let remote_buf = &view.buffers[remote];
         let mut candidates: Vec<(usize, (u8, u8))> = Vec::new();
@@ -963,7 +971,7 @@ impl Shared {
             let key = remote_buf
                 .keys
                 .get(&self.transports[*i].name)
-                .map(Vec::as_slice)
+                .map(|k| &k[..])
                 .unwrap_or_default();
             match self.acceptance(seg, *i, key) {
                 Ok(()) => {
@@ -1003,6 +1011,9 @@ impl Shared {
             ));
         };
         let t = &self.transports[best];
+        if !explain {
+            return Ok((best, String::new()));
+        }
         if hint.is_some() {
             return Ok((best, format!("{} was requested", t.name)));
         }
@@ -1092,6 +1103,7 @@ impl Shared {
         let mut routed: Vec<Pending> = Vec::with_capacity(requests.len());
         let mut segs: HashMap<SegmentId, (Arc<RemoteSegment>, Arc<RemoteView>, bool)> =
             HashMap::new();
+        let mut last_route: Option<(RouteMemo, usize, Arc<[u8]>)> = None;
         for (i, r) in requests.iter().enumerate() {
             if r.length == 0 {
                 return Err(Error::new(
@@ -1126,21 +1138,48 @@ impl Shared {
                     entry.1.buffers.len(),
                 ));
             };
-            let (transport, reason) = self
-                .select(&local, &entry.0, &entry.1, remote, r.transport.as_deref())
-                .map_err(|e| Error::new(e.code, format!("request {i}: {}", e.message)))?;
-            if self.logged_routes.lock().insert((r.segment, transport)) {
-                log::info!(
-                    "segment {}: using {} ({reason})",
-                    entry.0.name,
-                    self.transports[transport].name
-                );
-            }
-            let remote_key = entry.1.buffers[remote]
-                .keys
-                .get(&self.transports[transport].name)
-                .cloned()
-                .unwrap_or_default();
+            // Requests of one batch mostly share their buffers: route the
+            // first of a run, reuse the answer for the rest.
+            let memo_key = (r.segment, remote, Arc::as_ptr(&local), r.transport.clone());
+            let (transport, remote_key) = match &last_route {
+                Some((k, t, key)) if *k == memo_key => (*t, key.clone()),
+                _ => {
+                    let (transport, _) = self
+                        .select(
+                            &local,
+                            &entry.0,
+                            &entry.1,
+                            remote,
+                            r.transport.as_deref(),
+                            false,
+                        )
+                        .map_err(|e| Error::new(e.code, format!("request {i}: {}", e.message)))?;
+                    if !self.logged_routes.lock().contains(&(r.segment, transport)) {
+                        if let Ok((_, reason)) = self.select(
+                            &local,
+                            &entry.0,
+                            &entry.1,
+                            remote,
+                            r.transport.as_deref(),
+                            true,
+                        ) {
+                            log::info!(
+                                "segment {}: using {} ({reason})",
+                                entry.0.name,
+                                self.transports[transport].name
+                            );
+                        }
+                        self.logged_routes.lock().insert((r.segment, transport));
+                    }
+                    let remote_key = entry.1.buffers[remote]
+                        .keys
+                        .get(&self.transports[transport].name)
+                        .cloned()
+                        .unwrap_or_else(|| Arc::from(&[][..]));
+                    last_route = Some((memo_key, transport, remote_key.clone()));
+                    (transport, remote_key)
+                }
+            };
             // 2. Coalesce with the previous request when both sides are
             // contiguous in the same buffers.
             if let Some(prev) = routed.last_mut() {

@@ -115,6 +115,8 @@ struct ConnState {
     last_progress: Instant,
     /// The receiver sleeps until notified (set after a long idle spell).
     deep_sleep: bool,
+    /// A waiting caller already woke the receiver for the oldest frame.
+    receiver_nudged: bool,
 }
 
 impl Default for ConnState {
@@ -128,6 +130,7 @@ impl Default for ConnState {
             closing: false,
             last_progress: Instant::now(),
             deep_sleep: false,
+            receiver_nudged: false,
         }
     }
 }
@@ -382,6 +385,7 @@ impl Conn {
         if self.inflight_count.load(Ordering::SeqCst) == 0 {
             return 0;
         }
+        self.nudge_receiver_if_slow();
         let Ok(_reader) = self.reader.try_lock() else {
             return 0;
         };
@@ -444,6 +448,23 @@ impl Conn {
         done
     }
 
+    /// A caller waiting for a response that is slow to come will soon stop
+    /// polling and sleep; make sure the receiver thread is awake to take
+    /// over by ENGAGE_AFTER (it may be in a long idle sleep), once per frame.
+    fn nudge_receiver_if_slow(&self) {
+        let Ok(mut st) = self.state.try_lock() else {
+            return;
+        };
+        let slow = st
+            .inflight
+            .front()
+            .is_some_and(|f| f.enqueued.elapsed() >= ENGAGE_AFTER / 2);
+        if slow && !st.receiver_nudged {
+            st.receiver_nudged = true;
+            self.wake_receiver.notify_one();
+        }
+    }
+
     /// Waits until a frame has been in flight for ENGAGE_AFTER; false when
     /// the connection is going away.
     fn wait_for_work(&self) -> Result<(), PluginError> {
@@ -457,7 +478,10 @@ impl Conn {
             }
             let pause = match st.inflight.front() {
                 Some(f) => match ENGAGE_AFTER.checked_sub(f.enqueued.elapsed()) {
-                    None | Some(Duration::ZERO) => return Ok(()),
+                    None | Some(Duration::ZERO) => {
+                        st.receiver_nudged = false;
+                        return Ok(());
+                    }
                     Some(rest) => rest,
                 },
                 None if st.last_progress.elapsed() > DEEP_SLEEP_AFTER => {
