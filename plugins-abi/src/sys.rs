@@ -324,12 +324,127 @@ pub type ferry_transport_plugin_v1_entry_fn =
     unsafe extern "C" fn() -> *const ferry_transport_plugin_v1_t;
 
 #[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ferry_device_info_t {
+    pub struct_size: u32,
+    pub ordinal: i32,
+    pub name: [c_char; 96],
+    pub pci_bus_id: [c_char; 32],
+    pub uuid: [c_char; 48],
+    pub total_memory: u64,
+    pub gpu_direct_rdma: i32,
+    pub dmabuf: i32,
+    pub dmabuf_export: i32,
+    pub reserved: i32,
+}
+
+pub const FERRY_PTR_HOST: u32 = 0;
+pub const FERRY_PTR_DEVICE: u32 = 1;
+pub const FERRY_PTR_HOST_PINNED: u32 = 2;
+pub const FERRY_PTR_MANAGED: u32 = 3;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ferry_pointer_info_t {
+    pub struct_size: u32,
+    pub kind: u32,
+    pub ordinal: i32,
+    pub reserved: u32,
+    pub base: u64,
+    pub size: u64,
+}
+
+type Err = *mut ferry_errbuf_t;
+
+#[repr(C)]
 pub struct ferry_device_plugin_v1_t {
     pub hdr: ferry_abi_header_t,
     pub name: *const c_char,
     pub version: *const c_char,
     pub description: *const c_char,
     pub probe: Option<ferry_probe_fn>,
+    pub init: Option<
+        unsafe extern "C" fn(
+            host: *const ferry_host_services_t,
+            instance: *mut *mut c_void,
+            err: Err,
+        ) -> ferry_status_t,
+    >,
+    pub fini: Option<unsafe extern "C" fn(instance: *mut c_void)>,
+    pub device_count: Option<
+        unsafe extern "C" fn(instance: *mut c_void, count: *mut u32, err: Err) -> ferry_status_t,
+    >,
+    pub device_info: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            ordinal: i32,
+            out: *mut ferry_device_info_t,
+            err: Err,
+        ) -> ferry_status_t,
+    >,
+    pub query_pointer: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            addr: u64,
+            out: *mut ferry_pointer_info_t,
+            err: Err,
+        ) -> ferry_status_t,
+    >,
+    pub export_dmabuf: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            addr: u64,
+            len: u64,
+            fd: *mut i32,
+            offset: *mut u64,
+            err: Err,
+        ) -> ferry_status_t,
+    >,
+    pub alloc_pinned: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            len: u64,
+            out: *mut *mut c_void,
+            err: Err,
+        ) -> ferry_status_t,
+    >,
+    pub free_pinned: Option<unsafe extern "C" fn(instance: *mut c_void, ptr: *mut c_void)>,
+    pub alloc_device: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            ordinal: i32,
+            len: u64,
+            out: *mut u64,
+            err: Err,
+        ) -> ferry_status_t,
+    >,
+    pub free_device: Option<unsafe extern "C" fn(instance: *mut c_void, ptr: u64)>,
+    pub stream_create: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            ordinal: i32,
+            stream: *mut *mut c_void,
+            err: Err,
+        ) -> ferry_status_t,
+    >,
+    pub stream_destroy: Option<unsafe extern "C" fn(instance: *mut c_void, stream: *mut c_void)>,
+    pub copy_async: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            stream: *mut c_void,
+            dst: u64,
+            src: u64,
+            len: u64,
+            err: Err,
+        ) -> ferry_status_t,
+    >,
+    pub stream_sync: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            stream: *mut c_void,
+            err: Err,
+        ) -> ferry_status_t,
+    >,
 }
 
 pub const FERRY_DEVICE_PLUGIN_V1_SYMBOL: &str = "ferry_device_plugin_v1";

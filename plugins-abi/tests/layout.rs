@@ -127,9 +127,50 @@ fn rust_layouts() -> Vec<Layout> {
             ]
         ),
         layout!(
+            "ferry_device_info_t",
+            ferry_device_info_t,
+            [
+                struct_size,
+                ordinal,
+                name,
+                pci_bus_id,
+                uuid,
+                total_memory,
+                gpu_direct_rdma,
+                dmabuf,
+                dmabuf_export,
+                reserved
+            ]
+        ),
+        layout!(
+            "ferry_pointer_info_t",
+            ferry_pointer_info_t,
+            [struct_size, kind, ordinal, reserved, base, size]
+        ),
+        layout!(
             "ferry_device_plugin_v1_t",
             ferry_device_plugin_v1_t,
-            [hdr, name, version, description, probe]
+            [
+                hdr,
+                name,
+                version,
+                description,
+                probe,
+                init,
+                fini,
+                device_count,
+                device_info,
+                query_pointer,
+                export_dmabuf,
+                alloc_pinned,
+                free_pinned,
+                alloc_device,
+                free_device,
+                stream_create,
+                stream_destroy,
+                copy_async,
+                stream_sync
+            ]
         ),
     ]
 }
@@ -188,6 +229,10 @@ fn rust_constants() -> Vec<(&'static str, i128)> {
         FERRY_LINK_ETHERNET,
         FERRY_OP_READ,
         FERRY_OP_WRITE,
+        FERRY_PTR_HOST,
+        FERRY_PTR_DEVICE,
+        FERRY_PTR_HOST_PINNED,
+        FERRY_PTR_MANAGED,
     ]
 }
 

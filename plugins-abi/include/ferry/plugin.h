@@ -389,12 +389,76 @@ typedef const ferry_transport_plugin_v1_t *(*ferry_transport_plugin_v1_entry_fn)
 /* Device plugins (memory owners: cuda, later rocm, ...)                     */
 /* ------------------------------------------------------------------------ */
 
+/* One device as its plugin describes it. */
+typedef struct ferry_device_info {
+    uint32_t struct_size;  /* set by the caller to sizeof(ferry_device_info_t) */
+    int32_t ordinal;       /* as the driver numbers it (after CUDA_VISIBLE_DEVICES) */
+    char name[96];         /* "NVIDIA H200" */
+    char pci_bus_id[32];   /* "0000:18:00.0" (lower case, 4-digit domain) */
+    char uuid[48];         /* "GPU-8c6f..." or "" */
+    uint64_t total_memory; /* bytes */
+    int32_t gpu_direct_rdma; /* CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED: 1, 0, -1 unknown */
+    int32_t dmabuf;          /* CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED: 1, 0, -1 unknown */
+    int32_t dmabuf_export;   /* the driver can export a DMA-BUF fd: 1, 0 (symbol missing) */
+    int32_t reserved;
+} ferry_device_info_t;
+
+/* What a pointer is. */
+#define FERRY_PTR_HOST 0        /* not this plugin's: ordinary host memory */
+#define FERRY_PTR_DEVICE 1      /* device memory of `ordinal` */
+#define FERRY_PTR_HOST_PINNED 2 /* host memory the driver allocated or pinned */
+#define FERRY_PTR_MANAGED 3     /* managed (unified) memory */
+
+typedef struct ferry_pointer_info {
+    uint32_t struct_size; /* set by the caller */
+    uint32_t kind;        /* FERRY_PTR_* */
+    int32_t ordinal;      /* device of DEVICE / MANAGED memory, else -1 */
+    uint32_t reserved;
+    uint64_t base;        /* start of the allocation holding the pointer (0: unknown) */
+    uint64_t size;        /* its size (0: unknown) */
+} ferry_pointer_info_t;
+
 typedef struct ferry_device_plugin_v1 {
     ferry_abi_header_t hdr; /* FERRY_ABI_HEADER_INIT(ferry_device_plugin_v1_t) */
     const char *name;        /* "cuda" */
     const char *version;
     const char *description;
     ferry_probe_fn probe; /* required */
+
+    /* --- The device interface. A device plugin without init is listed by
+     * `ferry info` but not used. Functions marked optional may be NULL. --- */
+
+    ferry_status_t (*init)(const ferry_host_services_t *host, void **instance,
+                           ferry_errbuf_t *err);
+    void (*fini)(void *instance);
+    ferry_status_t (*device_count)(void *instance, uint32_t *count, ferry_errbuf_t *err);
+    ferry_status_t (*device_info)(void *instance, int32_t ordinal, ferry_device_info_t *out,
+                                  ferry_errbuf_t *err);
+    /* Classifies any pointer; FERRY_PTR_HOST for memory that is not the
+     * driver's. Must be cheap: the engine calls it on every registration. */
+    ferry_status_t (*query_pointer)(void *instance, uint64_t addr, ferry_pointer_info_t *out,
+                                    ferry_errbuf_t *err);
+    /* Optional: a DMA-BUF fd for [addr, addr + len) of device memory, for
+     * RDMA registration. The caller owns (and closes) the fd; *offset is
+     * addr's offset inside the exported range. */
+    ferry_status_t (*export_dmabuf)(void *instance, uint64_t addr, uint64_t len, int32_t *fd,
+                                    uint64_t *offset, ferry_errbuf_t *err);
+    /* Host memory the device copies to and from fastest (pinned). */
+    ferry_status_t (*alloc_pinned)(void *instance, uint64_t len, void **out, ferry_errbuf_t *err);
+    void (*free_pinned)(void *instance, void *ptr);
+    /* Device memory (for tools and tests; applications bring their own). */
+    ferry_status_t (*alloc_device)(void *instance, int32_t ordinal, uint64_t len, uint64_t *out,
+                                   ferry_errbuf_t *err);
+    void (*free_device)(void *instance, uint64_t ptr);
+    /* Streams of copies: a copy is queued on a stream and runs
+     * asynchronously; stream_sync waits for everything queued on it.
+     * Direction follows from the pointers (unified addressing). */
+    ferry_status_t (*stream_create)(void *instance, int32_t ordinal, void **stream,
+                                    ferry_errbuf_t *err);
+    void (*stream_destroy)(void *instance, void *stream);
+    ferry_status_t (*copy_async)(void *instance, void *stream, uint64_t dst, uint64_t src,
+                                 uint64_t len, ferry_errbuf_t *err);
+    ferry_status_t (*stream_sync)(void *instance, void *stream, ferry_errbuf_t *err);
 } ferry_device_plugin_v1_t;
 
 #define FERRY_DEVICE_PLUGIN_V1_SYMBOL "ferry_device_plugin_v1"

@@ -23,12 +23,14 @@ use crate::status::ErrorCode;
 use crate::sys;
 use std::any::Any;
 use std::cell::{Cell, RefCell};
-use std::ffi::{c_char, CStr, CString};
+use std::ffi::{c_char, CString};
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Once;
 
+mod device;
 pub mod net;
 mod transport;
+pub use device::*;
 pub use transport::*;
 
 /// An error a plugin returns: a code from the shared list and a message for
@@ -488,63 +490,10 @@ pub unsafe fn boundary(
     }
 }
 
-/// A device plugin written in Rust.
-pub trait DevicePlugin: 'static {
-    /// The file must be `libferry_device_<NAME>.so`.
-    const NAME: &'static CStr;
-    const VERSION: &'static CStr;
-    const DESCRIPTION: &'static CStr;
-
-    fn probe(host: &Host<'_>, report: &mut ProbeReport<'_>) -> PluginResult<()>;
-}
-
-/// # Safety
-/// Called only by the host through the plugin table, with pointers valid
-/// for the duration of the call (see `ferry_probe_fn` in plugin.h).
-pub unsafe extern "C" fn device_probe_trampoline<P: DevicePlugin>(
-    host: *const sys::ferry_host_services_t,
-    sink: *const sys::ferry_probe_sink_t,
-    err: *mut sys::ferry_errbuf_t,
-) -> sys::ferry_status_t {
-    // SAFETY: the host passes pointers valid for this call, which is exactly
-    // what from_raw and boundary require.
-    unsafe {
-        boundary(err, || {
-            let host = Host::from_raw(host)?;
-            let mut report = ProbeReport::from_raw(sink)?;
-            P::probe(&host, &mut report)
-        })
-    }
-}
-
-/// The v1 table for a Rust device plugin; used by [`export_device_plugin!`].
-pub const fn device_table_v1<P: DevicePlugin>() -> sys::ferry_device_plugin_v1_t {
-    sys::ferry_device_plugin_v1_t {
-        hdr: sys::ferry_abi_header_t::for_table::<sys::ferry_device_plugin_v1_t>(),
-        name: P::NAME.as_ptr(),
-        version: P::VERSION.as_ptr(),
-        description: P::DESCRIPTION.as_ptr(),
-        probe: Some(device_probe_trampoline::<P>),
-    }
-}
-
-/// Exports a [`DevicePlugin`] as `ferry_device_plugin_v1`.
-#[macro_export]
-macro_rules! export_device_plugin {
-    ($plugin:ty) => {
-        /// Entry point of this Ferry device plugin (ABI v1).
-        #[unsafe(no_mangle)]
-        pub extern "C" fn ferry_device_plugin_v1() -> *const $crate::sys::ferry_device_plugin_v1_t {
-            static TABLE: $crate::sys::ferry_device_plugin_v1_t =
-                $crate::sdk::device_table_v1::<$plugin>();
-            &TABLE
-        }
-    };
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::ffi::CStr;
 
     #[test]
     fn boundary_turns_panics_into_codes_with_the_message() {

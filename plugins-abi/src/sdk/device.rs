@@ -1,0 +1,525 @@
+//! Device plugins in Rust (memory owners such as CUDA): the safe traits and
+//! the trampolines that the export macro puts in the C table.
+
+use super::{boundary, catch, Host, PluginError, PluginResult, ProbeReport};
+use crate::status::ErrorCode;
+use crate::sys;
+use std::ffi::{c_char, c_void, CStr};
+
+/// A device plugin written in Rust.
+pub trait DevicePlugin: 'static {
+    /// The file must be `libferry_device_<NAME>.so`.
+    const NAME: &'static CStr;
+    const VERSION: &'static CStr;
+    const DESCRIPTION: &'static CStr;
+
+    /// One instance per engine. Probe-only plugins use [`NoDevices`].
+    type Instance: DeviceInstance;
+
+    /// What this plugin could do on this host, without side effects.
+    fn probe(host: &Host<'_>, report: &mut ProbeReport<'_>) -> PluginResult<()>;
+
+    /// Creates the instance; `host` stays valid until it is dropped.
+    fn init(_host: Host<'static>) -> PluginResult<Self::Instance> {
+        Err(PluginError::new(
+            ErrorCode::Unsupported,
+            "this plugin has no device interface",
+        ))
+    }
+}
+
+/// One device, as [`DeviceInstance::device_info`] describes it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub ordinal: u32,
+    pub name: String,
+    /// "0000:18:00.0".
+    pub pci_bus_id: String,
+    pub uuid: String,
+    pub total_memory: u64,
+    /// GPU_DIRECT_RDMA_SUPPORTED; `None` when the driver cannot say.
+    pub gpu_direct_rdma: Option<bool>,
+    /// DMA_BUF_SUPPORTED; `None` when the driver cannot say.
+    pub dmabuf: Option<bool>,
+    /// Whether the driver can export a DMA-BUF fd at all.
+    pub dmabuf_export: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PointerKind {
+    /// Not the driver's: ordinary host memory.
+    Host,
+    Device,
+    HostPinned,
+    Managed,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PointerInfo {
+    pub kind: PointerKind,
+    pub ordinal: Option<u32>,
+    /// The allocation holding the pointer, when known.
+    pub base: u64,
+    pub size: u64,
+}
+
+impl PointerInfo {
+    pub const HOST: PointerInfo = PointerInfo {
+        kind: PointerKind::Host,
+        ordinal: None,
+        base: 0,
+        size: 0,
+    };
+}
+
+/// One device plugin instance: what an engine talks to.
+pub trait DeviceInstance: Send + Sync + 'static {
+    type Stream: Send + Sync + 'static;
+
+    fn device_count(&self) -> PluginResult<u32>;
+    fn device_info(&self, ordinal: u32) -> PluginResult<DeviceInfo>;
+    fn query_pointer(&self, addr: u64) -> PluginResult<PointerInfo>;
+    /// A DMA-BUF fd (owned by the caller) and the address's offset in it;
+    /// `None` when the driver cannot export.
+    fn export_dmabuf(&self, _addr: u64, _len: u64) -> Option<PluginResult<(i32, u64)>> {
+        None
+    }
+    fn alloc_pinned(&self, len: u64) -> PluginResult<u64>;
+    fn free_pinned(&self, ptr: u64);
+    fn alloc_device(&self, ordinal: u32, len: u64) -> PluginResult<u64>;
+    fn free_device(&self, ptr: u64);
+    fn stream_create(&self, ordinal: u32) -> PluginResult<Self::Stream>;
+    /// Queues a copy; direction follows from the pointers.
+    fn copy_async(&self, stream: &Self::Stream, dst: u64, src: u64, len: u64) -> PluginResult<()>;
+    fn stream_sync(&self, stream: &Self::Stream) -> PluginResult<()>;
+}
+
+/// The instance type of a probe-only device plugin; export it with
+/// `export_device_plugin!(P, probe_only)`.
+pub enum NoDevices {}
+
+impl DeviceInstance for NoDevices {
+    type Stream = ();
+    fn device_count(&self) -> PluginResult<u32> {
+        match *self {}
+    }
+    fn device_info(&self, _: u32) -> PluginResult<DeviceInfo> {
+        match *self {}
+    }
+    fn query_pointer(&self, _: u64) -> PluginResult<PointerInfo> {
+        match *self {}
+    }
+    fn alloc_pinned(&self, _: u64) -> PluginResult<u64> {
+        match *self {}
+    }
+    fn free_pinned(&self, _: u64) {
+        match *self {}
+    }
+    fn alloc_device(&self, _: u32, _: u64) -> PluginResult<u64> {
+        match *self {}
+    }
+    fn free_device(&self, _: u64) {
+        match *self {}
+    }
+    fn stream_create(&self, _: u32) -> PluginResult<()> {
+        match *self {}
+    }
+    fn copy_async(&self, _: &(), _: u64, _: u64, _: u64) -> PluginResult<()> {
+        match *self {}
+    }
+    fn stream_sync(&self, _: &()) -> PluginResult<()> {
+        match *self {}
+    }
+}
+
+fn invalid(what: &str) -> PluginError {
+    PluginError::new(ErrorCode::InvalidArgument, format!("{what} is null"))
+}
+
+/// # Safety
+/// `instance` must come from `device_init_trampoline::<P>`.
+unsafe fn instance<'a, P: DevicePlugin>(instance: *mut c_void) -> PluginResult<&'a P::Instance> {
+    // SAFETY: init boxed a P::Instance behind this pointer; it lives until fini.
+    unsafe { instance.cast::<P::Instance>().cast_const().as_ref() }
+        .ok_or_else(|| invalid("instance"))
+}
+
+type StreamOf<P> = <<P as DevicePlugin>::Instance as DeviceInstance>::Stream;
+
+/// # Safety
+/// `stream` must come from stream_create of the same instance.
+unsafe fn stream<'a, P: DevicePlugin>(stream: *mut c_void) -> PluginResult<&'a StreamOf<P>> {
+    // SAFETY: stream_create boxed a Stream behind this pointer.
+    unsafe { stream.cast::<StreamOf<P>>().cast_const().as_ref() }.ok_or_else(|| invalid("stream"))
+}
+
+fn fill_fixed(dst: &mut [c_char], src: &str) {
+    let n = src.len().min(dst.len().saturating_sub(1));
+    for (d, s) in dst.iter_mut().zip(&src.as_bytes()[..n]) {
+        *d = *s as c_char;
+    }
+    if let Some(end) = dst.get_mut(n) {
+        *end = 0;
+    }
+}
+
+fn tri(v: Option<bool>) -> i32 {
+    match v {
+        Some(true) => 1,
+        Some(false) => 0,
+        None => -1,
+    }
+}
+
+/// # Safety
+/// Called by the host through the table with the contract of plugin.h.
+pub unsafe extern "C" fn device_probe_trampoline<P: DevicePlugin>(
+    host: *const sys::ferry_host_services_t,
+    sink: *const sys::ferry_probe_sink_t,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: the host passes pointers valid for this call.
+    unsafe {
+        boundary(err, || {
+            let host = Host::from_raw(host)?;
+            let mut report = ProbeReport::from_raw(sink)?;
+            P::probe(&host, &mut report)
+        })
+    }
+}
+
+/// # Safety
+/// As [`device_probe_trampoline`]; `host` stays valid until fini.
+pub unsafe extern "C" fn device_init_trampoline<P: DevicePlugin>(
+    host: *const sys::ferry_host_services_t,
+    out: *mut *mut c_void,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe {
+        boundary(err, || {
+            let host: Host<'static> = Host::from_raw(host)?;
+            if out.is_null() {
+                return Err(invalid("instance out-pointer"));
+            }
+            let inst = P::init(host)?;
+            *out = Box::into_raw(Box::new(inst)).cast::<c_void>();
+            Ok(())
+        })
+    }
+}
+
+/// # Safety
+/// `inst` came from init and is not used again.
+pub unsafe extern "C" fn device_fini_trampoline<P: DevicePlugin>(inst: *mut c_void) {
+    let _ = catch(|| {
+        if !inst.is_null() {
+            // SAFETY: init produced this Box; fini runs once.
+            drop(unsafe { Box::from_raw(inst.cast::<P::Instance>()) });
+        }
+        Ok(())
+    });
+}
+
+/// # Safety
+/// As [`device_probe_trampoline`].
+pub unsafe extern "C" fn device_count_trampoline<P: DevicePlugin>(
+    inst: *mut c_void,
+    count: *mut u32,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe {
+        boundary(err, || {
+            let n = instance::<P>(inst)?.device_count()?;
+            *count.as_mut().ok_or_else(|| invalid("count"))? = n;
+            Ok(())
+        })
+    }
+}
+
+/// # Safety
+/// As [`device_probe_trampoline`].
+pub unsafe extern "C" fn device_info_trampoline<P: DevicePlugin>(
+    inst: *mut c_void,
+    ordinal: i32,
+    out: *mut sys::ferry_device_info_t,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe {
+        boundary(err, || {
+            let out = out.as_mut().ok_or_else(|| invalid("out"))?;
+            if (out.struct_size as usize) < std::mem::size_of::<sys::ferry_device_info_t>() {
+                return Err(PluginError::new(
+                    ErrorCode::AbiMismatch,
+                    "device_info: the caller's struct is older than this plugin's",
+                ));
+            }
+            let ordinal = u32::try_from(ordinal)
+                .map_err(|_| PluginError::new(ErrorCode::InvalidArgument, "negative ordinal"))?;
+            let d = instance::<P>(inst)?.device_info(ordinal)?;
+            out.ordinal = d.ordinal as i32;
+            fill_fixed(&mut out.name, &d.name);
+            fill_fixed(&mut out.pci_bus_id, &d.pci_bus_id);
+            fill_fixed(&mut out.uuid, &d.uuid);
+            out.total_memory = d.total_memory;
+            out.gpu_direct_rdma = tri(d.gpu_direct_rdma);
+            out.dmabuf = tri(d.dmabuf);
+            out.dmabuf_export = i32::from(d.dmabuf_export);
+            Ok(())
+        })
+    }
+}
+
+/// # Safety
+/// As [`device_probe_trampoline`].
+pub unsafe extern "C" fn query_pointer_trampoline<P: DevicePlugin>(
+    inst: *mut c_void,
+    addr: u64,
+    out: *mut sys::ferry_pointer_info_t,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe {
+        boundary(err, || {
+            let out = out.as_mut().ok_or_else(|| invalid("out"))?;
+            let p = instance::<P>(inst)?.query_pointer(addr)?;
+            out.kind = match p.kind {
+                PointerKind::Host => sys::FERRY_PTR_HOST,
+                PointerKind::Device => sys::FERRY_PTR_DEVICE,
+                PointerKind::HostPinned => sys::FERRY_PTR_HOST_PINNED,
+                PointerKind::Managed => sys::FERRY_PTR_MANAGED,
+            };
+            out.ordinal = p.ordinal.and_then(|o| i32::try_from(o).ok()).unwrap_or(-1);
+            out.base = p.base;
+            out.size = p.size;
+            Ok(())
+        })
+    }
+}
+
+/// # Safety
+/// As [`device_probe_trampoline`].
+pub unsafe extern "C" fn export_dmabuf_trampoline<P: DevicePlugin>(
+    inst: *mut c_void,
+    addr: u64,
+    len: u64,
+    fd: *mut i32,
+    offset: *mut u64,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe {
+        boundary(err, || {
+            if fd.is_null() || offset.is_null() {
+                return Err(invalid("fd or offset"));
+            }
+            let (f, off) = instance::<P>(inst)?
+                .export_dmabuf(addr, len)
+                .unwrap_or_else(|| {
+                    Err(PluginError::new(
+                        ErrorCode::Unsupported,
+                        "this driver cannot export DMA-BUF",
+                    ))
+                })?;
+            *fd = f;
+            *offset = off;
+            Ok(())
+        })
+    }
+}
+
+/// # Safety
+/// As [`device_probe_trampoline`].
+pub unsafe extern "C" fn alloc_pinned_trampoline<P: DevicePlugin>(
+    inst: *mut c_void,
+    len: u64,
+    out: *mut *mut c_void,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe {
+        boundary(err, || {
+            let p = instance::<P>(inst)?.alloc_pinned(len)?;
+            *out.as_mut().ok_or_else(|| invalid("out"))? = p as *mut c_void;
+            Ok(())
+        })
+    }
+}
+
+/// # Safety
+/// As [`device_probe_trampoline`].
+pub unsafe extern "C" fn free_pinned_trampoline<P: DevicePlugin>(
+    inst: *mut c_void,
+    ptr: *mut c_void,
+) {
+    // SAFETY: instance per the contract.
+    let _ = catch(|| {
+        unsafe { instance::<P>(inst) }?.free_pinned(ptr as u64);
+        Ok(())
+    });
+}
+
+/// # Safety
+/// As [`device_probe_trampoline`].
+pub unsafe extern "C" fn alloc_device_trampoline<P: DevicePlugin>(
+    inst: *mut c_void,
+    ordinal: i32,
+    len: u64,
+    out: *mut u64,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe {
+        boundary(err, || {
+            let ordinal = u32::try_from(ordinal)
+                .map_err(|_| PluginError::new(ErrorCode::InvalidArgument, "negative ordinal"))?;
+            let p = instance::<P>(inst)?.alloc_device(ordinal, len)?;
+            *out.as_mut().ok_or_else(|| invalid("out"))? = p;
+            Ok(())
+        })
+    }
+}
+
+/// # Safety
+/// As [`device_probe_trampoline`].
+pub unsafe extern "C" fn free_device_trampoline<P: DevicePlugin>(inst: *mut c_void, ptr: u64) {
+    // SAFETY: instance per the contract.
+    let _ = catch(|| {
+        unsafe { instance::<P>(inst) }?.free_device(ptr);
+        Ok(())
+    });
+}
+
+/// # Safety
+/// As [`device_probe_trampoline`].
+pub unsafe extern "C" fn stream_create_trampoline<P: DevicePlugin>(
+    inst: *mut c_void,
+    ordinal: i32,
+    out: *mut *mut c_void,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe {
+        boundary(err, || {
+            let ordinal = u32::try_from(ordinal)
+                .map_err(|_| PluginError::new(ErrorCode::InvalidArgument, "negative ordinal"))?;
+            let s = instance::<P>(inst)?.stream_create(ordinal)?;
+            *out.as_mut().ok_or_else(|| invalid("out"))? =
+                Box::into_raw(Box::new(s)).cast::<c_void>();
+            Ok(())
+        })
+    }
+}
+
+/// # Safety
+/// `s` came from stream_create and is not used again.
+pub unsafe extern "C" fn stream_destroy_trampoline<P: DevicePlugin>(
+    _inst: *mut c_void,
+    s: *mut c_void,
+) {
+    let _ = catch(|| {
+        if !s.is_null() {
+            // SAFETY: stream_create produced this Box; destroyed once.
+            drop(unsafe { Box::from_raw(s.cast::<StreamOf<P>>()) });
+        }
+        Ok(())
+    });
+}
+
+/// # Safety
+/// As [`device_probe_trampoline`].
+pub unsafe extern "C" fn copy_async_trampoline<P: DevicePlugin>(
+    inst: *mut c_void,
+    s: *mut c_void,
+    dst: u64,
+    src: u64,
+    len: u64,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe {
+        boundary(err, || {
+            instance::<P>(inst)?.copy_async(stream::<P>(s)?, dst, src, len)
+        })
+    }
+}
+
+/// # Safety
+/// As [`device_probe_trampoline`].
+pub unsafe extern "C" fn stream_sync_trampoline<P: DevicePlugin>(
+    inst: *mut c_void,
+    s: *mut c_void,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe { boundary(err, || instance::<P>(inst)?.stream_sync(stream::<P>(s)?)) }
+}
+
+/// The v1 table for a Rust device plugin with a device interface.
+pub const fn device_table_v1<P: DevicePlugin>() -> sys::ferry_device_plugin_v1_t {
+    sys::ferry_device_plugin_v1_t {
+        hdr: sys::ferry_abi_header_t::for_table::<sys::ferry_device_plugin_v1_t>(),
+        name: P::NAME.as_ptr(),
+        version: P::VERSION.as_ptr(),
+        description: P::DESCRIPTION.as_ptr(),
+        probe: Some(device_probe_trampoline::<P>),
+        init: Some(device_init_trampoline::<P>),
+        fini: Some(device_fini_trampoline::<P>),
+        device_count: Some(device_count_trampoline::<P>),
+        device_info: Some(device_info_trampoline::<P>),
+        query_pointer: Some(query_pointer_trampoline::<P>),
+        export_dmabuf: Some(export_dmabuf_trampoline::<P>),
+        alloc_pinned: Some(alloc_pinned_trampoline::<P>),
+        free_pinned: Some(free_pinned_trampoline::<P>),
+        alloc_device: Some(alloc_device_trampoline::<P>),
+        free_device: Some(free_device_trampoline::<P>),
+        stream_create: Some(stream_create_trampoline::<P>),
+        stream_destroy: Some(stream_destroy_trampoline::<P>),
+        copy_async: Some(copy_async_trampoline::<P>),
+        stream_sync: Some(stream_sync_trampoline::<P>),
+    }
+}
+
+/// The v1 table for a probe-only Rust device plugin.
+pub const fn device_table_v1_probe_only<P: DevicePlugin>() -> sys::ferry_device_plugin_v1_t {
+    sys::ferry_device_plugin_v1_t {
+        init: None,
+        fini: None,
+        device_count: None,
+        device_info: None,
+        query_pointer: None,
+        export_dmabuf: None,
+        alloc_pinned: None,
+        free_pinned: None,
+        alloc_device: None,
+        free_device: None,
+        stream_create: None,
+        stream_destroy: None,
+        copy_async: None,
+        stream_sync: None,
+        ..device_table_v1::<P>()
+    }
+}
+
+/// Exports a [`DevicePlugin`] as `ferry_device_plugin_v1`. With
+/// `probe_only`, the table carries no device interface.
+#[macro_export]
+macro_rules! export_device_plugin {
+    ($plugin:ty) => {
+        $crate::export_device_plugin!(@table $plugin, device_table_v1);
+    };
+    ($plugin:ty, probe_only) => {
+        $crate::export_device_plugin!(@table $plugin, device_table_v1_probe_only);
+    };
+    (@table $plugin:ty, $table:ident) => {
+        /// Entry point of this Ferry device plugin (ABI v1).
+        #[unsafe(no_mangle)]
+        pub extern "C" fn ferry_device_plugin_v1() -> *const $crate::sys::ferry_device_plugin_v1_t {
+            static TABLE: $crate::sys::ferry_device_plugin_v1_t =
+                $crate::sdk::$table::<$plugin>();
+            &TABLE
+        }
+    };
+}
