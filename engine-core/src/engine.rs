@@ -732,7 +732,7 @@ impl Shared {
             if t.mem_kinds & mem_kind == 0 {
                 continue;
             }
-            match t.register(addr, len, mem_kind, &location_s, numa) {
+            match t.register(addr, len, mem_kind, &location_s, numa, false) {
                 Ok((handle, key)) => registrations.push(TransportRegistration {
                     transport: i,
                     handle,

@@ -288,6 +288,7 @@ impl Transport {
         mem_kind: u64,
         location: &str,
         numa_node: Option<u32>,
+        local_only: bool,
     ) -> Result<(u64, Vec<u8>)> {
         let f = self
             .table()
@@ -303,6 +304,12 @@ impl Transport {
             location: location.as_ptr(),
             device_ordinal: -1,
             dmabuf_fd: -1,
+            flags: if local_only {
+                sys::FERRY_REGION_LOCAL_ONLY
+            } else {
+                0
+            },
+            reserved: 0,
         };
         let mut handle = 0u64;
         let key = sized_output(|buf, cap, out_len| {

@@ -194,7 +194,11 @@ pub struct ferry_mem_region_t {
     pub location: *const c_char,
     pub device_ordinal: i32,
     pub dmabuf_fd: i32,
+    pub flags: u32,
+    pub reserved: u32,
 }
+
+pub const FERRY_REGION_LOCAL_ONLY: u32 = 1 << 0;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -445,6 +449,15 @@ pub struct ferry_device_plugin_v1_t {
             err: Err,
         ) -> ferry_status_t,
     >,
+    pub pin_host: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            addr: u64,
+            len: u64,
+            err: Err,
+        ) -> ferry_status_t,
+    >,
+    pub unpin_host: Option<unsafe extern "C" fn(instance: *mut c_void, addr: u64)>,
 }
 
 pub const FERRY_DEVICE_PLUGIN_V1_SYMBOL: &str = "ferry_device_plugin_v1";

@@ -79,7 +79,9 @@ fn rust_layouts() -> Vec<Layout> {
                 mem_kind,
                 location,
                 device_ordinal,
-                dmabuf_fd
+                dmabuf_fd,
+                flags,
+                reserved
             ]
         ),
         layout!(
@@ -169,7 +171,9 @@ fn rust_layouts() -> Vec<Layout> {
                 stream_create,
                 stream_destroy,
                 copy_async,
-                stream_sync
+                stream_sync,
+                pin_host,
+                unpin_host
             ]
         ),
     ]
@@ -233,6 +237,7 @@ fn rust_constants() -> Vec<(&'static str, i128)> {
         FERRY_PTR_DEVICE,
         FERRY_PTR_HOST_PINNED,
         FERRY_PTR_MANAGED,
+        FERRY_REGION_LOCAL_ONLY,
     ]
 }
 

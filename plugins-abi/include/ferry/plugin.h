@@ -288,7 +288,13 @@ typedef struct ferry_mem_region {
     const char *location; /* "cpu:0", "cuda:3" */
     int32_t device_ordinal; /* CUDA ordinal for device memory, else -1 */
     int32_t dmabuf_fd;      /* for FERRY_MEM_CUDA_DMABUF, else -1; owned by the engine */
+    uint32_t flags;         /* FERRY_REGION_* */
+    uint32_t reserved;
 } ferry_mem_region_t;
+
+/* The engine uses the region only as a local buffer (e.g. a staging buffer):
+ * peers must not be able to reach it. */
+#define FERRY_REGION_LOCAL_ONLY (1u << 0)
 
 /* A peer as the engine knows it from the peer's segment descriptor. */
 typedef struct ferry_peer_info {
@@ -459,6 +465,10 @@ typedef struct ferry_device_plugin_v1 {
     ferry_status_t (*copy_async)(void *instance, void *stream, uint64_t dst, uint64_t src,
                                  uint64_t len, ferry_errbuf_t *err);
     ferry_status_t (*stream_sync)(void *instance, void *stream, ferry_errbuf_t *err);
+    /* Optional: pins existing host memory so copies to and from it run at
+     * full speed (cuMemHostRegister), and undoes it. */
+    ferry_status_t (*pin_host)(void *instance, uint64_t addr, uint64_t len, ferry_errbuf_t *err);
+    void (*unpin_host)(void *instance, uint64_t addr);
 } ferry_device_plugin_v1_t;
 
 #define FERRY_DEVICE_PLUGIN_V1_SYMBOL "ferry_device_plugin_v1"

@@ -92,6 +92,11 @@ pub trait DeviceInstance: Send + Sync + 'static {
     /// Queues a copy; direction follows from the pointers.
     fn copy_async(&self, stream: &Self::Stream, dst: u64, src: u64, len: u64) -> PluginResult<()>;
     fn stream_sync(&self, stream: &Self::Stream) -> PluginResult<()>;
+    /// Pins existing host memory for fast copies; `None` when unsupported.
+    fn pin_host(&self, _addr: u64, _len: u64) -> Option<PluginResult<()>> {
+        None
+    }
+    fn unpin_host(&self, _addr: u64) {}
 }
 
 /// The instance type of a probe-only device plugin; export it with
@@ -457,6 +462,37 @@ pub unsafe extern "C" fn stream_sync_trampoline<P: DevicePlugin>(
     unsafe { boundary(err, || instance::<P>(inst)?.stream_sync(stream::<P>(s)?)) }
 }
 
+/// # Safety
+/// As [`device_probe_trampoline`].
+pub unsafe extern "C" fn pin_host_trampoline<P: DevicePlugin>(
+    inst: *mut c_void,
+    addr: u64,
+    len: u64,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe {
+        boundary(err, || {
+            instance::<P>(inst)?.pin_host(addr, len).unwrap_or_else(|| {
+                Err(PluginError::new(
+                    ErrorCode::Unsupported,
+                    "this driver cannot pin host memory",
+                ))
+            })
+        })
+    }
+}
+
+/// # Safety
+/// As [`device_probe_trampoline`].
+pub unsafe extern "C" fn unpin_host_trampoline<P: DevicePlugin>(inst: *mut c_void, addr: u64) {
+    // SAFETY: instance per the contract.
+    let _ = catch(|| {
+        unsafe { instance::<P>(inst) }?.unpin_host(addr);
+        Ok(())
+    });
+}
+
 /// The v1 table for a Rust device plugin with a device interface.
 pub const fn device_table_v1<P: DevicePlugin>() -> sys::ferry_device_plugin_v1_t {
     sys::ferry_device_plugin_v1_t {
@@ -479,6 +515,8 @@ pub const fn device_table_v1<P: DevicePlugin>() -> sys::ferry_device_plugin_v1_t
         stream_destroy: Some(stream_destroy_trampoline::<P>),
         copy_async: Some(copy_async_trampoline::<P>),
         stream_sync: Some(stream_sync_trampoline::<P>),
+        pin_host: Some(pin_host_trampoline::<P>),
+        unpin_host: Some(unpin_host_trampoline::<P>),
     }
 }
 
@@ -499,6 +537,8 @@ pub const fn device_table_v1_probe_only<P: DevicePlugin>() -> sys::ferry_device_
         stream_destroy: None,
         copy_async: None,
         stream_sync: None,
+        pin_host: None,
+        unpin_host: None,
         ..device_table_v1::<P>()
     }
 }

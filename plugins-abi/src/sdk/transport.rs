@@ -51,6 +51,8 @@ pub struct MemRegion {
     pub numa_node: Option<u32>,
     pub device_ordinal: Option<u32>,
     pub dmabuf_fd: Option<i32>,
+    /// Only a local buffer: peers must not reach it.
+    pub local_only: bool,
 }
 
 /// The outcome of registering a buffer.
@@ -352,6 +354,7 @@ pub unsafe extern "C" fn register_trampoline<P: TransportPlugin>(
                 numa_node: u32::try_from(r.numa_node).ok(),
                 device_ordinal: u32::try_from(r.device_ordinal).ok(),
                 dmabuf_fd: (r.dmabuf_fd >= 0).then_some(r.dmabuf_fd),
+                local_only: r.flags & sys::FERRY_REGION_LOCAL_ONLY != 0,
             };
             let reg = instance::<P>(inst)?.register_memory(&region)?;
             *handle = reg.handle;

@@ -1,0 +1,338 @@
+//! One device plugin instance (CUDA, ...), wrapped so the engine calls safe
+//! methods: classify pointers, describe devices, export DMA-BUF, allocate
+//! pinned and device memory, and run copies on streams.
+
+use crate::error::{Error, ErrorCode, Result};
+use ferry_loader::{LoadedLibrary, Plugin};
+use ferry_plugins_abi::has_field;
+use ferry_plugins_abi::sys;
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::Arc;
+
+/// A device as its plugin describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub ordinal: u32,
+    pub name: String,
+    pub pci_bus_id: String,
+    pub uuid: String,
+    pub total_memory: u64,
+    pub gpu_direct_rdma: Option<bool>,
+    pub dmabuf: Option<bool>,
+    pub dmabuf_export: bool,
+}
+
+/// What a pointer is, according to a device plugin.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PointerKind {
+    Host,
+    Device(u32),
+    HostPinned,
+    Managed(Option<u32>),
+}
+
+pub struct Device {
+    /// The plugin's name ("cuda"): device memory is `<name>:<ordinal>`.
+    pub name: String,
+    library: Arc<LoadedLibrary>,
+    table: *const sys::ferry_device_plugin_v1_t,
+    instance: *mut c_void,
+}
+
+// SAFETY: the instance pointer is only handed back to the plugin, which must
+// accept calls from any thread (plugin.h, "Threads"); the table is
+// immutable static data of `library`, kept loaded by this struct.
+unsafe impl Send for Device {}
+// SAFETY: as above.
+unsafe impl Sync for Device {}
+
+/// A copy stream of one device; destroyed when dropped.
+pub struct Stream {
+    device: Arc<Device>,
+    raw: *mut c_void,
+}
+
+// SAFETY: a stream handle is only passed back to its plugin, which accepts
+// calls from any thread; one stream is used by one thread at a time (&mut).
+unsafe impl Send for Stream {}
+
+fn fixed(raw: &[c_char]) -> String {
+    let bytes: Vec<u8> = raw
+        .iter()
+        .take_while(|c| **c != 0)
+        .map(|c| *c as u8)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+fn tri(v: i32) -> Option<bool> {
+    match v {
+        0 => Some(false),
+        1 => Some(true),
+        _ => None,
+    }
+}
+
+struct ErrBuf([u8; 1024]);
+
+impl ErrBuf {
+    fn new() -> ErrBuf {
+        ErrBuf([0; 1024])
+    }
+
+    fn raw(&mut self) -> sys::ferry_errbuf_t {
+        sys::ferry_errbuf_t {
+            msg: self.0.as_mut_ptr().cast(),
+            cap: self.0.len(),
+        }
+    }
+
+    fn check(&mut self, plugin: &str, what: &str, status: sys::ferry_status_t) -> Result<()> {
+        if status == sys::FERRY_OK {
+            return Ok(());
+        }
+        if let Some(last) = self.0.last_mut() {
+            *last = 0;
+        }
+        let msg = CStr::from_bytes_until_nul(&self.0)
+            .map(|c| c.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let code = ErrorCode::from_raw(status).unwrap_or(ErrorCode::Plugin);
+        Err(Error::new(
+            code,
+            if msg.is_empty() {
+                format!("{plugin}: {what} failed ({code})")
+            } else {
+                format!("{plugin}: {msg}")
+            },
+        ))
+    }
+}
+
+macro_rules! call {
+    ($self:expr, $field:ident, $what:literal, |$f:ident, $err:ident| $body:expr) => {{
+        let table = $self.table();
+        let $f = table.$field.ok_or_else(|| {
+            Error::new(
+                ErrorCode::Unsupported,
+                format!("{}: no {}", $self.name, $what),
+            )
+        })?;
+        let mut buf = ErrBuf::new();
+        let mut $err = buf.raw();
+        let status = $body;
+        buf.check(&$self.name, $what, status)
+    }};
+}
+
+impl Device {
+    /// Starts an instance of an enabled device plugin; `None` for a
+    /// probe-only one.
+    pub fn init(plugin: &Plugin) -> Result<Option<Device>> {
+        let Some(library) = plugin.library().cloned() else {
+            return Ok(None);
+        };
+        let Some(table) = library.device_table() else {
+            return Ok(None);
+        };
+        if !has_field!(table, sys::ferry_device_plugin_v1_t, stream_sync) {
+            return Ok(None);
+        }
+        let Some(init) = table.init else {
+            return Ok(None);
+        };
+        let name = plugin.report.name.clone();
+        let required = [
+            table.fini.is_some(),
+            table.device_count.is_some(),
+            table.device_info.is_some(),
+            table.query_pointer.is_some(),
+        ];
+        if required.iter().any(|ok| !ok) {
+            return Err(Error::new(
+                ErrorCode::AbiMismatch,
+                format!("device plugin {name} has init but lacks required functions"),
+            ));
+        }
+        let mut instance: *mut c_void = std::ptr::null_mut();
+        let mut buf = ErrBuf::new();
+        let mut err = buf.raw();
+        // SAFETY: the services table lives in `library` as long as the
+        // instance; out-pointers are valid for the call.
+        let status = unsafe { init(library.services(), &mut instance, &mut err) };
+        buf.check(&name, "init", status)?;
+        Ok(Some(Device {
+            name,
+            table: table as *const sys::ferry_device_plugin_v1_t,
+            library,
+            instance,
+        }))
+    }
+
+    fn table(&self) -> &sys::ferry_device_plugin_v1_t {
+        // SAFETY: static data of `library`, which self keeps loaded.
+        unsafe { &*self.table }
+    }
+
+    pub fn library(&self) -> &Arc<LoadedLibrary> {
+        &self.library
+    }
+
+    pub fn device_count(&self) -> Result<u32> {
+        let mut n = 0u32;
+        call!(self, device_count, "device_count", |f, err| {
+            // SAFETY: valid instance and out-pointers.
+            unsafe { f(self.instance, &mut n, &mut err) }
+        })?;
+        Ok(n)
+    }
+
+    pub fn device_info(&self, ordinal: u32) -> Result<DeviceInfo> {
+        // SAFETY: an all-zero ferry_device_info_t is a valid value.
+        let mut out: sys::ferry_device_info_t = unsafe { std::mem::zeroed() };
+        out.struct_size = std::mem::size_of::<sys::ferry_device_info_t>() as u32;
+        let ord = i32::try_from(ordinal)
+            .map_err(|_| Error::new(ErrorCode::InvalidArgument, "ordinal out of range"))?;
+        call!(self, device_info, "device_info", |f, err| {
+            // SAFETY: valid instance and out-pointers.
+            unsafe { f(self.instance, ord, &mut out, &mut err) }
+        })?;
+        Ok(DeviceInfo {
+            ordinal,
+            name: fixed(&out.name),
+            pci_bus_id: fixed(&out.pci_bus_id).to_ascii_lowercase(),
+            uuid: fixed(&out.uuid),
+            total_memory: out.total_memory,
+            gpu_direct_rdma: tri(out.gpu_direct_rdma),
+            dmabuf: tri(out.dmabuf),
+            dmabuf_export: out.dmabuf_export == 1,
+        })
+    }
+
+    /// Classifies `addr`; also returns the allocation holding it, when known.
+    pub fn query_pointer(&self, addr: u64) -> Result<(PointerKind, u64, u64)> {
+        let mut out = sys::ferry_pointer_info_t {
+            struct_size: std::mem::size_of::<sys::ferry_pointer_info_t>() as u32,
+            ..Default::default()
+        };
+        call!(self, query_pointer, "query_pointer", |f, err| {
+            // SAFETY: valid instance and out-pointers; addr is only a number.
+            unsafe { f(self.instance, addr, &mut out, &mut err) }
+        })?;
+        let ordinal = u32::try_from(out.ordinal).ok();
+        let kind = match out.kind {
+            sys::FERRY_PTR_DEVICE => match ordinal {
+                Some(o) => PointerKind::Device(o),
+                None => {
+                    return Err(Error::new(
+                        ErrorCode::Plugin,
+                        format!("{}: device memory without a device ordinal", self.name),
+                    ))
+                }
+            },
+            sys::FERRY_PTR_HOST_PINNED => PointerKind::HostPinned,
+            sys::FERRY_PTR_MANAGED => PointerKind::Managed(ordinal),
+            _ => PointerKind::Host,
+        };
+        Ok((kind, out.base, out.size))
+    }
+
+    /// A DMA-BUF fd (owned by the caller) for the range, and addr's offset.
+    pub fn export_dmabuf(&self, addr: u64, len: u64) -> Result<(i32, u64)> {
+        let (mut fd, mut offset) = (-1i32, 0u64);
+        call!(self, export_dmabuf, "export_dmabuf", |f, err| {
+            // SAFETY: valid instance and out-pointers.
+            unsafe { f(self.instance, addr, len, &mut fd, &mut offset, &mut err) }
+        })?;
+        Ok((fd, offset))
+    }
+
+    pub fn alloc_pinned(&self, len: u64) -> Result<u64> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        call!(self, alloc_pinned, "alloc_pinned", |f, err| {
+            // SAFETY: valid instance and out-pointers.
+            unsafe { f(self.instance, len, &mut p, &mut err) }
+        })?;
+        Ok(p as u64)
+    }
+
+    pub fn free_pinned(&self, ptr: u64) {
+        if let Some(f) = self.table().free_pinned {
+            // SAFETY: ptr came from alloc_pinned of this instance.
+            unsafe { f(self.instance, ptr as *mut c_void) }
+        }
+    }
+
+    pub fn alloc_device(&self, ordinal: u32, len: u64) -> Result<u64> {
+        let mut p = 0u64;
+        let ord = i32::try_from(ordinal)
+            .map_err(|_| Error::new(ErrorCode::InvalidArgument, "ordinal out of range"))?;
+        call!(self, alloc_device, "alloc_device", |f, err| {
+            // SAFETY: valid instance and out-pointers.
+            unsafe { f(self.instance, ord, len, &mut p, &mut err) }
+        })?;
+        Ok(p)
+    }
+
+    pub fn free_device(&self, ptr: u64) {
+        if let Some(f) = self.table().free_device {
+            // SAFETY: ptr came from alloc_device of this instance.
+            unsafe { f(self.instance, ptr) }
+        }
+    }
+
+    pub fn stream(self: &Arc<Self>, ordinal: u32) -> Result<Stream> {
+        let mut raw: *mut c_void = std::ptr::null_mut();
+        let ord = i32::try_from(ordinal)
+            .map_err(|_| Error::new(ErrorCode::InvalidArgument, "ordinal out of range"))?;
+        call!(self, stream_create, "stream_create", |f, err| {
+            // SAFETY: valid instance and out-pointers.
+            unsafe { f(self.instance, ord, &mut raw, &mut err) }
+        })?;
+        Ok(Stream {
+            device: self.clone(),
+            raw,
+        })
+    }
+}
+
+impl Stream {
+    /// Queues a copy of `len` bytes from `src` to `dst` (either may be
+    /// device memory).
+    pub fn copy(&mut self, dst: u64, src: u64, len: u64) -> Result<()> {
+        let d = &self.device;
+        call!(d, copy_async, "copy_async", |f, err| {
+            // SAFETY: valid instance and stream; the pointers are numbers the
+            // driver checks.
+            unsafe { f(d.instance, self.raw, dst, src, len, &mut err) }
+        })
+    }
+
+    /// Waits for every copy queued on this stream.
+    pub fn sync(&mut self) -> Result<()> {
+        let d = &self.device;
+        call!(d, stream_sync, "stream_sync", |f, err| {
+            // SAFETY: valid instance and stream.
+            unsafe { f(d.instance, self.raw, &mut err) }
+        })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if let Some(f) = self.device.table().stream_destroy {
+            // SAFETY: raw came from stream_create and is destroyed once.
+            unsafe { f(self.device.instance, self.raw) }
+        }
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        if let Some(f) = self.table().fini {
+            // SAFETY: the instance came from init; every Stream holds an
+            // Arc<Device>, so none outlives it.
+            unsafe { f(self.instance) }
+        }
+    }
+}
