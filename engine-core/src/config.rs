@@ -70,6 +70,22 @@ fn parse_ms(var: &str, value: &str) -> Result<Duration> {
         })
 }
 
+/// Parses sizes such as `4096`, `64K`, `1M`, `1G`, `16MiB` (powers of 1024).
+pub fn parse_size_text(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(digits);
+    let n: u64 = num.parse().ok()?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => return None,
+    };
+    n.checked_mul(mult)
+}
+
 fn parse_us(var: &str, value: &str) -> Result<Duration> {
     value
         .trim()

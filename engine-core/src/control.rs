@@ -30,6 +30,13 @@ pub enum MsgType {
     GetDescriptor = 1,
     Descriptor = 2,
     Error = 3,
+    /// Open a staging session on this connection (bounce buffers for a
+    /// peer that moves device memory over a host-only transport).
+    StageOpen = 4,
+    StageOpened = 5,
+    /// Copy between a staging buffer and device memory.
+    StageCopy = 6,
+    StageDone = 7,
 }
 
 impl MsgType {
@@ -38,8 +45,19 @@ impl MsgType {
             1 => Some(MsgType::GetDescriptor),
             2 => Some(MsgType::Descriptor),
             3 => Some(MsgType::Error),
+            4 => Some(MsgType::StageOpen),
+            5 => Some(MsgType::StageOpened),
+            6 => Some(MsgType::StageCopy),
+            7 => Some(MsgType::StageDone),
             _ => None,
         }
+    }
+
+    fn is_request(self) -> bool {
+        matches!(
+            self,
+            MsgType::GetDescriptor | MsgType::StageOpen | MsgType::StageCopy
+        )
     }
 }
 
@@ -122,6 +140,10 @@ pub fn read_frame(stream: &mut impl Read, peer: &str) -> Result<(MsgType, Vec<u8
 /// What the control server serves; the engine implements it.
 pub trait ControlHandler: Send + Sync + 'static {
     fn descriptor(&self) -> SegmentDescriptor;
+    /// Any other request on connection `conn`: the reply's type and body.
+    fn request(&self, conn: u64, kind: MsgType, body: &[u8]) -> Result<(MsgType, Vec<u8>)>;
+    /// Connection `conn` is gone: drop what belonged to it.
+    fn connection_closed(&self, conn: u64);
 }
 
 /// The engine's control listener. Dropping it stops the listener and waits
@@ -198,6 +220,7 @@ fn accept_loop(
     io_timeout: Duration,
 ) {
     let active = Arc::new(AtomicUsize::new(0));
+    let mut next_conn: u64 = 0;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&listener);
     while !stop.load(Ordering::SeqCst) {
         // Wait for a connection or 100 ms, then look at the stop flag again.
@@ -231,13 +254,18 @@ fn accept_loop(
             continue;
         }
         active.fetch_add(1, Ordering::SeqCst);
+        next_conn += 1;
+        let conn = next_conn;
         let handler = handler.clone();
         let active2 = active.clone();
         let stop2 = stop.clone();
         let spawned = std::thread::Builder::new()
             .name("ferry-control-conn".into())
             .spawn(move || {
-                serve_connection(stream, peer, handler, stop2);
+                serve_connection(stream, peer, conn, &handler, stop2);
+                if let Some(h) = handler.upgrade() {
+                    h.connection_closed(conn);
+                }
                 active2.fetch_sub(1, Ordering::SeqCst);
             });
         if spawned.is_err() {
@@ -258,12 +286,13 @@ fn reply_error(stream: &mut TcpStream, code: ErrorCode, message: &str) -> io::Re
 fn serve_connection(
     mut stream: TcpStream,
     peer: SocketAddr,
-    handler: Weak<dyn ControlHandler>,
+    conn: u64,
+    handler: &Weak<dyn ControlHandler>,
     stop: Arc<AtomicBool>,
 ) {
     let peer_s = peer.to_string();
     while !stop.load(Ordering::SeqCst) {
-        let (kind, _body) = match read_frame(&mut stream, &peer_s) {
+        let (kind, body) = match read_frame(&mut stream, &peer_s) {
             Ok(f) => f,
             Err(e) => {
                 if e.code == ErrorCode::Protocol {
@@ -281,7 +310,11 @@ fn serve_connection(
                 let d = handler.descriptor();
                 stream.write_all(&encode_frame(MsgType::Descriptor, &d.to_json()))
             }
-            MsgType::Descriptor | MsgType::Error => reply_error(
+            k if k.is_request() => match handler.request(conn, k, &body) {
+                Ok((reply, body)) => stream.write_all(&encode_frame(reply, &body)),
+                Err(e) => reply_error(&mut stream, e.code, &e.message),
+            },
+            _ => reply_error(
                 &mut stream,
                 ErrorCode::Protocol,
                 "unexpected message type for a request",
@@ -328,6 +361,56 @@ pub fn connect(name: &str, timeout: Duration) -> Result<TcpStream> {
     ))
 }
 
+/// A persistent control connection to a peer, for requests that belong to
+/// a session (staging).
+pub struct ControlClient {
+    name: String,
+    stream: TcpStream,
+}
+
+impl ControlClient {
+    pub fn connect(
+        name: &str,
+        connect_timeout: Duration,
+        io_timeout: Duration,
+    ) -> Result<ControlClient> {
+        let stream = connect(name, connect_timeout)?;
+        let _ = stream.set_read_timeout(Some(io_timeout));
+        let _ = stream.set_write_timeout(Some(io_timeout));
+        let _ = stream.set_nodelay(true);
+        Ok(ControlClient {
+            name: name.to_string(),
+            stream,
+        })
+    }
+
+    /// Sends a request and reads its reply; an Error frame becomes the error.
+    pub fn call(&mut self, kind: MsgType, body: &[u8]) -> Result<(MsgType, Vec<u8>)> {
+        self.stream
+            .write_all(&encode_frame(kind, body))
+            .map_err(|e| io_error("writing to", &self.name, &e))?;
+        let (reply, body) = read_frame(&mut self.stream, &self.name)?;
+        if reply == MsgType::Error {
+            return Err(decode_error(&self.name, &body));
+        }
+        Ok((reply, body))
+    }
+}
+
+fn decode_error(name: &str, body: &[u8]) -> Error {
+    match serde_json::from_slice::<ErrorBody>(body) {
+        Ok(e) => {
+            let code = ErrorCode::from_raw(e.code).unwrap_or(ErrorCode::Plugin);
+            let msg: String = e.message.chars().take(1024).collect();
+            Error::new(code, format!("segment {name} refused: {msg}"))
+        }
+        Err(_) => Error::new(
+            ErrorCode::Protocol,
+            format!("{name} sent a malformed error"),
+        ),
+    }
+}
+
 /// Fetches a peer's segment descriptor.
 pub fn fetch_descriptor(
     name: &str,
@@ -345,20 +428,10 @@ pub fn fetch_descriptor(
     let _ = stream.shutdown(Shutdown::Both);
     match kind {
         MsgType::Descriptor => SegmentDescriptor::from_json(&body),
-        MsgType::Error => {
-            let e: ErrorBody = serde_json::from_slice(&body).map_err(|_| {
-                Error::new(
-                    ErrorCode::Protocol,
-                    format!("{name} sent a malformed error"),
-                )
-            })?;
-            let code = ErrorCode::from_raw(e.code).unwrap_or(ErrorCode::Plugin);
-            let msg: String = e.message.chars().take(1024).collect();
-            Err(Error::new(code, format!("segment {name} refused: {msg}")))
-        }
-        MsgType::GetDescriptor => Err(Error::new(
+        MsgType::Error => Err(decode_error(name, &body)),
+        _ => Err(Error::new(
             ErrorCode::Protocol,
-            format!("{name} answered with a request"),
+            format!("{name} answered with an unexpected message"),
         )),
     }
 }

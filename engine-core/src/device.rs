@@ -281,6 +281,32 @@ impl Device {
         }
     }
 
+    /// Pins host memory for fast copies (cuMemHostRegister).
+    pub fn pin_host(&self, addr: u64, len: u64) -> Result<()> {
+        let table = self.table();
+        if !has_field!(table, sys::ferry_device_plugin_v1_t, unpin_host) {
+            return Err(Error::new(
+                ErrorCode::Unsupported,
+                format!("{}: no pin_host", self.name),
+            ));
+        }
+        call!(self, pin_host, "pin_host", |f, err| {
+            // SAFETY: valid instance; the range is host memory the engine owns.
+            unsafe { f(self.instance, addr, len, &mut err) }
+        })
+    }
+
+    pub fn unpin_host(&self, addr: u64) {
+        let table = self.table();
+        if !has_field!(table, sys::ferry_device_plugin_v1_t, unpin_host) {
+            return;
+        }
+        if let Some(f) = table.unpin_host {
+            // SAFETY: addr was pinned by pin_host of this instance.
+            unsafe { f(self.instance, addr) }
+        }
+    }
+
     pub fn stream(self: &Arc<Self>, ordinal: u32) -> Result<Stream> {
         let mut raw: *mut c_void = std::ptr::null_mut();
         let ord = i32::try_from(ordinal)

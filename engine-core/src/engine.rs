@@ -15,12 +15,13 @@ use crate::descriptor::{
     encode_blob, BufferDescriptor, BufferKey, SegmentDescriptor, TransportEndpoint,
     DESCRIPTOR_VERSION,
 };
+use crate::device::{Device, PointerKind};
 use crate::error::{Error, ErrorCode, Result};
 use crate::host::CoreHost;
 use crate::identity::Identity;
 use crate::location::{host_location, Location};
-use crate::memory::{LocalBuffer, MemoryRegistry, TransportRegistration};
-use crate::topology::{PathClass, Topology};
+use crate::memory::{LocalBuffer, MemoryRegistry, TransportRegistration, Visibility};
+use crate::topology::{PathClass, PciAddress, Topology};
 use crate::transport::{PeerHandle, Transport};
 use ferry_loader::{PluginKind, PluginSet};
 use ferry_plugins_abi::sys;
@@ -30,6 +31,8 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
+
+mod staging;
 
 /// Identifies an open remote segment within one engine.
 pub type SegmentId = u64;
@@ -171,6 +174,8 @@ struct RemoteSegment {
     peers: Mutex<HashMap<usize, Arc<PeerHandle>>>,
     /// Per transport, whether it serves a remote buffer with a given key.
     verdicts: Mutex<HashMap<usize, KeyVerdicts>>,
+    /// Bounce buffers the peer lent us for its device memory.
+    staging: Mutex<Option<Arc<staging::RemoteStaging>>>,
 }
 
 /// Why a transport was chosen, for logs and `ferry demo`.
@@ -201,6 +206,10 @@ pub struct RouteNic {
 struct Shared {
     config: EngineConfig,
     topology: Arc<Topology>,
+    /// Device plugin instances (cuda, ...) and the devices they report.
+    devices: Vec<Arc<Device>>,
+    gpus: Vec<Gpu>,
+    staging: staging::Staging,
     identity: Identity,
     name: String,
     plugins: PluginSet,
@@ -215,6 +224,21 @@ struct Shared {
     logged_routes: Mutex<HashSet<(SegmentId, usize)>>,
     /// Memory this engine allocated for the application, by address.
     allocations: Mutex<HashMap<u64, Allocation>>,
+    /// Device memory from allocate_device, by address: its device plugin.
+    device_allocations: Mutex<HashMap<u64, usize>>,
+}
+
+/// A device as the engine knows it: its plugin's description and where the
+/// topology places it.
+#[derive(Clone, Debug)]
+pub struct Gpu {
+    /// Index into the engine's device plugins.
+    pub plugin: usize,
+    pub info: crate::device::DeviceInfo,
+    /// "cuda:N" as the driver numbers it.
+    pub location: Location,
+    /// The topology's name for the same PCI function (its PCI-order guess).
+    pub topology_name: Option<String>,
 }
 
 /// Who allocated a buffer handed out by `allocate_memory`.
@@ -229,6 +253,23 @@ enum Allocation {
 impl ControlHandler for Shared {
     fn descriptor(&self) -> SegmentDescriptor {
         self.describe()
+    }
+
+    fn request(
+        &self,
+        conn: u64,
+        kind: control::MsgType,
+        body: &[u8],
+    ) -> Result<(control::MsgType, Vec<u8>)> {
+        match kind {
+            control::MsgType::StageOpen => self.stage_open(conn, body),
+            control::MsgType::StageCopy => self.stage_copy(conn, body),
+            _ => Err(Error::new(ErrorCode::Protocol, "unexpected request")),
+        }
+    }
+
+    fn connection_closed(&self, conn: u64) {
+        self.stage_close(conn);
     }
 }
 
@@ -288,10 +329,25 @@ impl Engine {
         for w in topology.warnings() {
             log::warn!("topology: {w}");
         }
-        let plugins = crate::load_plugins(
-            &config.loader,
-            CoreHost::new(settings, Some(topology.clone())),
-        );
+        let host = CoreHost::new(settings, Some(topology.clone()));
+        let aliases = host.aliases();
+        let plugins = crate::load_plugins(&config.loader, host);
+
+        // Devices first: transports may ask where a device sits.
+        let mut devices = Vec::new();
+        for plugin in plugins.enabled(PluginKind::Device) {
+            match Device::init(plugin) {
+                Ok(Some(d)) => devices.push(Arc::new(d)),
+                Ok(None) => {}
+                Err(e) => log::warn!("device plugin {} failed to start: {e}", plugin.report.name),
+            }
+        }
+        let gpus = discover_gpus(&devices, &topology);
+        for g in &gpus {
+            if let Some(t) = &g.topology_name {
+                aliases.write().insert(g.location.to_string(), t.clone());
+            }
+        }
 
         let batches = Arc::new(BatchTable::default());
         let listen_host = bound.ip().to_string();
@@ -337,6 +393,9 @@ impl Engine {
 
         let shared = Arc::new(Shared {
             topology,
+            devices,
+            gpus,
+            staging: staging::Staging::from_env(),
             identity: Identity::new(),
             name,
             plugins,
@@ -349,6 +408,7 @@ impl Engine {
             batches,
             logged_routes: Mutex::new(HashSet::new()),
             allocations: Mutex::new(HashMap::new()),
+            device_allocations: Mutex::new(HashMap::new()),
             config,
         });
         let weak: Weak<dyn ControlHandler> = Arc::downgrade(&shared) as Weak<dyn ControlHandler>;
@@ -395,6 +455,62 @@ impl Engine {
 
     pub fn config(&self) -> &EngineConfig {
         &self.shared.config
+    }
+
+    /// Devices (GPUs) the device plugins report, in the driver's numbering.
+    pub fn gpus(&self) -> &[Gpu] {
+        &self.shared.gpus
+    }
+
+    /// Allocates device memory on `location` (e.g. cuda:0) through its device
+    /// plugin; register it to move it. For tools and tests: applications
+    /// normally bring their own (framework) allocations.
+    pub fn allocate_device(&self, location: Location, len: u64) -> Result<u64> {
+        let (plugin, ordinal) = self.shared.device_of(location)?;
+        let addr = self.shared.devices[plugin].alloc_device(ordinal, len)?;
+        self.shared.device_allocations.lock().insert(addr, plugin);
+        Ok(addr)
+    }
+
+    /// Frees memory from [`Engine::allocate_device`] (unregister it first).
+    pub fn free_device(&self, addr: u64) -> Result<()> {
+        let plugin = self
+            .shared
+            .device_allocations
+            .lock()
+            .remove(&addr)
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorCode::NotFound,
+                    format!("{addr:#x} was not returned by allocate_device"),
+                )
+            })?;
+        self.shared.devices[plugin].free_device(addr);
+        Ok(())
+    }
+
+    /// Copies `len` bytes from `src` to `dst`, either of which may be device
+    /// memory (through its device plugin), and waits for the copy.
+    ///
+    /// # Safety
+    /// Both ranges must be valid memory of this process for `len` bytes, and
+    /// no transfer may be writing `dst` meanwhile.
+    pub unsafe fn copy_memory(&self, dst: u64, src: u64, len: u64) -> Result<()> {
+        for d in &self.shared.devices {
+            let on_device = |a: u64| {
+                d.query_pointer(a)
+                    .map(|(k, _, _)| matches!(k, PointerKind::Device(_)))
+                    .unwrap_or(false)
+            };
+            if on_device(dst) || on_device(src) {
+                let mut stream = d.stream(0)?;
+                stream.copy(dst, src, len)?;
+                return stream.sync();
+            }
+        }
+        // SAFETY: host memory on both sides, valid per the caller's contract.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
+        Ok(())
     }
 
     /// The hardware topology this engine discovered at start.
@@ -647,6 +763,22 @@ impl Shared {
         })
     }
 
+    fn buffer_descriptor(&self, b: &LocalBuffer) -> BufferDescriptor {
+        BufferDescriptor {
+            addr: b.addr,
+            len: b.len,
+            location: b.location.to_string(),
+            keys: b
+                .registrations
+                .iter()
+                .map(|r| BufferKey {
+                    transport: self.transports[r.transport].name.clone(),
+                    key: encode_blob(&r.key),
+                })
+                .collect(),
+        }
+    }
+
     /// The interface the kernel uses toward the segment's host, and its NIC.
     fn route_nic(&self, seg: &RemoteSegment, local: &LocalBuffer) -> Option<RouteNic> {
         use std::net::ToSocketAddrs;
@@ -673,19 +805,8 @@ impl Shared {
             .memory
             .all()
             .iter()
-            .map(|b| BufferDescriptor {
-                addr: b.addr,
-                len: b.len,
-                location: b.location.to_string(),
-                keys: b
-                    .registrations
-                    .iter()
-                    .map(|r| BufferKey {
-                        transport: self.transports[r.transport].name.clone(),
-                        key: encode_blob(&r.key),
-                    })
-                    .collect(),
-            })
+            .filter(|b| b.visibility == Visibility::Published)
+            .map(|b| self.buffer_descriptor(b))
             .collect();
         SegmentDescriptor {
             version: DESCRIPTOR_VERSION,
@@ -706,6 +827,70 @@ impl Shared {
     }
 
     fn register_memory(&self, addr: u64, len: u64, location: Option<Location>) -> Result<()> {
+        self.register(addr, len, location, Visibility::Published)
+            .map(|_| ())
+    }
+
+    /// What memory `[addr, addr + len)` is: asks every device plugin, and
+    /// checks a location the caller gave against what the driver says.
+    fn classify(
+        &self,
+        addr: u64,
+        len: u64,
+        given: Option<Location>,
+    ) -> Result<(Location, u64, Option<usize>)> {
+        for (i, d) in self.devices.iter().enumerate() {
+            let (kind, base, size) = d.query_pointer(addr)?;
+            let ordinal = match kind {
+                PointerKind::Device(o) => o,
+                // Pinned and managed memory are host-addressable: any host
+                // transport can move them.
+                PointerKind::Host | PointerKind::HostPinned | PointerKind::Managed(_) => continue,
+            };
+            if size > 0 && addr.saturating_add(len) > base.saturating_add(size) {
+                return Err(Error::new(
+                    ErrorCode::OutOfBounds,
+                    format!(
+                        "[{addr:#x}, +{len}) runs past the end of its {} allocation [{base:#x}, +{size})",
+                        d.name
+                    ),
+                ));
+            }
+            let location = match d.name.as_str() {
+                "rocm" => Location::Rocm(ordinal),
+                _ => Location::Cuda(ordinal),
+            };
+            if let Some(g) = given {
+                if g != location {
+                    return Err(Error::new(
+                        ErrorCode::InvalidArgument,
+                        format!("the location given is {g}, but the {} driver says the memory is on {location}", d.name),
+                    ));
+                }
+            }
+            return Ok((location, sys::FERRY_MEM_CUDA_STAGED, Some(i)));
+        }
+        match given {
+            Some(Location::Cpu(n)) => Ok((Location::Cpu(n), sys::FERRY_MEM_HOST, None)),
+            Some(other) => Err(Error::new(
+                ErrorCode::Unsupported,
+                format!(
+                    "registering {other} memory needs a device plugin that owns it, and none does \
+                     (`ferry info` shows the device plugins)"
+                ),
+            )),
+            None => Ok((host_location(addr), sys::FERRY_MEM_HOST, None)),
+        }
+    }
+
+    /// Registers a buffer with every transport that can move its memory.
+    fn register(
+        &self,
+        addr: u64,
+        len: u64,
+        location: Option<Location>,
+        visibility: Visibility,
+    ) -> Result<Arc<LocalBuffer>> {
         if addr == 0 || len == 0 {
             return Err(Error::new(
                 ErrorCode::InvalidArgument,
@@ -713,18 +898,10 @@ impl Shared {
             ));
         }
         self.memory.check_free(addr, len)?;
-        let location = location.unwrap_or_else(|| host_location(addr));
-        let (mem_kind, numa) = match location {
-            Location::Cpu(n) => (sys::FERRY_MEM_HOST, Some(n)),
-            Location::Cuda(_) | Location::Rocm(_) => {
-                return Err(Error::new(
-                    ErrorCode::Unsupported,
-                    format!(
-                        "registering {location} memory needs a device plugin for it, and none \
-                         is loaded"
-                    ),
-                ))
-            }
+        let (location, mem_kind, device) = self.classify(addr, len, location)?;
+        let numa = match location {
+            Location::Cpu(n) => Some(n),
+            _ => None,
         };
         let location_s = location.to_string();
         let mut registrations = Vec::new();
@@ -732,7 +909,8 @@ impl Shared {
             if t.mem_kinds & mem_kind == 0 {
                 continue;
             }
-            match t.register(addr, len, mem_kind, &location_s, numa, false) {
+            let local_only = visibility == Visibility::LocalOnly;
+            match t.register(addr, len, mem_kind, &location_s, numa, local_only) {
                 Ok((handle, key)) => registrations.push(TransportRegistration {
                     transport: i,
                     handle,
@@ -744,25 +922,34 @@ impl Shared {
                 ),
             }
         }
-        if registrations.is_empty() && !self.transports.is_empty() {
+        // Device memory that no transport reaches directly is staged through
+        // host memory; host memory must be reachable by some transport.
+        if registrations.is_empty() && device.is_none() && !self.transports.is_empty() {
             return Err(Error::new(
                 ErrorCode::Unsupported,
                 format!("no transport can register {location_s} memory at {addr:#x}"),
             ));
         }
-        log::debug!("registered [{addr:#x}, +{len}) at {location_s}");
-        self.memory.insert(Arc::new(LocalBuffer {
+        log::debug!("registered [{addr:#x}, +{len}) at {location_s} ({visibility:?})");
+        let buffer = Arc::new(LocalBuffer {
             addr,
             len,
             location,
             mem_kind,
+            device,
+            visibility,
             registrations,
             inflight: Default::default(),
-        }));
-        Ok(())
+        });
+        self.memory.insert(buffer.clone());
+        Ok(buffer)
     }
 
     fn allocate_memory(&self, len: u64, numa_node: Option<u32>) -> Result<u64> {
+        self.allocate(len, numa_node, Visibility::Published)
+    }
+
+    fn allocate(&self, len: u64, numa_node: Option<u32>, visibility: Visibility) -> Result<u64> {
         if len == 0 {
             return Err(Error::new(
                 ErrorCode::InvalidArgument,
@@ -785,7 +972,7 @@ impl Shared {
             None => (anonymous_map(len)?, Allocation::Anonymous(len)),
         };
         let location = numa_node.map(Location::Cpu);
-        if let Err(e) = self.register_memory(addr, len, location) {
+        if let Err(e) = self.register(addr, len, location, visibility) {
             self.release(addr, owner);
             return Err(e);
         }
@@ -852,6 +1039,31 @@ impl Shared {
         first_error.map_or(Ok(()), Err)
     }
 
+    /// The device plugin and ordinal serving a device location.
+    fn device_of(&self, location: Location) -> Result<(usize, u32)> {
+        self.gpus
+            .iter()
+            .find(|g| g.location == location)
+            .map(|g| {
+                let ordinal = match g.location {
+                    Location::Cuda(o) | Location::Rocm(o) => o,
+                    Location::Cpu(n) => n,
+                };
+                (g.plugin, ordinal)
+            })
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorCode::NotFound,
+                    format!("no device {location} (`ferry info` lists the devices)"),
+                )
+            })
+    }
+
+    /// Submits one request of the engine's own (staging) to a batch.
+    fn submit_internal(self: &Arc<Self>, batch: BatchId, r: &Request) -> Result<()> {
+        self.submit(batch, std::slice::from_ref(r))
+    }
+
     fn scope_of(&self, d: &SegmentDescriptor) -> Scope {
         if d.machine_id != self.identity.machine_id {
             Scope::CrossHost
@@ -889,6 +1101,7 @@ impl Shared {
             view: RwLock::new(Arc::new(RemoteView::new(descriptor))),
             peers: Mutex::new(HashMap::new()),
             verdicts: Mutex::new(HashMap::new()),
+            staging: Mutex::new(None),
         });
         let mut segments = self.segments.write();
         // Another thread may have opened it meanwhile: keep one.
@@ -1094,7 +1307,7 @@ impl Shared {
         Ok(peers.entry(transport).or_insert(handle).clone())
     }
 
-    fn submit(&self, batch_id: BatchId, requests: &[Request]) -> Result<()> {
+    fn submit(self: &Arc<Self>, batch_id: BatchId, requests: &[Request]) -> Result<()> {
         let batch = self.batches.get(batch_id)?;
         if requests.is_empty() {
             return Ok(());
@@ -1104,6 +1317,7 @@ impl Shared {
         let mut segs: HashMap<SegmentId, (Arc<RemoteSegment>, Arc<RemoteView>, bool)> =
             HashMap::new();
         let mut last_route: Option<(RouteMemo, usize, Arc<[u8]>)> = None;
+        let mut staged: Vec<(usize, staging::StagedItem)> = Vec::new();
         for (i, r) in requests.iter().enumerate() {
             if r.length == 0 {
                 return Err(Error::new(
@@ -1129,6 +1343,14 @@ impl Shared {
                     remote = entry.1.find(r.remote_addr, r.length);
                 }
             }
+            // Internal transfers of staging land in the peer's lent slots.
+            let mut view = entry.1.clone();
+            if remote.is_none() {
+                if let Some(st) = entry.0.staging.lock().clone() {
+                    remote = st.view.find(r.remote_addr, r.length);
+                    view = st.view.clone();
+                }
+            }
             let Some(remote) = remote else {
                 return Err(remote_out_of_bounds(
                     i,
@@ -1138,6 +1360,40 @@ impl Shared {
                     entry.1.buffers.len(),
                 ));
             };
+            // Device memory on either side that no transport moves directly
+            // goes through staging.
+            let remote_on_device = !view.buffers[remote].location.starts_with("cpu");
+            if (local.device.is_some() || remote_on_device)
+                && self
+                    .select(
+                        &local,
+                        &entry.0,
+                        &view,
+                        remote,
+                        r.transport.as_deref(),
+                        false,
+                    )
+                    .is_err()
+            {
+                if self.devices.is_empty() && local.device.is_none() {
+                    // Only the peer has device memory: it stages for us.
+                    log::debug!("request {i}: the peer's device memory is staged at the peer");
+                }
+                staged.push((
+                    i,
+                    staging::StagedItem {
+                        group: 0,
+                        op: r.op,
+                        local,
+                        local_addr: r.local_addr,
+                        segment: entry.0.clone(),
+                        remote_addr: r.remote_addr,
+                        remote_on_device,
+                        length: r.length,
+                    },
+                ));
+                continue;
+            }
             // Requests of one batch mostly share their buffers: route the
             // first of a run, reuse the answer for the rest.
             let memo_key = (r.segment, remote, Arc::as_ptr(&local), r.transport.clone());
@@ -1148,7 +1404,7 @@ impl Shared {
                         .select(
                             &local,
                             &entry.0,
-                            &entry.1,
+                            &view,
                             remote,
                             r.transport.as_deref(),
                             false,
@@ -1158,7 +1414,7 @@ impl Shared {
                         if let Ok((_, reason)) = self.select(
                             &local,
                             &entry.0,
-                            &entry.1,
+                            &view,
                             remote,
                             r.transport.as_deref(),
                             true,
@@ -1171,7 +1427,7 @@ impl Shared {
                         }
                         self.logged_routes.lock().insert((r.segment, transport));
                     }
-                    let remote_key = entry.1.buffers[remote]
+                    let remote_key = view.buffers[remote]
                         .keys
                         .get(&self.transports[transport].name)
                         .cloned()
@@ -1190,8 +1446,7 @@ impl Shared {
                     && prev.local_addr + prev.length == r.local_addr
                     && prev.remote_addr + prev.length == r.remote_addr
                     && prev.remote_key == remote_key
-                    && entry
-                        .1
+                    && view
                         .find(prev.remote_addr, prev.length + r.length)
                         .is_some()
                 {
@@ -1217,6 +1472,9 @@ impl Shared {
         // 3. Reserve the batch slots and create one completion group per
         // coalesced request.
         let base = batch.reserve(requests.len())?;
+        for (i, item) in &mut staged {
+            item.group = crate::batch::group_of(batch.add_group(base + *i, 1, item.local.clone()));
+        }
         let mut by_target: Vec<TargetGroup> = Vec::new();
         for (n, p) in routed.iter().enumerate() {
             let token = batch.add_group(base + p.first, p.count, p.local.clone());
@@ -1268,11 +1526,81 @@ impl Shared {
                 first_failure.get_or_insert(e);
             }
         }
+        let staged_count = staged.len();
+        if !staged.is_empty() {
+            let (me, b) = (self.clone(), batch.clone());
+            let items: Vec<staging::StagedItem> = staged.into_iter().map(|(_, it)| it).collect();
+            let groups: Vec<usize> = items.iter().map(|it| it.group).collect();
+            let spawned = std::thread::Builder::new()
+                .name("ferry-staging".into())
+                .spawn(move || me.run_staged(b, items));
+            if let Err(e) = spawned {
+                let e = Error::new(
+                    ErrorCode::NoMemory,
+                    format!("cannot start a staging thread: {e}"),
+                );
+                for g in groups {
+                    batch.complete_group(g, Err(e.clone()));
+                }
+            }
+        }
         match first_failure {
-            Some(e) if failures == routed.len() => Err(e),
+            Some(e) if failures == routed.len() && staged_count == 0 => Err(e),
             _ => Ok(()),
         }
     }
+}
+
+/// Every device the device plugins report, placed in the topology by PCI
+/// bus id (the driver's numbering replaces the topology's PCI-order guess).
+fn discover_gpus(devices: &[Arc<Device>], topology: &Topology) -> Vec<Gpu> {
+    let mut gpus = Vec::new();
+    for (plugin, d) in devices.iter().enumerate() {
+        let count = match d.device_count() {
+            Ok(n) => n,
+            Err(e) => {
+                log::warn!("{}: cannot count devices: {e}", d.name);
+                continue;
+            }
+        };
+        for ordinal in 0..count {
+            let info = match d.device_info(ordinal) {
+                Ok(i) => i,
+                Err(e) => {
+                    log::warn!("{}: device {ordinal}: {e}", d.name);
+                    continue;
+                }
+            };
+            let topology_name = info
+                .pci_bus_id
+                .parse::<PciAddress>()
+                .ok()
+                .and_then(|pci| topology.gpu_by_pci(&pci))
+                .map(|g| g.name.clone());
+            let location = match d.name.as_str() {
+                "rocm" => Location::Rocm(ordinal),
+                _ => Location::Cuda(ordinal),
+            };
+            log::info!(
+                "{location} is {} at PCI {}{}",
+                info.name,
+                info.pci_bus_id,
+                match &topology_name {
+                    Some(t) if *t != location.to_string() =>
+                        format!(" (the topology's {t}: the driver's numbering wins)"),
+                    Some(_) => String::new(),
+                    None => " (not found in the sysfs PCI tree)".to_string(),
+                }
+            );
+            gpus.push(Gpu {
+                plugin,
+                info,
+                location,
+                topology_name,
+            });
+        }
+    }
+    gpus
 }
 
 /// A private anonymous mapping of `len` bytes.
@@ -1304,6 +1632,12 @@ fn anonymous_map(len: u64) -> Result<u64> {
 
 impl Drop for Shared {
     fn drop(&mut self) {
+        // Staging sessions peers opened here, and our own slots.
+        let conns: Vec<u64> = self.staging_connections();
+        for c in conns {
+            self.stage_close(c);
+        }
+        self.release_local_slots();
         // Memory handed out by allocate_memory belongs to the engine.
         let allocations: Vec<(u64, Allocation)> = self.allocations.lock().drain().collect();
         for (addr, owner) in allocations {

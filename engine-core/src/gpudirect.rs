@@ -287,7 +287,13 @@ mod tests {
 
     #[test]
     fn each_missing_dmabuf_piece_falls_back_to_peermem_with_its_reason() {
-        let cases: Vec<(GpuFacts, Result<bool, String>, Option<PairFacts>, &str)> = vec![
+        type Case = (
+            GpuFacts,
+            Result<bool, String>,
+            Option<PairFacts>,
+            &'static str,
+        );
+        let cases: Vec<Case> = vec![
             (
                 GpuFacts {
                     dmabuf: Some(false),

@@ -5,7 +5,8 @@ use crate::topology::{LinkState, NicKind, Topology};
 use ferry_loader::{config_env_var, HostServices};
 use ferry_plugins_abi::sdk::Nic;
 use ferry_plugins_abi::{sys, ErrorCode};
-use std::collections::BTreeMap;
+use parking_lot::RwLock;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 /// Host services backed by explicit settings, then the environment, and by
@@ -14,13 +15,26 @@ use std::sync::Arc;
 pub struct CoreHost {
     settings: BTreeMap<String, String>,
     topology: Option<Arc<Topology>>,
+    /// Device locations as the driver numbers them ("cuda:0") -> the
+    /// topology's name for the same PCI function. Filled once device plugins
+    /// report their devices.
+    aliases: Arc<RwLock<HashMap<String, String>>>,
 }
 
 impl CoreHost {
     /// `settings` override the environment: key "tcp.connections" is looked
     /// up here first, then as FERRY_TCP_CONNECTIONS.
     pub fn new(settings: BTreeMap<String, String>, topology: Option<Arc<Topology>>) -> CoreHost {
-        CoreHost { settings, topology }
+        CoreHost {
+            settings,
+            topology,
+            aliases: Arc::default(),
+        }
+    }
+
+    /// Where to record the driver's device numbering (see `aliases`).
+    pub fn aliases(&self) -> Arc<RwLock<HashMap<String, String>>> {
+        self.aliases.clone()
     }
 }
 
@@ -71,6 +85,8 @@ impl HostServices for CoreHost {
                 .map(|n| abi_nic(n, sys::FERRY_PATH_UNKNOWN))
                 .collect()),
             Some(loc) => {
+                let alias = self.aliases.read().get(loc).cloned();
+                let loc = alias.as_deref().unwrap_or(loc);
                 let ranked = topology.preferred_nics(loc).ok_or(ErrorCode::NotFound)?;
                 Ok(ranked
                     .iter()

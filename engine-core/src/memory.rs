@@ -17,6 +17,17 @@ pub struct TransportRegistration {
     pub key: Vec<u8>,
 }
 
+/// Who may see a registered buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Visibility {
+    /// In the segment descriptor: any peer may read and write it.
+    Published,
+    /// Reachable by peers, but only announced to one (staging buffers).
+    Hidden,
+    /// A local source or destination only; no peer reaches it.
+    LocalOnly,
+}
+
 #[derive(Debug)]
 pub struct LocalBuffer {
     pub addr: u64,
@@ -24,6 +35,9 @@ pub struct LocalBuffer {
     pub location: Location,
     /// One `FERRY_MEM_*` bit.
     pub mem_kind: u64,
+    /// The device plugin owning the memory (index), for device memory.
+    pub device: Option<usize>,
+    pub visibility: Visibility,
     pub registrations: Vec<TransportRegistration>,
     /// Requests in flight that read or write this buffer locally.
     pub inflight: AtomicUsize,

@@ -47,6 +47,9 @@ use std::time::Duration;
 
 pub struct ShmTransport;
 
+/// The handle of a local-only registration (nothing to undo).
+const LOCAL_ONLY_HANDLE: u64 = u64::MAX;
+
 fn unavailable(msg: impl Into<String>) -> PluginError {
     PluginError::new(ErrorCode::Unavailable, msg)
 }
@@ -412,6 +415,13 @@ impl TransportInstance for ShmInstance {
                 "shm moves host memory only",
             ));
         }
+        if region.local_only {
+            // Copies from or into it happen in this process only.
+            return Ok(Registration {
+                handle: LOCAL_ONLY_HANDLE,
+                key: Vec::new(),
+            });
+        }
         let id = self.next_id.fetch_add(1, Ordering::SeqCst);
         let mut owned = self.owned_mut();
         let key = match owned.allocation_containing(region.addr, region.len) {
@@ -435,6 +445,9 @@ impl TransportInstance for ShmInstance {
     }
 
     fn unregister_memory(&self, handle: u64) -> PluginResult<()> {
+        if handle == LOCAL_ONLY_HANDLE {
+            return Ok(());
+        }
         let region = self.owned_mut().regions.remove(&handle).ok_or_else(|| {
             PluginError::new(ErrorCode::NotFound, format!("no registration {handle}"))
         })?;

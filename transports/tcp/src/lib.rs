@@ -29,6 +29,8 @@ pub const DEFAULT_CONNECTIONS: usize = 4;
 pub const DEFAULT_FRAME_BYTES: u64 = 4 << 20;
 pub const DEFAULT_STRIPE_BYTES: u64 = 1 << 20;
 pub const DEFAULT_SPIN_US: u64 = 50;
+/// The handle of a local-only registration (nothing to undo).
+const LOCAL_ONLY_HANDLE: u64 = u64::MAX;
 
 pub struct TcpTransport;
 
@@ -206,6 +208,14 @@ impl TransportInstance for TcpInstance {
                 "tcp moves host memory only",
             ));
         }
+        if region.local_only {
+            // Sent from or received into by this side only: peers never
+            // reach it, so the target does not know it.
+            return Ok(Registration {
+                handle: LOCAL_ONLY_HANDLE,
+                key: Vec::new(),
+            });
+        }
         let handle = self
             .regions
             .register(region.addr, region.len)
@@ -217,6 +227,9 @@ impl TransportInstance for TcpInstance {
     }
 
     fn unregister_memory(&self, handle: u64) -> PluginResult<()> {
+        if handle == LOCAL_ONLY_HANDLE {
+            return Ok(());
+        }
         // A peer's frame holds its region at most one timeout.
         let wait = self.settings.timeout * 2 + Duration::from_secs(1);
         self.regions
