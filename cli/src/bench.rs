@@ -3,7 +3,7 @@
 //! own limits measured the same way (`tcp-limit`).
 
 use crate::util::{human_size, percentile, Buffer};
-use ferry_core::{BatchStatus, Engine, EngineConfig, Op, Request};
+use ferry_core::{BatchStatus, Engine, EngineConfig, Location, Op, Request};
 use serde::Serialize;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -18,6 +18,8 @@ pub struct TargetArgs {
     /// Serve memory the engine allocates (shareable by same-host transports)
     /// instead of plain application memory.
     pub allocate: bool,
+    /// Serve device memory instead.
+    pub device: Option<Location>,
 }
 
 pub fn target(args: TargetArgs) -> Result<(), String> {
@@ -26,8 +28,16 @@ pub fn target(args: TargetArgs) -> Result<(), String> {
         config.listen = l;
     }
     let engine = Engine::new(config).map_err(|e| e.to_string())?;
-    // Either the engine's own memory or plain application memory.
-    let _buffer = if args.allocate {
+    // Device memory, the engine's own memory, or plain application memory.
+    let _buffer = if let Some(loc) = args.device {
+        let a = engine
+            .allocate_device(loc, args.buffer_size)
+            .map_err(|e| e.to_string())?;
+        engine
+            .register_memory(a, args.buffer_size, None)
+            .map_err(|e| e.to_string())?;
+        None
+    } else if args.allocate {
         engine
             .allocate_memory(args.buffer_size, None)
             .map_err(|e| e.to_string())?;
@@ -77,6 +87,8 @@ pub struct InitiatorArgs {
     pub duration: f64,
     pub json: bool,
     pub transport: Option<String>,
+    /// Local buffers in device memory instead of host memory.
+    pub device: Option<Location>,
 }
 
 #[derive(Serialize)]
@@ -142,14 +154,30 @@ pub fn initiator(args: InitiatorArgs) -> Result<(), String> {
         .min(slots)
         .max(1);
     let local_len = local_slots * args.block_size;
-    let local = Buffer::new((local_len * args.threads as u64) as usize)?;
+    let local_total = local_len * args.threads as u64;
+    let host_local = Buffer::new(local_total as usize)?;
+    let local_addr = match args.device {
+        Some(loc) => engine
+            .allocate_device(loc, local_total)
+            .map_err(|e| e.to_string())?,
+        None => host_local.addr(),
+    };
     engine
-        .register_memory(local.addr(), local.len() as u64, None)
+        .register_memory(local_addr, local_total, None)
         .map_err(|e| e.to_string())?;
-    let route = engine
-        .route(seg, local.addr(), remote.0, args.block_size)
-        .map_err(|e| e.to_string())?;
-    let transport = args.transport.clone().unwrap_or(route.transport.clone());
+    // Device memory is staged through host memory: report the host route.
+    let transport = match engine.route(seg, local_addr, remote.0, args.block_size) {
+        Ok(route) => args.transport.clone().unwrap_or(route.transport),
+        Err(_) if args.device.is_some() => {
+            let _ = engine.register_memory(host_local.addr(), local_total, None);
+            let t = engine
+                .route(seg, host_local.addr(), remote.0, args.block_size)
+                .map(|r| r.transport)
+                .unwrap_or_else(|_| "?".into());
+            format!("{t}+staging")
+        }
+        Err(e) => return Err(e.to_string()),
+    };
 
     let stop = Arc::new(AtomicBool::new(false));
     let bytes = Arc::new(AtomicU64::new(0));
@@ -159,7 +187,7 @@ pub fn initiator(args: InitiatorArgs) -> Result<(), String> {
     let mut workers = Vec::new();
     for t in 0..args.threads as u64 {
         let (op, block, hint) = (args.op, args.block_size, args.transport.clone());
-        let (local_base, remote_base) = (local.addr() + t * local_len, remote.0 + t * window);
+        let (local_base, remote_base) = (local_addr + t * local_len, remote.0 + t * window);
         let batch_size = args.batch_size as u64;
         let make_batch = move |n: u64| -> Vec<Request> {
             (0..batch_size)

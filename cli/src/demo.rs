@@ -8,7 +8,7 @@
 
 use crate::util::{crc32, fill_pattern, human_size, Buffer};
 use ferry_core::loader::{PluginKind, PluginState};
-use ferry_core::{Engine, EngineConfig, Op, Request};
+use ferry_core::{Engine, EngineConfig, Location, Op, Request};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 pub struct DemoArgs {
     pub size: u64,
     pub block: u64,
+    /// Move device memory (e.g. cuda:0) on both sides instead of host memory.
+    pub device: Option<Location>,
 }
 
 fn engine() -> Result<Engine, String> {
@@ -24,25 +26,50 @@ fn engine() -> Result<Engine, String> {
 }
 
 /// The target process: serve a buffer the engine allocates (so a same-host
-/// transport can share it best) until stdin closes.
-pub fn run_target(size: u64) -> Result<(), String> {
+/// transport can share it best), or device memory, until stdin closes.
+pub fn run_target(size: u64, device: Option<Location>) -> Result<(), String> {
     let engine = engine()?;
-    let addr = engine
-        .allocate_memory(size, None)
-        .map_err(|e| e.to_string())?;
+    let addr = match device {
+        Some(loc) => {
+            let a = engine
+                .allocate_device(loc, size)
+                .map_err(|e| e.to_string())?;
+            engine
+                .register_memory(a, size, None)
+                .map_err(|e| e.to_string())?;
+            a
+        }
+        None => engine
+            .allocate_memory(size, None)
+            .map_err(|e| e.to_string())?,
+    };
     println!("SEGMENT {}", engine.segment_name());
     let _ = std::io::stdout().flush();
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
         if line.trim() == "checksum" {
-            // SAFETY: the engine allocated `size` bytes at addr and keeps
-            // them until free_memory; no transfer runs while we checksum.
-            let data = unsafe { std::slice::from_raw_parts(addr as *const u8, size as usize) };
-            println!("CHECKSUM {:08x}", crc32(data));
+            let sum = checksum(&engine, addr, size)?;
+            println!("CHECKSUM {sum:08x}");
             let _ = std::io::stdout().flush();
         }
     }
-    engine.free_memory(addr).map_err(|e| e.to_string())
+    match device {
+        Some(_) => {
+            let _ = engine.unregister_memory(addr);
+            engine.free_device(addr).map_err(|e| e.to_string())
+        }
+        None => engine.free_memory(addr).map_err(|e| e.to_string()),
+    }
+}
+
+/// CRC32 of memory this engine knows (host or device: copied out first).
+fn checksum(engine: &Engine, addr: u64, size: u64) -> Result<u32, String> {
+    let mut host = vec![0u8; size as usize];
+    // SAFETY: addr holds `size` bytes this process registered, and no
+    // transfer writes it while we read (the demo runs steps in order).
+    unsafe { engine.copy_memory(host.as_mut_ptr() as u64, addr, size) }
+        .map_err(|e| e.to_string())?;
+    Ok(crc32(&host))
 }
 
 struct TargetProcess {
@@ -51,10 +78,14 @@ struct TargetProcess {
 }
 
 impl TargetProcess {
-    fn start(size: u64) -> Result<(TargetProcess, String), String> {
+    fn start(size: u64, device: Option<Location>) -> Result<(TargetProcess, String), String> {
         let exe = std::env::current_exe().map_err(|e| format!("cannot find myself: {e}"))?;
-        let mut child = Command::new(exe)
-            .args(["demo", "--role", "target", "--size", &size.to_string()])
+        let mut cmd = Command::new(exe);
+        cmd.args(["demo", "--role", "target", "--size", &size.to_string()]);
+        if let Some(d) = device {
+            cmd.args(["--device", &d.to_string()]);
+        }
+        let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -122,12 +153,16 @@ fn transfer(
 }
 
 pub fn run(args: DemoArgs) -> Result<(), String> {
-    let DemoArgs { size, block } = args;
+    let DemoArgs {
+        size,
+        block,
+        device,
+    } = args;
     if size == 0 || block == 0 || size % block != 0 {
         return Err("--size must be a non-zero multiple of --block".into());
     }
     println!("Ferry demo: a target and an initiator, two processes on this host.\n");
-    let (mut target, segment) = TargetProcess::start(size)?;
+    let (mut target, segment) = TargetProcess::start(size, device)?;
     let engine = engine()?;
     println!(
         "  target     pid {:<7} segment {segment}",
@@ -185,13 +220,31 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
         }
     );
 
-    let mut src = Buffer::new(size as usize)?;
-    let dst = Buffer::new(size as usize)?;
-    fill_pattern(src.as_mut_slice(), 0x5eed);
-    let want = crc32(src.as_slice());
-    for b in [&src, &dst] {
+    let mut pattern = Buffer::new(size as usize)?;
+    fill_pattern(pattern.as_mut_slice(), 0x5eed);
+    let want = crc32(pattern.as_slice());
+    // Host buffers, or device buffers filled from the host pattern.
+    let (src, dst, _host_bufs) = match device {
+        Some(loc) => {
+            let s = engine
+                .allocate_device(loc, size)
+                .map_err(|e| e.to_string())?;
+            let d = engine
+                .allocate_device(loc, size)
+                .map_err(|e| e.to_string())?;
+            // SAFETY: pattern holds `size` bytes; s is device memory of that size.
+            unsafe { engine.copy_memory(s, pattern.addr(), size) }.map_err(|e| e.to_string())?;
+            (s, d, None)
+        }
+        None => {
+            let d = Buffer::new(size as usize)?;
+            let (s, dd) = (pattern.addr(), d.addr());
+            (s, dd, Some(d))
+        }
+    };
+    for b in [src, dst] {
         engine
-            .register_memory(b.addr(), size, None)
+            .register_memory(b, size, None)
             .map_err(|e| e.to_string())?;
     }
     let seg = engine.open_segment(&segment).map_err(|e| e.to_string())?;
@@ -202,13 +255,14 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
         .first()
         .map(|b| b.addr)
         .ok_or("the target registered no buffer")?;
+    let kind = match device {
+        Some(d) => format!("{d} memory"),
+        None => "host memory".to_string(),
+    };
+    println!("\nRoute for {} of {kind} to {segment}:", human_size(size));
     let route = engine
-        .route(seg, src.addr(), remote, block)
+        .route(seg, src, remote, block)
         .map_err(|e| e.to_string())?;
-    println!(
-        "\nRoute for {} of host memory to {segment}:",
-        human_size(size)
-    );
     println!("  transport  {} ({})", route.transport, route.reason);
     if let Some(detail) = &route.peer_detail {
         println!("  path       {detail}");
@@ -238,7 +292,7 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
     }
 
     println!();
-    let t = transfer(&engine, Op::Write, src.addr(), seg, remote, size, block)?;
+    let t = transfer(&engine, Op::Write, src, seg, remote, size, block)?;
     println!(
         "Write {} in {} requests of {}: {:.3} s, {:.2} GB/s",
         human_size(size),
@@ -253,8 +307,8 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
         "  target's checksum {at_target:08x} {} initiator's {want:08x}",
         if ok_write { "==" } else { "!=" }
     );
-    let t = transfer(&engine, Op::Read, dst.addr(), seg, remote, size, block)?;
-    let got = crc32(dst.as_slice());
+    let t = transfer(&engine, Op::Read, dst, seg, remote, size, block)?;
+    let got = checksum(&engine, dst, size)?;
     let ok_read = got == want;
     println!(
         "Read back {}: {:.3} s, {:.2} GB/s\n  checksum {got:08x} {} {want:08x}",
@@ -263,6 +317,12 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
         gbps(size, t),
         if ok_read { "==" } else { "!=" }
     );
+    if let Some(_) = device {
+        for b in [src, dst] {
+            let _ = engine.unregister_memory(b);
+            let _ = engine.free_device(b);
+        }
+    }
     if ok_write && ok_read {
         println!("\nOK: every byte arrived and came back intact.");
         Ok(())

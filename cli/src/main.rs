@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use ferry_core::host::CoreHost;
 use ferry_core::info::InfoReport;
 use ferry_core::topology::{fixture, Topology, TopologyConfig};
-use ferry_core::Op;
+use ferry_core::{Location, Op};
 use ferry_loader::LoaderConfig;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -75,6 +75,9 @@ enum Command {
         /// Size of each request.
         #[arg(long, default_value = "4M", value_parser = parse_size)]
         block: u64,
+        /// Move device memory (e.g. cuda:0) on both sides instead of host memory.
+        #[arg(long, value_parser = parse_location)]
+        device: Option<Location>,
         #[arg(long, hide = true)]
         role: Option<String>,
     },
@@ -101,6 +104,9 @@ enum BenchMode {
         /// than plain application memory (shm reaches it by cross-memory attach).
         #[arg(long)]
         allocate: bool,
+        /// Serve device memory (e.g. cuda:0) instead of host memory.
+        #[arg(long, value_parser = parse_location)]
+        device: Option<Location>,
     },
     /// Drive reads or writes against a target and report.
     Initiator {
@@ -122,6 +128,9 @@ enum BenchMode {
         /// Use this transport (else the engine chooses).
         #[arg(long)]
         transport: Option<String>,
+        /// Move device memory (e.g. cuda:0) on this side instead of host memory.
+        #[arg(long, value_parser = parse_location)]
+        device: Option<Location>,
         /// Print one JSON object (gb_per_s, ops_per_s, latency_us{p50,p90,p99}, ...).
         #[arg(long)]
         json: bool,
@@ -155,6 +164,10 @@ fn parse_size(s: &str) -> Result<u64, String> {
     util::parse_size(s)
 }
 
+fn parse_location(s: &str) -> Result<Location, String> {
+    ferry_core::location::parse_location(s).map_err(|e| e.message)
+}
+
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::new().filter_or("FERRY_LOG", "warn"))
         .format_timestamp_millis()
@@ -166,10 +179,19 @@ fn main() -> ExitCode {
             json,
             write_fixture,
         } => topology(json, write_fixture),
-        Command::Demo { size, block, role } => match role.as_deref() {
-            Some("target") => demo::run_target(size),
+        Command::Demo {
+            size,
+            block,
+            device,
+            role,
+        } => match role.as_deref() {
+            Some("target") => demo::run_target(size, device),
             Some(other) => Err(format!("unknown demo role {other:?}")),
-            None => demo::run(demo::DemoArgs { size, block }),
+            None => demo::run(demo::DemoArgs {
+                size,
+                block,
+                device,
+            }),
         },
         Command::Bench { mode } => match mode {
             BenchMode::Target {
@@ -177,11 +199,13 @@ fn main() -> ExitCode {
                 buffer_size,
                 duration,
                 allocate,
+                device,
             } => bench::target(bench::TargetArgs {
                 listen,
                 buffer_size,
                 duration,
                 allocate,
+                device,
             }),
             BenchMode::MemcpyLimit {
                 block,
@@ -196,6 +220,7 @@ fn main() -> ExitCode {
                 threads,
                 duration,
                 transport,
+                device,
                 json,
             } => bench::initiator(bench::InitiatorArgs {
                 segment,
@@ -209,6 +234,7 @@ fn main() -> ExitCode {
                 duration,
                 json,
                 transport,
+                device,
             }),
             BenchMode::TcpLimit {
                 duration,
@@ -241,9 +267,9 @@ fn info(json: bool) -> Result<(), String> {
     };
     let set = ferry_core::load_plugins(
         &LoaderConfig::from_env(),
-        CoreHost::new(Default::default(), topology),
+        CoreHost::new(Default::default(), topology.clone()),
     );
-    let report = InfoReport::from_plugins(&set);
+    let report = InfoReport::from_plugins(&set).with_gpus(&set, topology.as_deref());
     if json {
         let text = serde_json::to_string_pretty(&report)
             .map_err(|e| format!("cannot print the report: {e}"))?;

@@ -90,10 +90,6 @@ impl Buffer {
         self.ptr as u64
     }
 
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: ptr is a live mapping of len bytes owned by self.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }

@@ -652,9 +652,39 @@ impl Engine {
         let remote = view
             .find(remote_addr, len)
             .ok_or_else(|| remote_out_of_bounds(0, &seg, remote_addr, len, view.buffers.len()))?;
-        let (t, reason) = self
-            .shared
-            .select(&local, &seg, &view, remote, None, true)?;
+        let remote_on_device = !view.buffers[remote].location.starts_with("cpu");
+        let (t, reason) = match self.shared.select(&local, &seg, &view, remote, None, true) {
+            Ok(r) => r,
+            Err(e) if local.device.is_none() && !remote_on_device => return Err(e),
+            Err(_) => {
+                // Device memory that no transport moves directly is staged:
+                // the host leg runs between pinned slots.
+                let host_local = match local.device {
+                    Some(_) => self.shared.local_slot_buffer()?,
+                    None => local.clone(),
+                };
+                let (v, idx) = if remote_on_device {
+                    (self.shared.remote_staging(&seg)?.view.clone(), 0)
+                } else {
+                    (view.clone(), remote)
+                };
+                let (t, host_reason) =
+                    self.shared.select(&host_local, &seg, &v, idx, None, true)?;
+                let sides = match (local.device.is_some(), remote_on_device) {
+                    (true, true) => "on both sides",
+                    (true, false) => "on this side",
+                    _ => "at the peer",
+                };
+                (
+                    t,
+                    format!(
+                        "{} memory to {} memory: no transport moves device memory directly here, \
+                         so it is staged through pinned host memory {sides}, pipelined; host leg: {host_reason}",
+                        local.location, view.buffers[remote].location
+                    ),
+                )
+            }
+        };
         let peer = self.shared.peer(&seg, t).ok();
         let transport = &self.shared.transports[t];
         // Socket transports go where the kernel routes; RDMA picks its NICs
@@ -1553,7 +1583,7 @@ impl Shared {
 
 /// Every device the device plugins report, placed in the topology by PCI
 /// bus id (the driver's numbering replaces the topology's PCI-order guess).
-fn discover_gpus(devices: &[Arc<Device>], topology: &Topology) -> Vec<Gpu> {
+pub(crate) fn discover_gpus(devices: &[Arc<Device>], topology: &Topology) -> Vec<Gpu> {
     let mut gpus = Vec::new();
     for (plugin, d) in devices.iter().enumerate() {
         let count = match d.device_count() {

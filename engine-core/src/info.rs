@@ -2,7 +2,9 @@
 //! looked for, and every plugin file with its state and the reason for it.
 //! The JSON shape is documented in docs/info-json.md; keep the two in step.
 
-use ferry_loader::{PluginReport, PluginSet, PluginState, SearchEntry};
+use crate::device::Device;
+use crate::topology::Topology;
+use ferry_loader::{PluginKind, PluginReport, PluginSet, PluginState, SearchEntry};
 use serde::Serialize;
 use std::fmt::Write as _;
 
@@ -16,6 +18,9 @@ pub struct InfoReport {
     pub search_path: Vec<SearchEntry>,
     pub transports_filter: Option<String>,
     pub plugins: Vec<PluginReport>,
+    /// GPUs and how their memory would be registered (see `with_gpus`).
+    pub gpus: Vec<GpuReport>,
+    pub gpu_direct: Option<GpuDirectReport>,
     pub warnings: Vec<String>,
 }
 
@@ -27,6 +32,8 @@ impl InfoReport {
             search_path: set.search_path.clone(),
             transports_filter: set.transports_filter.clone(),
             plugins: set.plugins.iter().map(|p| p.report.clone()).collect(),
+            gpus: Vec::new(),
+            gpu_direct: None,
             warnings: set.warnings.clone(),
         }
     }
@@ -83,6 +90,7 @@ impl InfoReport {
         for p in &self.plugins {
             render_plugin(&mut out, p);
         }
+        render_gpus(&mut out, self);
         if !self.warnings.is_empty() {
             let _ = writeln!(out, "\nWarnings:");
             for w in &self.warnings {
@@ -150,5 +158,247 @@ fn join_or_dash(items: &[String]) -> String {
         "-".into()
     } else {
         items.join(", ")
+    }
+}
+
+/// One GPU in `ferry info`.
+#[derive(Clone, Debug, Serialize)]
+pub struct GpuReport {
+    /// "cuda:0", as the driver numbers it (PCI bus order without a driver).
+    pub name: String,
+    pub model: Option<String>,
+    pub pci: Option<String>,
+    pub numa: Option<u32>,
+    pub uuid: Option<String>,
+    /// Where this came from: the device plugin, or sysfs alone.
+    pub source: String,
+    pub gpu_direct_rdma: Option<bool>,
+    pub dmabuf: Option<bool>,
+    /// Closest NICs first, with their path class.
+    pub nearest_nics: Vec<NicRank>,
+    /// How its memory would be registered for RDMA, and why not better.
+    pub registration: Registration,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct NicRank {
+    pub name: String,
+    pub kind: String,
+    pub class: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Registration {
+    pub method: String,
+    pub skipped: Vec<Skipped>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Skipped {
+    pub method: String,
+    pub reason: String,
+}
+
+/// The host-wide facts behind every GPU's decision.
+#[derive(Clone, Debug, Serialize)]
+pub struct GpuDirectReport {
+    pub policy: String,
+    pub policy_warning: Option<String>,
+    pub peermem: Option<String>,
+    pub libibverbs: String,
+}
+
+impl InfoReport {
+    /// Adds the GPUs: from enabled device plugins (the driver's numbering),
+    /// else from sysfs alone; each with its nearest NICs and the GPU-direct
+    /// decision.
+    pub fn with_gpus(mut self, set: &PluginSet, topology: Option<&Topology>) -> InfoReport {
+        use crate::gpudirect::{self, GpuFacts, HostFacts, PairFacts, Policy};
+        let (policy, policy_warning) = Policy::from_env();
+        let sysfs = topology
+            .map(|t| t.sysfs_root().to_path_buf())
+            .unwrap_or_else(|| std::path::PathBuf::from("/sys"));
+        let host = HostFacts {
+            peermem: gpudirect::detect_peermem(&sysfs),
+            verbs: gpudirect::detect_verbs(),
+        };
+        self.gpu_direct = Some(GpuDirectReport {
+            policy: policy.as_str().to_string(),
+            policy_warning,
+            peermem: host.peermem.clone(),
+            libibverbs: match &host.verbs {
+                Ok(true) => "loads, exports ibv_reg_dmabuf_mr".into(),
+                Ok(false) => "loads, lacks ibv_reg_dmabuf_mr".into(),
+                Err(e) => e.clone(),
+            },
+        });
+        let devices: Vec<std::sync::Arc<Device>> = set
+            .enabled(PluginKind::Device)
+            .filter_map(|p| match Device::init(p) {
+                Ok(d) => d.map(std::sync::Arc::new),
+                Err(e) => {
+                    self.warnings.push(format!(
+                        "device plugin {} failed to start: {e}",
+                        p.report.name
+                    ));
+                    None
+                }
+            })
+            .collect();
+        let nearest = |loc: &str| -> Vec<NicRank> {
+            let Some(t) = topology else { return Vec::new() };
+            t.preferred_nics(loc)
+                .unwrap_or_default()
+                .iter()
+                .take(4)
+                .map(|r| NicRank {
+                    name: r.name.clone(),
+                    kind: t.nic(&r.name).map_or("?", |n| n.kind.as_str()).to_string(),
+                    class: r.class.as_str().to_string(),
+                })
+                .collect()
+        };
+        let decide = |facts: &GpuFacts, nics: &[NicRank], loc: &str| -> Registration {
+            let pair = topology.and_then(|t| {
+                let best = nics.iter().find(|n| n.kind == "rdma")?;
+                Some(PairFacts {
+                    nic: best.name.clone(),
+                    class: t.path_class(loc, &best.name)?,
+                    nic_dmabuf: None,
+                })
+            });
+            let d = gpudirect::decide(policy, facts, &host, pair.as_ref());
+            Registration {
+                method: d.method.as_str().to_string(),
+                skipped: d
+                    .skipped
+                    .iter()
+                    .map(|(m, why)| Skipped {
+                        method: m.as_str().to_string(),
+                        reason: why.clone(),
+                    })
+                    .collect(),
+            }
+        };
+        if !devices.is_empty() {
+            let placeholder = Topology::empty();
+            let t = topology.unwrap_or(&placeholder);
+            for g in crate::engine::discover_gpus(&devices, t) {
+                let topo_name = g
+                    .topology_name
+                    .clone()
+                    .unwrap_or_else(|| g.location.to_string());
+                let numa = topology
+                    .and_then(|t| t.gpu(&topo_name))
+                    .and_then(|tg| tg.numa);
+                let nics = nearest(&topo_name);
+                let facts = GpuFacts {
+                    gpu_direct_rdma: g.info.gpu_direct_rdma,
+                    dmabuf: g.info.dmabuf,
+                    dmabuf_export: g.info.dmabuf_export,
+                };
+                let registration = decide(&facts, &nics, &topo_name);
+                self.gpus.push(GpuReport {
+                    name: g.location.to_string(),
+                    model: Some(g.info.name.clone()),
+                    pci: Some(g.info.pci_bus_id.clone()),
+                    numa,
+                    uuid: Some(g.info.uuid.clone()).filter(|u| !u.is_empty()),
+                    source: format!("{} driver", devices[g.plugin].name),
+                    gpu_direct_rdma: g.info.gpu_direct_rdma,
+                    dmabuf: g.info.dmabuf,
+                    nearest_nics: nics,
+                    registration,
+                });
+            }
+        } else if let Some(t) = topology {
+            for tg in t.gpus() {
+                let nics = nearest(&tg.name);
+                self.gpus.push(GpuReport {
+                    name: tg.name.clone(),
+                    model: None,
+                    pci: tg.pci.map(|p| p.to_string()),
+                    numa: tg.numa,
+                    uuid: None,
+                    source: "sysfs (no GPU driver loaded: ordinals in PCI bus order)".into(),
+                    gpu_direct_rdma: None,
+                    dmabuf: None,
+                    nearest_nics: nics,
+                    registration: Registration {
+                        method: gpudirect::Method::Staged.as_str().to_string(),
+                        skipped: vec![Skipped {
+                            method: "GPUDirect".into(),
+                            reason: "no GPU driver plugin is enabled (see the cuda plugin's reason above)"
+                                .into(),
+                        }],
+                    },
+                });
+            }
+        }
+        self
+    }
+}
+
+fn render_gpus(out: &mut String, report: &InfoReport) {
+    if let Some(g) = &report.gpu_direct {
+        let _ = writeln!(
+            out,
+            "\nGPU memory for RDMA: FERRY_GPU_DIRECT={}; nvidia-peermem: {}; libibverbs: {}",
+            g.policy,
+            g.peermem
+                .as_deref()
+                .map_or("not loaded".to_string(), |p| format!("loaded ({p})")),
+            g.libibverbs
+        );
+        if let Some(w) = &g.policy_warning {
+            let _ = writeln!(out, "  warning: {w}");
+        }
+    }
+    if report.gpus.is_empty() {
+        let _ = writeln!(out, "GPUs: none");
+        return;
+    }
+    let _ = writeln!(out, "GPUs: {}", report.gpus.len());
+    let yes_no = |v: Option<bool>| match v {
+        Some(true) => "yes",
+        Some(false) => "no",
+        None => "?",
+    };
+    for g in &report.gpus {
+        let _ = writeln!(
+            out,
+            "  {:<8} {}  pci {}  numa {}  [{}]",
+            g.name,
+            g.model.as_deref().unwrap_or("-"),
+            g.pci.as_deref().unwrap_or("-"),
+            g.numa.map_or("-".to_string(), |n| n.to_string()),
+            g.source
+        );
+        if g.model.is_some() {
+            let _ = writeln!(
+                out,
+                "      GPUDirect RDMA: {}   DMA-BUF: {}",
+                yes_no(g.gpu_direct_rdma),
+                yes_no(g.dmabuf)
+            );
+        }
+        let nics: Vec<String> = g
+            .nearest_nics
+            .iter()
+            .map(|n| format!("{} ({} {})", n.name, n.kind, n.class))
+            .collect();
+        let _ = writeln!(
+            out,
+            "      nearest NICs: {}",
+            if nics.is_empty() {
+                "none".to_string()
+            } else {
+                nics.join(", ")
+            }
+        );
+        let _ = writeln!(out, "      registration: {}", g.registration.method);
+        for s in &g.registration.skipped {
+            let _ = writeln!(out, "        not {}: {}", s.method, s.reason);
+        }
     }
 }

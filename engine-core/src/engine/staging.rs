@@ -415,6 +415,16 @@ impl Shared {
         Ok(pool)
     }
 
+    /// One of this engine's pinned slots, as a registered buffer (to route
+    /// the host leg of staged transfers).
+    pub(super) fn local_slot_buffer(&self) -> Result<Arc<LocalBuffer>> {
+        let pool = self.local_slots()?;
+        let slot = pool.take();
+        self.memory
+            .find(slot.addr, 1)
+            .ok_or_else(|| Error::new(ErrorCode::Internal, "a staging slot is not registered"))
+    }
+
     /// The staging session with a peer (opened on first use).
     pub(super) fn remote_staging(&self, seg: &RemoteSegment) -> Result<Arc<RemoteStaging>> {
         let mut slot = seg.staging.lock();

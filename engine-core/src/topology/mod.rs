@@ -93,6 +93,20 @@ pub struct Topology {
 }
 
 impl Topology {
+    /// A topology that knows nothing (no sysfs could be read).
+    pub fn empty() -> Topology {
+        Topology {
+            sysfs_root: PathBuf::from(DEFAULT_SYSFS_ROOT),
+            numa_nodes: Vec::new(),
+            gpus: Vec::new(),
+            nics: Vec::new(),
+            locations: Vec::new(),
+            classes: Vec::new(),
+            preferred: Vec::new(),
+            warnings: Vec::new(),
+        }
+    }
+
     /// Discovers the topology under `config.sysfs_root`. Logs only at debug
     /// level; the caller decides what to say about the result and the
     /// [`Topology::warnings`].
