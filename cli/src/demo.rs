@@ -317,7 +317,7 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
         gbps(size, t),
         if ok_read { "==" } else { "!=" }
     );
-    if let Some(_) = device {
+    if device.is_some() {
         for b in [src, dst] {
             let _ = engine.unregister_memory(b);
             let _ = engine.free_device(b);
