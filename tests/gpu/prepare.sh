@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Builds the release binaries on this (development) machine and lays them out
+# in .gpu/ (git-ignored) as an install prefix: bin/ferry and
+# lib/ferry/plugins/*.so. The GPU machine has no Rust toolchain: this folder
+# travels there (the device tool's `carry`) and tests/gpu/run.sh uses it.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+cargo build --release --workspace --locked -q
+rm -rf .gpu
+mkdir -p .gpu/bin .gpu/lib/ferry/plugins
+cp target/release/ferry .gpu/bin/
+for so in target/release/libferry_transport_*.so target/release/libferry_device_*.so; do
+    [ -e "$so" ] && cp "$so" .gpu/lib/ferry/plugins/
+done
+ls -l .gpu/bin .gpu/lib/ferry/plugins

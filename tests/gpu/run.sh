@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Every GPU check of Ferry, on a machine with an NVIDIA GPU and no Rust
+# toolchain. Takes the prefix tests/gpu/prepare.sh assembled (default .gpu):
+#
+#   bash tests/gpu/run.sh .gpu
+#
+# Prints everything; copies the JSON it gathers to $OUT when that is set.
+# Each check runs even if an earlier one failed; the exit status says
+# whether all passed.
+set -uo pipefail
+P=${1:-.gpu}
+B=$P/bin/ferry
+OUT=${OUT:-$(mktemp -d)}
+DUR=${DURATION:-3}
+failures=0
+section() { printf '\n===== %s\n' "$*"; }
+check() { # name command...
+    local name=$1; shift
+    if "$@"; then echo "PASS $name"; else echo "FAIL $name"; failures=$((failures + 1)); fi
+}
+field() { sed -n "s/.*\"$1\":\([0-9.eE+-]*\).*/\1/p"; }
+
+section "machine"
+nvidia-smi --query-gpu=name,pci.bus_id,driver_version,memory.total --format=csv,noheader || true
+uname -r
+ls /usr/lib/x86_64-linux-gnu/ 2>/dev/null | grep -E '^lib(ibverbs|mlx5|cuda)\.so' || true
+ls /sys/class/infiniband 2>/dev/null || echo "no /sys/class/infiniband: no RDMA device"
+
+section "ferry info"
+$B info | tee "$OUT/info.txt"
+$B info --json > "$OUT/info.json"
+check "cuda plugin enabled" grep -q '"name": "cuda"' "$OUT/info.json"
+check "GPU decision shown" grep -q 'registration:' "$OUT/info.txt"
+
+section "device check (allocation, classification, DMA-BUF export, copies)"
+check "device check" $B bench device-check --device cuda:0
+
+section "pinned host <-> device copy limit"
+$B bench device-limit --device cuda:0 --block 16M --duration "$DUR" --json | tee "$OUT/device-limit.json"
+h2d=$(field host_to_device_gb_per_s < "$OUT/device-limit.json")
+d2h=$(field device_to_host_gb_per_s < "$OUT/device-limit.json")
+
+for t in tcp shm; do
+    section "GPU -> GPU, 1 GiB, two processes, over $t"
+    check "GPU->GPU over $t" env FERRY_TRANSPORTS=$t $B demo --size 1G --block 16M --device cuda:0
+done
+
+section "ferry bench: device buffers vs host buffers, same transport"
+tmp=$(mktemp -d)
+start_target() { # name args...
+    local name=$1; shift
+    $B bench target --buffer-size 1G "$@" > "$tmp/$name" 2>/dev/null &
+    echo $! >> "$tmp/pids"
+    for _ in $(seq 300); do grep -q '^segment ' "$tmp/$name" && break; sleep 0.1; done
+    sed -n 's/^segment //p' "$tmp/$name"
+}
+printf '| transport | op | block | host GB/s | device GB/s | device/host | device vs pinned copy |\n|---|---|---|---|---|---|---|\n' > "$OUT/bench.md"
+for t in tcp shm; do
+    export FERRY_TRANSPORTS=$t
+    host_extra=""; [ "$t" = shm ] && host_extra="--allocate"
+    host_seg=$(start_target "host-$t" $host_extra)
+    dev_seg=$(start_target "dev-$t" --device cuda:0)
+    for block in 1M 16M; do
+        batch=64; [ "$block" = 16M ] && batch=16
+        for op in write read; do
+            h=$($B bench initiator --segment "$host_seg" --op $op --block-size $block --batch-size $batch --duration "$DUR" --json 2>/dev/null | tee -a "$OUT/bench.jsonl" | field gb_per_s)
+            d=$($B bench initiator --segment "$dev_seg" --op $op --block-size $block --batch-size $batch --duration "$DUR" --device cuda:0 --json 2>/dev/null | tee -a "$OUT/bench.jsonl" | field gb_per_s)
+            limit=$h2d; [ "$op" = read ] && limit=$d2h
+            awk -v t=$t -v o=$op -v b=$block -v h="$h" -v d="$d" -v l="$limit" 'BEGIN {
+                r = (h > 0) ? d / h : 0; c = (l > 0) ? d / l : 0;
+                printf "| %s | %s | %s | %.2f | %.2f | %.2f | %.2f |\n", t, o, b, h, d, r, c }' >> "$OUT/bench.md"
+        done
+    done
+    unset FERRY_TRANSPORTS
+done
+kill $(cat "$tmp/pids") 2>/dev/null
+cat "$OUT/bench.md"
+
+section "summary"
+echo "pinned copy limit: host->device ${h2d:-?} GB/s, device->host ${d2h:-?} GB/s"
+echo "$failures check(s) failed"
+exit $((failures > 0))
