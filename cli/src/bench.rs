@@ -444,3 +444,123 @@ pub fn memcpy_limit(block: u64, duration: f64, json: bool) -> Result<(), String>
     }
     Ok(())
 }
+
+/// Pinned host <-> device copy bandwidth of `device`, through its plugin:
+/// the limit staged transfers are compared with.
+pub fn device_limit(device: Location, block: u64, duration: f64, json: bool) -> Result<(), String> {
+    let engine = Engine::new(EngineConfig::from_env().map_err(|e| e.to_string())?)
+        .map_err(|e| e.to_string())?;
+    let total = WORKING_SET.max(block);
+    let host = engine.allocate_pinned(total).map_err(|e| e.to_string())?;
+    let dev = engine
+        .allocate_device(device, total)
+        .map_err(|e| e.to_string())?;
+    let mut results = Vec::new();
+    for (name, to_device) in [("host_to_device", true), ("device_to_host", false)] {
+        let started = Instant::now();
+        let mut bytes = 0u64;
+        while started.elapsed().as_secs_f64() < duration {
+            let copies: Vec<(u64, u64, u64)> = (0..total / block)
+                .map(|i| {
+                    let off = i * block;
+                    if to_device {
+                        (dev + off, host + off, block)
+                    } else {
+                        (host + off, dev + off, block)
+                    }
+                })
+                .collect();
+            // SAFETY: host and dev are allocations of `total` bytes made above.
+            unsafe { engine.copy_batch(device, &copies) }.map_err(|e| e.to_string())?;
+            bytes += total;
+        }
+        results.push((name, bytes as f64 / started.elapsed().as_secs_f64() / 1e9));
+    }
+    let _ = engine.free_device(dev);
+    engine.free_pinned(host);
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"limit": "pinned-copy", "device": device.to_string(), "block_size": block,
+                "host_to_device_gb_per_s": results[0].1, "device_to_host_gb_per_s": results[1].1})
+        );
+    } else {
+        println!(
+            "{device}: pinned host -> device {:.2} GB/s, device -> host {:.2} GB/s ({} copies)",
+            results[0].1,
+            results[1].1,
+            human_size(block)
+        );
+    }
+    Ok(())
+}
+
+/// Checks a device end to end through the engine: allocation, pointer
+/// classification, DMA-BUF export, pinned memory, copies with a checksum.
+pub fn device_check(device: Location) -> Result<(), String> {
+    let engine = Engine::new(EngineConfig::from_env().map_err(|e| e.to_string())?)
+        .map_err(|e| e.to_string())?;
+    let Some(gpu) = engine.gpus().iter().find(|g| g.location == device) else {
+        return Err(format!(
+            "no {device}: the engines sees {} device(s); `ferry info` says why",
+            engine.gpus().len()
+        ));
+    };
+    println!(
+        "{device}: {} at PCI {} (uuid {}), {} of memory, GPUDirect RDMA {:?}, DMA-BUF {:?}",
+        gpu.info.name,
+        gpu.info.pci_bus_id,
+        gpu.info.uuid,
+        human_size(gpu.info.total_memory),
+        gpu.info.gpu_direct_rdma,
+        gpu.info.dmabuf
+    );
+    let len: u64 = 64 << 20;
+    let dev = engine.allocate_device(device, len).map_err(|e| e.to_string())?;
+    engine
+        .register_memory(dev, len, None)
+        .map_err(|e| e.to_string())?;
+    let d = engine.descriptor();
+    let registered = d.buffers.iter().find(|b| b.addr == dev).map(|b| b.location.clone());
+    println!("registered {} of device memory at {dev:#x}: location {}", human_size(len), registered.unwrap_or_default());
+    match engine.export_dmabuf(dev, len) {
+        Ok((fd, offset)) => {
+            use std::os::fd::AsRawFd;
+            // SAFETY: fstat on the fd we own, into a zeroed stat.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: as above.
+            let size = if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } == 0 {
+                st.st_size
+            } else {
+                -1
+            };
+            println!(
+                "DMA-BUF exported: fd {} for {} bytes at offset {offset} (the fd's size: {size})",
+                fd.as_raw_fd(),
+                len
+            );
+        }
+        Err(e) => println!("DMA-BUF export failed: {e}"),
+    }
+    let mut pattern = Buffer::new(len as usize)?;
+    crate::util::fill_pattern(pattern.as_mut_slice(), 42);
+    let want = crate::util::crc32(pattern.as_slice());
+    let back = Buffer::new(len as usize)?;
+    // SAFETY: all three ranges are `len`-byte allocations of this process.
+    unsafe {
+        engine.copy_memory(dev, pattern.addr(), len).map_err(|e| e.to_string())?;
+        engine.copy_memory(back.addr(), dev, len).map_err(|e| e.to_string())?;
+    }
+    let got = crate::util::crc32(back.as_slice());
+    println!(
+        "host -> {device} -> host copy: crc32 {got:08x} {} {want:08x}",
+        if got == want { "==" } else { "!=" }
+    );
+    let _ = engine.unregister_memory(dev);
+    let _ = engine.free_device(dev);
+    if got == want {
+        Ok(())
+    } else {
+        Err("the copy through the device changed the data".into())
+    }
+}

@@ -153,6 +153,22 @@ enum BenchMode {
         #[arg(long)]
         json: bool,
     },
+    /// Pinned host <-> device copy bandwidth, for staged-transfer ratios.
+    DeviceLimit {
+        #[arg(long, value_parser = parse_location, default_value = "cuda:0")]
+        device: Location,
+        #[arg(long, default_value = "4M", value_parser = parse_size)]
+        block: u64,
+        #[arg(long, default_value_t = 2.0)]
+        duration: f64,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Checks a device end to end: allocation, classification, DMA-BUF, copies.
+    DeviceCheck {
+        #[arg(long, value_parser = parse_location, default_value = "cuda:0")]
+        device: Location,
+    },
     #[command(hide = true)]
     TcpSink {
         #[arg(long)]
@@ -242,6 +258,13 @@ fn main() -> ExitCode {
                 json,
             } => bench::tcp_limit(duration, block as usize, json),
             BenchMode::TcpSink { connect } => bench::tcp_sink(&connect),
+            BenchMode::DeviceLimit {
+                device,
+                block,
+                duration,
+                json,
+            } => bench::device_limit(device, block, duration, json),
+            BenchMode::DeviceCheck { device } => bench::device_check(device),
         },
     };
     match result {

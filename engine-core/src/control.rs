@@ -386,9 +386,19 @@ impl ControlClient {
 
     /// Sends a request and reads its reply; an Error frame becomes the error.
     pub fn call(&mut self, kind: MsgType, body: &[u8]) -> Result<(MsgType, Vec<u8>)> {
+        self.send(kind, body)?;
+        self.recv()
+    }
+
+    /// Sends a request without waiting; replies come back in order.
+    pub fn send(&mut self, kind: MsgType, body: &[u8]) -> Result<()> {
         self.stream
             .write_all(&encode_frame(kind, body))
-            .map_err(|e| io_error("writing to", &self.name, &e))?;
+            .map_err(|e| io_error("writing to", &self.name, &e))
+    }
+
+    /// Reads the reply to the oldest request sent.
+    pub fn recv(&mut self) -> Result<(MsgType, Vec<u8>)> {
         let (reply, body) = read_frame(&mut self.stream, &self.name)?;
         if reply == MsgType::Error {
             return Err(decode_error(&self.name, &body));

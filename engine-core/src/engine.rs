@@ -489,6 +489,55 @@ impl Engine {
         Ok(())
     }
 
+    /// A DMA-BUF fd for `[addr, addr + len)` of device memory (for RDMA
+    /// registration), and `addr`'s offset inside the exported range.
+    pub fn export_dmabuf(&self, addr: u64, len: u64) -> Result<(std::os::fd::OwnedFd, u64)> {
+        use std::os::fd::FromRawFd;
+        for d in &self.shared.devices {
+            if let Ok((PointerKind::Device(_), _, _)) = d.query_pointer(addr) {
+                let (fd, offset) = d.export_dmabuf(addr, len)?;
+                if fd < 0 {
+                    return Err(Error::new(ErrorCode::Plugin, format!("{}: exported no fd", d.name)));
+                }
+                // SAFETY: the plugin hands ownership of a fresh fd to us.
+                return Ok((unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }, offset));
+            }
+        }
+        Err(Error::new(
+            ErrorCode::InvalidArgument,
+            format!("{addr:#x} is not device memory of any device plugin"),
+        ))
+    }
+
+    /// Host memory the first device copies to and from fastest (pinned);
+    /// free it with [`Engine::free_pinned`].
+    pub fn allocate_pinned(&self, len: u64) -> Result<u64> {
+        let d = self.shared.devices.first().ok_or_else(|| {
+            Error::new(ErrorCode::Unsupported, "no device plugin is loaded")
+        })?;
+        d.alloc_pinned(len)
+    }
+
+    pub fn free_pinned(&self, addr: u64) {
+        if let Some(d) = self.shared.devices.first() {
+            d.free_pinned(addr);
+        }
+    }
+
+    /// Queues `(dst, src, len)` copies on one stream of device `location`
+    /// and waits for all of them: for measuring copy bandwidth.
+    ///
+    /// # Safety
+    /// Every range must be valid memory of this process.
+    pub unsafe fn copy_batch(&self, location: Location, copies: &[(u64, u64, u64)]) -> Result<()> {
+        let (plugin, ordinal) = self.shared.device_of(location)?;
+        let mut stream = self.shared.devices[plugin].stream(ordinal)?;
+        for &(dst, src, len) in copies {
+            stream.copy(dst, src, len)?;
+        }
+        stream.sync()
+    }
+
     /// Copies `len` bytes from `src` to `dst`, either of which may be device
     /// memory (through its device plugin), and waits for the copy.
     ///
