@@ -516,13 +516,23 @@ pub fn device_check(device: Location) -> Result<(), String> {
         gpu.info.dmabuf
     );
     let len: u64 = 64 << 20;
-    let dev = engine.allocate_device(device, len).map_err(|e| e.to_string())?;
+    let dev = engine
+        .allocate_device(device, len)
+        .map_err(|e| e.to_string())?;
     engine
         .register_memory(dev, len, None)
         .map_err(|e| e.to_string())?;
     let d = engine.descriptor();
-    let registered = d.buffers.iter().find(|b| b.addr == dev).map(|b| b.location.clone());
-    println!("registered {} of device memory at {dev:#x}: location {}", human_size(len), registered.unwrap_or_default());
+    let registered = d
+        .buffers
+        .iter()
+        .find(|b| b.addr == dev)
+        .map(|b| b.location.clone());
+    println!(
+        "registered {} of device memory at {dev:#x}: location {}",
+        human_size(len),
+        registered.unwrap_or_default()
+    );
     match engine.export_dmabuf(dev, len) {
         Ok((fd, offset)) => {
             use std::os::fd::AsRawFd;
@@ -548,8 +558,12 @@ pub fn device_check(device: Location) -> Result<(), String> {
     let back = Buffer::new(len as usize)?;
     // SAFETY: all three ranges are `len`-byte allocations of this process.
     unsafe {
-        engine.copy_memory(dev, pattern.addr(), len).map_err(|e| e.to_string())?;
-        engine.copy_memory(back.addr(), dev, len).map_err(|e| e.to_string())?;
+        engine
+            .copy_memory(dev, pattern.addr(), len)
+            .map_err(|e| e.to_string())?;
+        engine
+            .copy_memory(back.addr(), dev, len)
+            .map_err(|e| e.to_string())?;
     }
     let got = crate::util::crc32(back.as_slice());
     println!(

@@ -397,13 +397,32 @@ impl ControlClient {
             .map_err(|e| io_error("writing to", &self.name, &e))
     }
 
+    /// Whether a reply (or the end of the connection) is waiting to be read.
+    pub fn reply_ready(&self) -> bool {
+        use std::os::fd::AsRawFd;
+        let mut fd = libc::pollfd {
+            fd: self.stream.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, zero timeout.
+        unsafe { libc::poll(&mut fd, 1, 0) > 0 }
+    }
+
     /// Reads the reply to the oldest request sent.
     pub fn recv(&mut self) -> Result<(MsgType, Vec<u8>)> {
+        self.recv_reply()?
+    }
+
+    /// Reads the reply to the oldest request sent. The outer error means
+    /// the connection failed (and is out of step); the inner one is the
+    /// peer refusing the request, after which the connection is still good.
+    pub fn recv_reply(&mut self) -> Result<Result<(MsgType, Vec<u8>)>> {
         let (reply, body) = read_frame(&mut self.stream, &self.name)?;
         if reply == MsgType::Error {
-            return Err(decode_error(&self.name, &body));
+            return Ok(Err(decode_error(&self.name, &body)));
         }
-        Ok((reply, body))
+        Ok(Ok((reply, body)))
     }
 }
 

@@ -174,8 +174,9 @@ struct RemoteSegment {
     peers: Mutex<HashMap<usize, Arc<PeerHandle>>>,
     /// Per transport, whether it serves a remote buffer with a given key.
     verdicts: Mutex<HashMap<usize, KeyVerdicts>>,
-    /// Bounce buffers the peer lent us for its device memory.
-    staging: Mutex<Option<Arc<staging::RemoteStaging>>>,
+    /// Idle staging sessions with this peer (slots it lent us for its
+    /// device memory), each used by one job at a time.
+    staging: Mutex<Vec<Arc<staging::RemoteStaging>>>,
 }
 
 /// Why a transport was chosen, for logs and `ferry demo`.
@@ -497,7 +498,10 @@ impl Engine {
             if let Ok((PointerKind::Device(_), _, _)) = d.query_pointer(addr) {
                 let (fd, offset) = d.export_dmabuf(addr, len)?;
                 if fd < 0 {
-                    return Err(Error::new(ErrorCode::Plugin, format!("{}: exported no fd", d.name)));
+                    return Err(Error::new(
+                        ErrorCode::Plugin,
+                        format!("{}: exported no fd", d.name),
+                    ));
                 }
                 // SAFETY: the plugin hands ownership of a fresh fd to us.
                 return Ok((unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }, offset));
@@ -512,9 +516,11 @@ impl Engine {
     /// Host memory the first device copies to and from fastest (pinned);
     /// free it with [`Engine::free_pinned`].
     pub fn allocate_pinned(&self, len: u64) -> Result<u64> {
-        let d = self.shared.devices.first().ok_or_else(|| {
-            Error::new(ErrorCode::Unsupported, "no device plugin is loaded")
-        })?;
+        let d = self
+            .shared
+            .devices
+            .first()
+            .ok_or_else(|| Error::new(ErrorCode::Unsupported, "no device plugin is loaded"))?;
         d.alloc_pinned(len)
     }
 
@@ -713,7 +719,7 @@ impl Engine {
                     None => local.clone(),
                 };
                 let (v, idx) = if remote_on_device {
-                    (self.shared.remote_staging(&seg)?.view.clone(), 0)
+                    (self.shared.remote_staging(&seg)?.view().clone(), 0)
                 } else {
                     (view.clone(), remote)
                 };
@@ -1138,11 +1144,6 @@ impl Shared {
             })
     }
 
-    /// Submits one request of the engine's own (staging) to a batch.
-    fn submit_internal(self: &Arc<Self>, batch: BatchId, r: &Request) -> Result<()> {
-        self.submit(batch, std::slice::from_ref(r))
-    }
-
     fn scope_of(&self, d: &SegmentDescriptor) -> Scope {
         if d.machine_id != self.identity.machine_id {
             Scope::CrossHost
@@ -1180,7 +1181,7 @@ impl Shared {
             view: RwLock::new(Arc::new(RemoteView::new(descriptor))),
             peers: Mutex::new(HashMap::new()),
             verdicts: Mutex::new(HashMap::new()),
-            staging: Mutex::new(None),
+            staging: Mutex::new(Vec::new()),
         });
         let mut segments = self.segments.write();
         // Another thread may have opened it meanwhile: keep one.
@@ -1387,6 +1388,17 @@ impl Shared {
     }
 
     fn submit(self: &Arc<Self>, batch_id: BatchId, requests: &[Request]) -> Result<()> {
+        self.submit_with(batch_id, requests, None)
+    }
+
+    /// Submits requests; with `slots`, remote addresses are in staging
+    /// slots a peer lent us rather than in its published buffers.
+    fn submit_with(
+        self: &Arc<Self>,
+        batch_id: BatchId,
+        requests: &[Request],
+        slots: Option<&Arc<RemoteView>>,
+    ) -> Result<()> {
         let batch = self.batches.get(batch_id)?;
         if requests.is_empty() {
             return Ok(());
@@ -1413,21 +1425,15 @@ impl Shared {
                     e.insert((seg, view, false))
                 }
             };
-            let mut remote = entry.1.find(r.remote_addr, r.length);
-            if remote.is_none() && !entry.2 {
+            let mut view = slots.unwrap_or(&entry.1).clone();
+            let mut remote = view.find(r.remote_addr, r.length);
+            if remote.is_none() && !entry.2 && slots.is_none() {
                 // The peer may have registered memory since we last looked.
                 entry.2 = true;
-                if let Ok(view) = self.refresh(&entry.0) {
-                    entry.1 = view;
-                    remote = entry.1.find(r.remote_addr, r.length);
-                }
-            }
-            // Internal transfers of staging land in the peer's lent slots.
-            let mut view = entry.1.clone();
-            if remote.is_none() {
-                if let Some(st) = entry.0.staging.lock().clone() {
-                    remote = st.view.find(r.remote_addr, r.length);
-                    view = st.view.clone();
+                if let Ok(v) = self.refresh(&entry.0) {
+                    entry.1 = v;
+                    view = entry.1.clone();
+                    remote = view.find(r.remote_addr, r.length);
                 }
             }
             let Some(remote) = remote else {

@@ -13,8 +13,8 @@
 //! remote slot -> remote device (StageCopy). Up to `depth` chunks are in
 //! flight, so the copy of chunk i+1 overlaps the transfer of chunk i.
 
-use super::{RemoteSegment, RemoteView, Request, Shared, Visibility};
-use crate::batch::Batch;
+use super::{RemoteSegment, RemoteView, Request, SegmentId, Shared, Visibility};
+use crate::batch::{Batch, BatchId};
 use crate::control::{ControlClient, MsgType};
 use crate::descriptor::BufferDescriptor;
 use crate::device::Stream;
@@ -26,6 +26,7 @@ use parking_lot::{Condvar, Mutex};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::time::Instant;
 
 /// Default for FERRY_STAGING_CHUNK: bytes per staged chunk.
 pub const DEFAULT_CHUNK: u64 = 4 << 20;
@@ -35,12 +36,15 @@ const MAX_SLOTS: usize = 16;
 const MAX_SLOT_LEN: u64 = 64 << 20;
 
 /// Staging state of one engine: its configuration, the sessions peers
-/// opened here, and its own pool of local slots.
+/// opened here, its own pool of local slots and of copy streams.
 pub(crate) struct Staging {
     chunk: u64,
     depth: usize,
-    sessions: Mutex<HashMap<u64, Session>>,
+    sessions: Mutex<HashMap<u64, Arc<Mutex<Session>>>>,
+    /// Bytes lent to peers, all sessions together.
+    lent: Mutex<u64>,
     local: Mutex<Option<Arc<SlotPool>>>,
+    streams: Mutex<HashMap<(usize, u32), Vec<Stream>>>,
 }
 
 /// Slots lent to one peer on one control connection.
@@ -82,7 +86,9 @@ impl Staging {
             chunk: num("FERRY_STAGING_CHUNK", DEFAULT_CHUNK).clamp(64 << 10, MAX_SLOT_LEN),
             depth: (num("FERRY_STAGING_DEPTH", DEFAULT_DEPTH as u64) as usize).clamp(1, MAX_SLOTS),
             sessions: Mutex::new(HashMap::new()),
+            lent: Mutex::new(0),
             local: Mutex::new(None),
+            streams: Mutex::new(HashMap::new()),
         }
     }
 }
@@ -94,14 +100,19 @@ pub(crate) struct SlotPool {
 }
 
 impl SlotPool {
-    fn take(self: &Arc<Self>) -> LocalSlot {
+    /// A free slot; waits for one only when `wait` (a job that holds none
+    /// must not wait on jobs that hold some, or jobs could deadlock).
+    fn take(self: &Arc<Self>, wait: bool) -> Option<LocalSlot> {
         let mut free = self.free.lock();
         loop {
             if let Some(addr) = free.pop() {
-                return LocalSlot {
+                return Some(LocalSlot {
                     pool: self.clone(),
                     addr,
-                };
+                });
+            }
+            if !wait {
+                return None;
             }
             self.available.wait(&mut free);
         }
@@ -120,48 +131,41 @@ impl Drop for LocalSlot {
     }
 }
 
-/// A peer's staging session, as the initiator holds it.
+/// A staging session a peer opened for us: a control connection of our own
+/// and the slots lent on it. One job uses a session at a time, so requests
+/// and replies on its connection never interleave with another job's.
 pub(crate) struct RemoteStaging {
     client: Mutex<ControlClient>,
     /// The lent slots, as a view the router understands.
     pub(crate) view: Arc<RemoteView>,
-    free: Mutex<Vec<usize>>,
-    available: Condvar,
 }
 
-struct RemoteSlot {
-    staging: Arc<RemoteStaging>,
-    index: usize,
+/// A session borrowed from a segment's idle sessions; given back when
+/// dropped unless its connection broke.
+pub(crate) struct StagingLease {
+    segment: Arc<RemoteSegment>,
+    session: Option<Arc<RemoteStaging>>,
+    broken: bool,
 }
 
-impl RemoteSlot {
-    fn addr(&self) -> u64 {
-        self.staging.view.buffers[self.index].addr
-    }
-}
-
-impl Drop for RemoteSlot {
-    fn drop(&mut self) {
-        self.staging.free.lock().push(self.index);
-        self.staging.available.notify_one();
-    }
-}
-
-impl RemoteStaging {
-    fn take(self: &Arc<Self>) -> RemoteSlot {
-        let mut free = self.free.lock();
-        loop {
-            if let Some(index) = free.pop() {
-                return RemoteSlot {
-                    staging: self.clone(),
-                    index,
-                };
-            }
-            self.available.wait(&mut free);
-        }
+impl StagingLease {
+    pub(crate) fn view(&self) -> &Arc<RemoteView> {
+        &self.session().view
     }
 
-    fn copy(&self, to_device: bool, slot: usize, len: u64, device_addr: u64) -> Result<()> {
+    fn session(&self) -> &RemoteStaging {
+        self.session
+            .as_deref()
+            .expect("a lease holds its session until dropped")
+    }
+
+    fn send_copy(
+        &mut self,
+        to_device: bool,
+        slot: usize,
+        len: u64,
+        device_addr: u64,
+    ) -> Result<()> {
         let body = serde_json::to_vec(&CopyRequest {
             to_device,
             slot,
@@ -170,14 +174,43 @@ impl RemoteStaging {
             device_addr,
         })
         .map_err(|e| Error::new(ErrorCode::Internal, e.to_string()))?;
-        let (kind, _) = self.client.lock().call(MsgType::StageCopy, &body)?;
-        if kind != MsgType::StageDone {
-            return Err(Error::new(
-                ErrorCode::Protocol,
-                "unexpected reply to a staging copy",
-            ));
+        let sent = self.session().client.lock().send(MsgType::StageCopy, &body);
+        self.broken |= sent.is_err();
+        sent
+    }
+
+    /// Whether a reply has arrived (or the connection ended).
+    fn reply_ready(&self) -> bool {
+        self.session().client.lock().reply_ready()
+    }
+
+    fn recv_copy(&mut self) -> Result<()> {
+        let reply = self.session().client.lock().recv_reply();
+        match reply {
+            Ok(Ok((MsgType::StageDone, _))) => Ok(()),
+            Ok(Ok(_)) => {
+                self.broken = true;
+                Err(Error::new(
+                    ErrorCode::Protocol,
+                    "unexpected reply to a staging copy",
+                ))
+            }
+            Ok(Err(refused)) => Err(refused),
+            Err(e) => {
+                self.broken = true;
+                Err(e)
+            }
         }
-        Ok(())
+    }
+}
+
+impl Drop for StagingLease {
+    fn drop(&mut self) {
+        if let Some(s) = self.session.take() {
+            if !self.broken {
+                self.segment.staging.lock().push(s);
+            }
+        }
     }
 }
 
@@ -193,19 +226,35 @@ pub(crate) struct StagedItem {
     pub(crate) length: u64,
 }
 
-/// A chunk between its start and its end.
-struct InFlight {
+/// Where a chunk is on its way.
+enum Phase {
+    /// A copy between device memory and the local slot is queued.
+    Copying,
+    /// The host transfer runs in this internal batch.
+    Moving(BatchId),
+    /// The peer was asked to copy between its slot and device memory.
+    Remote,
+    Done,
+}
+
+/// One chunk of a staged request, between its start and its end.
+struct Chunk {
     item: usize,
     off: u64,
     len: u64,
     local_slot: Option<LocalSlot>,
-    remote_slot: Option<RemoteSlot>,
-    batch: Result<u64>,
+    /// Index of the peer's slot, in the job's session.
+    remote_slot: Option<usize>,
+    stream: Option<(usize, u32, Stream)>,
+    phase: Phase,
 }
 
 fn bad(msg: &str) -> Error {
     Error::new(ErrorCode::Protocol, format!("bad staging request: {msg}"))
 }
+
+/// Most bytes of slots one engine lends to all its peers together.
+const MAX_LENT: u64 = 2 << 30;
 
 impl Shared {
     // ---- target side -----------------------------------------------------
@@ -228,19 +277,33 @@ impl Shared {
             ));
         }
         self.stage_close(conn);
+        let bytes = req.slots as u64 * req.slot_len;
+        {
+            let mut lent = self.staging.lent.lock();
+            if *lent + bytes > MAX_LENT {
+                return Err(Error::new(
+                    ErrorCode::NoMemory,
+                    format!(
+                        "staging capacity exhausted: {} bytes already lent to peers, at most {MAX_LENT}",
+                        *lent
+                    ),
+                ));
+            }
+            *lent += bytes;
+        }
         let mut slots = Vec::new();
         let mut descriptors = Vec::new();
         for _ in 0..req.slots {
-            let made = self.allocate_hidden(req.slot_len);
-            match made {
+            match self.allocate_hidden(req.slot_len) {
                 Ok((addr, d)) => {
                     slots.push((addr, req.slot_len));
                     descriptors.push(d);
                 }
                 Err(e) => {
                     for (a, _) in slots {
-                        let _ = self.free_memory(a);
+                        self.release_slot(a);
                     }
+                    *self.staging.lent.lock() -= bytes;
                     return Err(e);
                 }
             }
@@ -257,10 +320,10 @@ impl Shared {
         );
         self.staging.sessions.lock().insert(
             conn,
-            Session {
+            Arc::new(Mutex::new(Session {
                 slots,
                 streams: HashMap::new(),
-            },
+            })),
         );
         let reply = serde_json::to_vec(&OpenReply { slots: descriptors })
             .map_err(|e| Error::new(ErrorCode::Internal, e.to_string()))?;
@@ -286,14 +349,27 @@ impl Shared {
         Ok((addr, self.buffer_descriptor(&buffer)))
     }
 
+    fn release_slot(&self, addr: u64) {
+        if let Some(d) = self.devices.first() {
+            d.unpin_host(addr);
+        }
+        if let Err(e) = self.free_memory(addr) {
+            log::warn!("releasing a staging slot: {e}");
+        }
+    }
+
     /// Copies between a lent slot and device memory this engine registered.
     pub(super) fn stage_copy(&self, conn: u64, body: &[u8]) -> Result<(MsgType, Vec<u8>)> {
         let req: CopyRequest = serde_json::from_slice(body)
             .map_err(|e| bad(&format!("not the expected JSON ({e})")))?;
-        let mut sessions = self.staging.sessions.lock();
-        let session = sessions
-            .get_mut(&conn)
+        let session = self
+            .staging
+            .sessions
+            .lock()
+            .get(&conn)
+            .cloned()
             .ok_or_else(|| bad("no staging session on this connection"))?;
+        let mut session = session.lock();
         let &(slot_addr, slot_len) = session
             .slots
             .get(req.slot)
@@ -357,15 +433,14 @@ impl Shared {
     pub(super) fn stage_close(&self, conn: u64) {
         let session = self.staging.sessions.lock().remove(&conn);
         if let Some(s) = session {
-            drop(s.streams);
-            for (addr, _) in s.slots {
-                if let Some(d) = self.devices.first() {
-                    d.unpin_host(addr);
-                }
-                if let Err(e) = self.free_memory(addr) {
-                    log::warn!("releasing a staging slot: {e}");
-                }
+            // A copy running on this session finishes before we free.
+            let mut s = s.lock();
+            s.streams.clear();
+            let bytes: u64 = s.slots.iter().map(|(_, len)| len).sum();
+            for (addr, _) in s.slots.drain(..) {
+                self.release_slot(addr);
             }
+            *self.staging.lent.lock() -= bytes;
         }
     }
 
@@ -377,6 +452,7 @@ impl Shared {
 
     /// Unregisters and frees this engine's own slots (at shutdown).
     pub(super) fn release_local_slots(&self) {
+        self.staging.streams.lock().clear();
         let Some(pool) = self.staging.local.lock().take() else {
             return;
         };
@@ -403,9 +479,21 @@ impl Shared {
         let len = self.staging.chunk;
         let mut free = Vec::new();
         for _ in 0..self.staging.depth * 2 {
-            let addr = device.alloc_pinned(len)?;
-            self.register(addr, len, None, Visibility::LocalOnly)?;
-            free.push(addr);
+            let made = device.alloc_pinned(len).and_then(|addr| {
+                self.register(addr, len, None, Visibility::LocalOnly)
+                    .map(|_| addr)
+                    .inspect_err(|_| device.free_pinned(addr))
+            });
+            match made {
+                Ok(addr) => free.push(addr),
+                Err(e) => {
+                    for addr in free {
+                        let _ = self.unregister_memory(addr);
+                        device.free_pinned(addr);
+                    }
+                    return Err(e);
+                }
+            }
         }
         let pool = Arc::new(SlotPool {
             free: Mutex::new(free),
@@ -419,17 +507,24 @@ impl Shared {
     /// the host leg of staged transfers).
     pub(super) fn local_slot_buffer(&self) -> Result<Arc<LocalBuffer>> {
         let pool = self.local_slots()?;
-        let slot = pool.take();
+        let addr = pool.free.lock().first().copied();
+        let addr = match addr {
+            Some(a) => a,
+            None => pool.take(true).map_or(0, |s| s.addr),
+        };
         self.memory
-            .find(slot.addr, 1)
+            .find(addr, 1)
             .ok_or_else(|| Error::new(ErrorCode::Internal, "a staging slot is not registered"))
     }
 
-    /// The staging session with a peer (opened on first use).
-    pub(super) fn remote_staging(&self, seg: &RemoteSegment) -> Result<Arc<RemoteStaging>> {
-        let mut slot = seg.staging.lock();
-        if let Some(s) = slot.as_ref() {
-            return Ok(s.clone());
+    /// A staging session with a peer: an idle one, or a new one.
+    pub(super) fn remote_staging(&self, seg: &Arc<RemoteSegment>) -> Result<StagingLease> {
+        if let Some(s) = seg.staging.lock().pop() {
+            return Ok(StagingLease {
+                segment: seg.clone(),
+                session: Some(s),
+                broken: false,
+            });
         }
         let mut client =
             ControlClient::connect(&seg.name, self.config.connect_timeout, self.config.timeout)?;
@@ -461,76 +556,207 @@ impl Shared {
         let mut descriptor = main.descriptor.clone();
         descriptor.buffers = reply.slots;
         descriptor.validate()?;
+        // Slot i is the i-th buffer, in address order.
         let view = Arc::new(RemoteView::new(descriptor));
-        let staging = Arc::new(RemoteStaging {
-            client: Mutex::new(client),
-            free: Mutex::new((0..view.buffers.len()).collect()),
-            available: Condvar::new(),
-            view,
-        });
-        *slot = Some(staging.clone());
-        Ok(staging)
+        Ok(StagingLease {
+            segment: seg.clone(),
+            session: Some(Arc::new(RemoteStaging {
+                client: Mutex::new(client),
+                view,
+            })),
+            broken: false,
+        })
     }
 
-    /// Runs staged requests to the end, `depth` chunks at a time, and
-    /// completes their groups.
+    fn take_stream(&self, device: usize, ordinal: u32) -> Result<(usize, u32, Stream)> {
+        let idle = self
+            .staging
+            .streams
+            .lock()
+            .get_mut(&(device, ordinal))
+            .and_then(|v| v.pop());
+        let stream = match idle {
+            Some(s) => s,
+            None => self.devices[device].stream(ordinal)?,
+        };
+        Ok((device, ordinal, stream))
+    }
+
+    fn give_stream(&self, (device, ordinal, stream): (usize, u32, Stream)) {
+        self.staging
+            .streams
+            .lock()
+            .entry((device, ordinal))
+            .or_default()
+            .push(stream);
+    }
+
+    /// Runs staged requests to the end and completes their groups.
+    ///
+    /// Up to `depth` chunks are in flight, each at its own phase: while the
+    /// oldest chunk's host transfer runs, the next chunks' device copies
+    /// run on their own streams and the peer copies the previous chunks
+    /// into device memory. The thread blocks only when no chunk can move.
     pub(super) fn run_staged(self: Arc<Self>, batch: Arc<Batch>, items: Vec<StagedItem>) {
-        let mut errors: Vec<Option<Error>> = (0..items.len()).map(|_| None).collect();
-        let mut remaining: Vec<u64> = items
-            .iter()
-            .map(|i| i.length.div_ceil(self.staging.chunk))
-            .collect();
-        let mut streams: HashMap<(usize, u32), Stream> = HashMap::new();
         let chunk = self.staging.chunk;
-        let mut chunks = items
+        let mut job = Job {
+            items: &items,
+            errors: (0..items.len()).map(|_| None).collect(),
+            remaining: items.iter().map(|i| i.length.div_ceil(chunk)).collect(),
+            batch: &batch,
+            leases: HashMap::new(),
+            free_remote: HashMap::new(),
+            awaiting: HashMap::new(),
+            replies: HashMap::new(),
+        };
+        let mut pending = items
             .iter()
             .enumerate()
             .flat_map(|(i, it)| (0..it.length.div_ceil(chunk)).map(move |k| (i, k * chunk)))
             .collect::<VecDeque<_>>();
-        let mut inflight: VecDeque<InFlight> = VecDeque::new();
-        let timeout = self.config.timeout * 2;
-        let finish =
-            |errors: &mut Vec<Option<Error>>, remaining: &mut Vec<u64>, i: usize, r: Result<()>| {
-                if let Err(e) = r {
-                    errors[i].get_or_insert(e);
-                }
-                remaining[i] -= 1;
-                if remaining[i] == 0 {
-                    let result = errors[i].take().map_or(Ok(()), Err);
-                    batch.complete_group(items[i].group, result);
-                }
-            };
-        loop {
-            // Start chunks while slots allow.
-            while inflight.len() < self.staging.depth {
-                let Some((i, off)) = chunks.pop_front() else {
-                    break;
-                };
-                let it = &items[i];
-                let len = chunk.min(it.length - off);
-                if errors[i].is_some() {
-                    finish(&mut errors, &mut remaining, i, Ok(()));
-                    continue;
-                }
-                let started = self.start_chunk(it, off, len, &mut streams);
-                match started {
-                    Ok(f) => inflight.push_back(InFlight { item: i, ..f }),
-                    Err(e) => finish(&mut errors, &mut remaining, i, Err(e)),
+        let mut inflight: VecDeque<Chunk> = VecDeque::new();
+        let mut idle_since: Option<Instant> = None;
+        let pool = if items.iter().any(|it| it.local.device.is_some()) {
+            match self.local_slots() {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    for i in 0..items.len() {
+                        for _ in 0..job.remaining[i] {
+                            job.finish(i, Err(e.clone()));
+                        }
+                    }
+                    return;
                 }
             }
-            let Some(f) = inflight.pop_front() else { break };
-            let it = &items[f.item];
-            let result = self.end_chunk(it, f, timeout, &mut streams);
-            let i = result.0;
-            finish(&mut errors, &mut remaining, i, result.1);
+        } else {
+            None
+        };
+        loop {
+            // Admit chunks while the window and the slots allow.
+            while inflight.len() < self.staging.depth {
+                let Some(&(i, off)) = pending.front() else {
+                    break;
+                };
+                if job.errors[i].is_some() {
+                    pending.pop_front();
+                    job.finish(i, Ok(()));
+                    continue;
+                }
+                match self.admit(&mut job, pool.as_ref(), i, off, inflight.is_empty()) {
+                    Ok(Some(c)) => {
+                        pending.pop_front();
+                        inflight.push_back(c);
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        pending.pop_front();
+                        job.finish(i, Err(e));
+                    }
+                }
+            }
+            if inflight.is_empty() {
+                if pending.is_empty() {
+                    break;
+                }
+                continue;
+            }
+            // Move every chunk that can move without waiting; wait for the
+            // oldest only when none could.
+            self.progress();
+            let mut moved = false;
+            for c in inflight.iter_mut() {
+                moved |= self.advance(&mut job, c, false);
+            }
+            if moved {
+                idle_since = None;
+            } else if idle_since.get_or_insert_with(Instant::now).elapsed() < self.config.spin {
+                std::hint::spin_loop();
+            } else if let Some(c) = inflight.front_mut() {
+                idle_since = None;
+                self.advance(&mut job, c, true);
+            }
+            while let Some(pos) = inflight.iter().position(|c| matches!(c.phase, Phase::Done)) {
+                if let Some(c) = inflight.remove(pos) {
+                    self.retire(&mut job, c, Ok(()));
+                }
+            }
         }
     }
 
-    fn stream<'a>(
-        &self,
-        streams: &'a mut HashMap<(usize, u32), Stream>,
-        buffer: &LocalBuffer,
-    ) -> Result<&'a mut Stream> {
+    /// Starts one chunk: takes its slots and queues its first step. None
+    /// when a slot is not free and `may_wait` is false.
+    fn admit(
+        self: &Arc<Self>,
+        job: &mut Job<'_>,
+        pool: Option<&Arc<SlotPool>>,
+        i: usize,
+        off: u64,
+        may_wait: bool,
+    ) -> Result<Option<Chunk>> {
+        let it = &job.items[i];
+        let len = self.staging.chunk.min(it.length - off);
+        let local_slot = match (it.local.device, pool) {
+            (Some(_), Some(p)) => match p.take(may_wait) {
+                Some(s) => Some(s),
+                None => return Ok(None),
+            },
+            _ => None,
+        };
+        let remote_slot = if it.remote_on_device {
+            let seg = it.segment.id;
+            if !job.leases.contains_key(&seg) {
+                let lease = self.remote_staging(&it.segment)?;
+                job.free_remote
+                    .insert(seg, (0..lease.view().buffers.len()).rev().collect());
+                job.leases.insert(seg, lease);
+            }
+            match job.free_remote.get_mut(&seg).and_then(|f| f.pop()) {
+                Some(s) => Some(s),
+                None => return Ok(None),
+            }
+        } else {
+            None
+        };
+        let mut c = Chunk {
+            item: i,
+            off,
+            len,
+            local_slot,
+            remote_slot,
+            stream: None,
+            phase: Phase::Done,
+        };
+        let started = (|| -> Result<()> {
+            match it.op {
+                Op::Write => match &c.local_slot {
+                    Some(s) => {
+                        let mut stream = self.stream_for(&it.local)?;
+                        stream.2.copy(s.addr, it.local_addr + off, len)?;
+                        c.stream = Some(stream);
+                        c.phase = Phase::Copying;
+                    }
+                    None => c.phase = Phase::Moving(self.start_move(job, &c)?),
+                },
+                Op::Read => match c.remote_slot {
+                    Some(_) => {
+                        job.send_copy(&c, false)?;
+                        c.phase = Phase::Remote;
+                    }
+                    None => c.phase = Phase::Moving(self.start_move(job, &c)?),
+                },
+            }
+            Ok(())
+        })();
+        match started {
+            Ok(()) => Ok(Some(c)),
+            Err(e) => {
+                self.release_chunk(job, c);
+                Err(e)
+            }
+        }
+    }
+
+    fn stream_for(&self, buffer: &LocalBuffer) -> Result<(usize, u32, Stream)> {
         let device = buffer.device.ok_or_else(|| {
             Error::new(ErrorCode::Internal, "staging host memory as device memory")
         })?;
@@ -538,106 +764,222 @@ impl Shared {
             Location::Cuda(o) | Location::Rocm(o) => o,
             Location::Cpu(_) => 0,
         };
-        Ok(match streams.entry((device, ordinal)) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(self.devices[device].stream(ordinal)?)
-            }
-        })
+        self.take_stream(device, ordinal)
     }
 
-    /// Copies out of device memory where needed, then starts the host
-    /// transfer of one chunk.
-    fn start_chunk(
-        self: &Arc<Self>,
-        it: &StagedItem,
-        off: u64,
-        len: u64,
-        streams: &mut HashMap<(usize, u32), Stream>,
-    ) -> Result<InFlight> {
-        let local_slot = match it.local.device {
-            Some(_) => Some(self.local_slots()?.take()),
-            None => None,
-        };
-        let remote_slot = if it.remote_on_device {
-            Some(self.remote_staging(&it.segment)?.take())
-        } else {
-            None
-        };
-        let local = local_slot.as_ref().map_or(it.local_addr + off, |s| s.addr);
-        let remote = remote_slot
+    /// Submits the host leg of a chunk: between the local slot (or the
+    /// local host buffer) and the peer's slot (or its host buffer).
+    fn start_move(self: &Arc<Self>, job: &Job<'_>, c: &Chunk) -> Result<BatchId> {
+        let it = &job.items[c.item];
+        let local = c
+            .local_slot
             .as_ref()
-            .map_or(it.remote_addr + off, |s| s.addr());
-        match it.op {
-            Op::Write => {
-                if let Some(s) = &local_slot {
-                    let stream = self.stream(streams, &it.local)?;
-                    stream.copy(s.addr, it.local_addr + off, len)?;
-                    stream.sync()?;
-                }
+            .map_or(it.local_addr + c.off, |s| s.addr);
+        let (remote, view) = match c.remote_slot {
+            Some(slot) => {
+                let lease = job.leases.get(&it.segment.id).ok_or_else(|| {
+                    Error::new(ErrorCode::Internal, "a staged chunk lost its session")
+                })?;
+                let view = lease.view().clone();
+                (view.buffers[slot].addr, Some(view))
             }
-            Op::Read => {
-                if let Some(s) = &remote_slot {
-                    s.staging.copy(false, s.index, len, it.remote_addr + off)?;
-                }
+            None => (it.remote_addr + c.off, None),
+        };
+        let b = self.batches.allocate(1)?;
+        let r = Request::new(it.op, local, it.segment.id, remote, c.len);
+        match self.submit_with(b.id, std::slice::from_ref(&r), view.as_ref()) {
+            Ok(()) => Ok(b.id),
+            Err(e) => {
+                let _ = self.batches.free(b.id);
+                Err(e)
             }
         }
-        let batch = self.batches.allocate(1).map(|b| b.id);
-        let batch = batch.and_then(|id| {
-            let r = Request::new(it.op, local, it.segment.id, remote, len);
-            self.submit_internal(id, &r).map(|()| id)
-        });
-        Ok(InFlight {
-            item: 0,
-            off,
-            len,
-            local_slot,
-            remote_slot,
-            batch,
-        })
     }
 
-    /// Waits for a chunk's host transfer, then copies into device memory
-    /// where needed. Returns the item and the chunk's result.
-    fn end_chunk(
-        &self,
-        it: &StagedItem,
-        f: InFlight,
-        timeout: std::time::Duration,
-        streams: &mut HashMap<(usize, u32), Stream>,
-    ) -> (usize, Result<()>) {
-        let item = f.item;
-        let result = (|| -> Result<()> {
-            let id = f.batch?;
-            let batch = self.batches.get(id)?;
-            let status = self.wait(&batch, timeout);
-            let _ = self.batches.free(id);
-            if !status.is_done() {
-                return Err(Error::new(
-                    ErrorCode::Timeout,
-                    "a staged chunk did not finish in time",
-                ));
-            }
-            if let Some((_, e)) = status.first_error {
-                return Err(e);
-            }
-            match it.op {
-                Op::Write => {
-                    if let Some(s) = &f.remote_slot {
-                        s.staging
-                            .copy(true, s.index, f.len, it.remote_addr + f.off)?;
+    /// Moves a chunk one phase on. Without `block`, only when that needs no
+    /// waiting. Returns whether it moved.
+    fn advance(self: &Arc<Self>, job: &mut Job<'_>, c: &mut Chunk, block: bool) -> bool {
+        let it = &job.items[c.item];
+        let step = (|| -> Result<bool> {
+            match c.phase {
+                Phase::Copying => {
+                    // Device copies are fast next to host transfers: wait.
+                    if let Some(s) = c.stream.as_mut() {
+                        s.2.sync()?;
                     }
-                }
-                Op::Read => {
-                    if let Some(s) = &f.local_slot {
-                        let stream = self.stream(streams, &it.local)?;
-                        stream.copy(it.local_addr + f.off, s.addr, f.len)?;
-                        stream.sync()?;
+                    if let Some(s) = c.stream.take() {
+                        self.give_stream(s);
                     }
+                    c.phase = match it.op {
+                        Op::Write => Phase::Moving(self.start_move(job, c)?),
+                        Op::Read => Phase::Done,
+                    };
+                    Ok(true)
                 }
+                Phase::Moving(id) => {
+                    let b = self.batches.get(id)?;
+                    let status = if block {
+                        self.wait(&b, self.config.timeout * 2)
+                    } else {
+                        b.status()
+                    };
+                    if !status.is_done() {
+                        if block {
+                            let _ = self.batches.free(id);
+                            c.phase = Phase::Done;
+                            return Err(Error::new(
+                                ErrorCode::Timeout,
+                                "a staged chunk did not finish in time",
+                            ));
+                        }
+                        return Ok(false);
+                    }
+                    let _ = self.batches.free(id);
+                    c.phase = Phase::Done;
+                    if let Some((_, e)) = status.first_error {
+                        return Err(e);
+                    }
+                    match (it.op, c.remote_slot, &c.local_slot) {
+                        (Op::Write, Some(_), _) => {
+                            job.send_copy(c, true)?;
+                            c.phase = Phase::Remote;
+                        }
+                        (Op::Read, _, Some(s)) => {
+                            let mut stream = self.stream_for(&it.local)?;
+                            stream.2.copy(it.local_addr + c.off, s.addr, c.len)?;
+                            c.stream = Some(stream);
+                            c.phase = Phase::Copying;
+                        }
+                        _ => {}
+                    }
+                    Ok(true)
+                }
+                Phase::Remote => {
+                    let Some(r) = job.reply_for(c, block) else {
+                        return Ok(false);
+                    };
+                    c.phase = Phase::Done;
+                    r?;
+                    if it.op == Op::Read {
+                        c.phase = Phase::Moving(self.start_move(job, c)?);
+                    }
+                    Ok(true)
+                }
+                Phase::Done => Ok(false),
             }
-            Ok(())
         })();
-        (item, result)
+        match step {
+            Ok(moved) => moved,
+            Err(e) => {
+                job.errors[c.item].get_or_insert(e);
+                c.phase = Phase::Done;
+                true
+            }
+        }
+    }
+
+    /// Gives a finished chunk's slots back and counts it.
+    fn retire(&self, job: &mut Job<'_>, c: Chunk, result: Result<()>) {
+        let i = c.item;
+        self.release_chunk(job, c);
+        job.finish(i, result);
+    }
+
+    fn release_chunk(&self, job: &mut Job<'_>, mut c: Chunk) {
+        if let Some(mut s) = c.stream.take() {
+            // A chunk that failed may have left a copy into its slot queued:
+            // let it end before the slot is reused.
+            let _ = s.2.sync();
+        }
+        if let Some(slot) = c.remote_slot {
+            let seg = job.items[c.item].segment.id;
+            if let Some(f) = job.free_remote.get_mut(&seg) {
+                f.push(slot);
+            }
+        }
+    }
+}
+
+/// The state of one staging job (one thread).
+struct Job<'a> {
+    items: &'a [StagedItem],
+    errors: Vec<Option<Error>>,
+    remaining: Vec<u64>,
+    batch: &'a Batch,
+    /// The session used with each peer, for the whole job.
+    leases: HashMap<SegmentId, StagingLease>,
+    free_remote: HashMap<SegmentId, Vec<usize>>,
+    /// Per peer, the chunks whose copy requests await replies, oldest first.
+    awaiting: HashMap<SegmentId, VecDeque<(usize, u64)>>,
+    /// Replies read for chunks that were not being looked at.
+    replies: HashMap<(usize, u64), Result<()>>,
+}
+
+impl Job<'_> {
+    fn finish(&mut self, i: usize, r: Result<()>) {
+        if let Err(e) = r {
+            self.errors[i].get_or_insert(e);
+        }
+        self.remaining[i] -= 1;
+        if self.remaining[i] == 0 {
+            let result = self.errors[i].take().map_or(Ok(()), Err);
+            self.batch.complete_group(self.items[i].group, result);
+        }
+    }
+
+    /// Asks the peer to copy between its slot and its device memory for
+    /// chunk `c`.
+    fn send_copy(&mut self, c: &Chunk, to_device: bool) -> Result<()> {
+        let it = &self.items[c.item];
+        let seg = it.segment.id;
+        let slot = c
+            .remote_slot
+            .ok_or_else(|| Error::new(ErrorCode::Internal, "a staged chunk without a slot"))?;
+        let lease = self
+            .leases
+            .get_mut(&seg)
+            .ok_or_else(|| Error::new(ErrorCode::Internal, "a staged chunk lost its session"))?;
+        lease.send_copy(to_device, slot, c.len, it.remote_addr + c.off)?;
+        self.awaiting
+            .entry(seg)
+            .or_default()
+            .push_back((c.item, c.off));
+        Ok(())
+    }
+
+    /// The reply to chunk `c`'s copy request, reading replies in order
+    /// until it comes; None when `block` is false and none is ready.
+    fn reply_for(&mut self, c: &Chunk, block: bool) -> Option<Result<()>> {
+        let key = (c.item, c.off);
+        let seg = self.items[c.item].segment.id;
+        loop {
+            if let Some(r) = self.replies.remove(&key) {
+                return Some(r);
+            }
+            let Some(lease) = self.leases.get_mut(&seg) else {
+                return Some(Err(Error::new(
+                    ErrorCode::Internal,
+                    "a staged chunk lost its session",
+                )));
+            };
+            if !block && !lease.reply_ready() {
+                return None;
+            }
+            let queue = self.awaiting.entry(seg).or_default();
+            let Some(front) = queue.pop_front() else {
+                return Some(Err(Error::new(
+                    ErrorCode::Internal,
+                    "a staged chunk awaits a reply to nothing",
+                )));
+            };
+            let r = lease.recv_copy();
+            if let (Err(e), true) = (&r, lease.broken) {
+                // The connection is out of step: every later reply is lost.
+                for k in queue.drain(..) {
+                    self.replies.insert(k, Err(e.clone()));
+                }
+            }
+            self.replies.insert(front, r);
+        }
     }
 }
