@@ -1,0 +1,701 @@
+//! One plugin instance: devices, their primary contexts, pointer
+//! classification, DMA-BUF export, memory and copy streams.
+//!
+//! Contexts. The plugin works in each device's primary context, the one the
+//! CUDA runtime (and so PyTorch) uses, so pointers and streams are shared
+//! with the application. A device's primary context is retained the first
+//! time the instance needs it (not for every visible GPU at init: a context
+//! costs hundreds of MiB of device memory, and a process that sees eight GPUs
+//! usually uses one) and released when the instance and its last stream are
+//! gone. The engine calls from many threads: every call that needs a context
+//! makes the device's context current on the calling thread and puts back
+//! whatever was current before when it returns, so the plugin never changes
+//! which device an application thread is on.
+//!
+//! query_pointer needs no context on the fast path: cuPointerGetAttributes
+//! answers for any pointer in the process's unified address space. Only if
+//! the driver asks for a current context does it borrow one.
+
+use crate::driver::*;
+use ferry_plugins_abi::sdk::{
+    DeviceInfo, DeviceInstance, Host, PluginError, PluginResult, PointerInfo, PointerKind,
+};
+use ferry_plugins_abi::ErrorCode;
+use std::collections::HashMap;
+use std::ffi::{c_int, c_uint, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+/// What probe and init learn about one device, without a context.
+#[derive(Clone, Debug)]
+pub struct DeviceFacts {
+    pub info: DeviceInfo,
+    pub handle: CUdevice,
+    /// Compute capability (major, minor).
+    pub compute: Option<(i32, i32)>,
+}
+
+/// Describes device `ordinal` from device queries alone (no context).
+pub fn describe_device(driver: &Driver, ordinal: u32) -> PluginResult<DeviceFacts> {
+    let handle = driver.device(ordinal)?;
+    let flag = |attribute| driver.attribute(handle, attribute).map(|v| v != 0);
+    let compute = driver
+        .attribute(handle, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        .zip(driver.attribute(handle, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR));
+    Ok(DeviceFacts {
+        info: DeviceInfo {
+            ordinal,
+            name: driver.device_name(handle)?,
+            pci_bus_id: driver.pci_bus_id(handle)?,
+            uuid: driver.uuid(handle).unwrap_or_default(),
+            total_memory: driver.total_memory(handle)?,
+            gpu_direct_rdma: flag(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED),
+            dmabuf: flag(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED),
+            dmabuf_export: driver.can_export_dmabuf(),
+        },
+        handle,
+        compute,
+    })
+}
+
+/// Every visible device; unavailable when there is none.
+pub fn describe_all(driver: &Driver) -> PluginResult<Vec<DeviceFacts>> {
+    let count = driver.device_count()?;
+    if count == 0 {
+        return Err(PluginError::unavailable(format!(
+            "no CUDA device visible ({})",
+            visible_devices()
+        )));
+    }
+    (0..count).map(|o| describe_device(driver, o)).collect()
+}
+
+/// A retained primary context; released when the last holder drops it.
+pub struct PrimaryContext {
+    driver: &'static Driver,
+    device: CUdevice,
+    raw: CUcontext,
+}
+
+// SAFETY: a CUcontext is a process-wide handle; the driver API is thread
+// safe and lets any thread make a context current, several at once.
+unsafe impl Send for PrimaryContext {}
+// SAFETY: as above; the handle is never mutated after retain.
+unsafe impl Sync for PrimaryContext {}
+
+impl PrimaryContext {
+    fn retain(driver: &'static Driver, device: CUdevice) -> PluginResult<PrimaryContext> {
+        let f = driver.function(
+            driver.api.cu_device_primary_ctx_retain,
+            "cuDevicePrimaryCtxRetain",
+        )?;
+        let mut raw: CUcontext = std::ptr::null_mut();
+        // SAFETY: raw is a valid out-pointer; device came from cuDeviceGet.
+        driver.check("cuDevicePrimaryCtxRetain", unsafe { f(&mut raw, device) })?;
+        Ok(PrimaryContext {
+            driver,
+            device,
+            raw,
+        })
+    }
+
+    /// Makes this context current on the calling thread until the guard
+    /// drops, which restores the previous one.
+    fn enter(&self) -> PluginResult<Current> {
+        let d = self.driver;
+        let get = d.function(d.api.cu_ctx_get_current, "cuCtxGetCurrent")?;
+        let set = d.function(d.api.cu_ctx_set_current, "cuCtxSetCurrent")?;
+        let mut previous: CUcontext = std::ptr::null_mut();
+        // SAFETY: previous is a valid out-pointer.
+        d.check("cuCtxGetCurrent", unsafe { get(&mut previous) })?;
+        if previous == self.raw {
+            return Ok(Current {
+                driver: d,
+                restore: None,
+            });
+        }
+        // SAFETY: raw is a retained primary context, alive while self is.
+        d.check("cuCtxSetCurrent", unsafe { set(self.raw) })?;
+        Ok(Current {
+            driver: d,
+            restore: Some(previous),
+        })
+    }
+}
+
+impl Drop for PrimaryContext {
+    fn drop(&mut self) {
+        if let Some(f) = self.driver.api.cu_device_primary_ctx_release {
+            // SAFETY: balances the retain in PrimaryContext::retain; nothing
+            // of ours uses the context after this (streams and allocations
+            // hold an Arc or were freed by the instance's Drop).
+            let _ = unsafe { f(self.device) };
+        }
+    }
+}
+
+/// Restores the thread's previous context when dropped.
+struct Current {
+    driver: &'static Driver,
+    restore: Option<CUcontext>,
+}
+
+impl Drop for Current {
+    fn drop(&mut self) {
+        if let (Some(previous), Some(set)) = (self.restore, self.driver.api.cu_ctx_set_current) {
+            // SAFETY: previous was current on this thread a moment ago (or
+            // null, which unbinds); the application owns it.
+            let _ = unsafe { set(previous) };
+        }
+    }
+}
+
+/// A stream on one device, non-blocking with respect to the legacy
+/// default stream.
+pub struct CudaStream {
+    raw: CUstream,
+    ordinal: u32,
+    ctx: Arc<PrimaryContext>,
+}
+
+// SAFETY: a CUstream is a process-wide handle and the driver accepts work on
+// it from any thread; the plugin makes its context current around each call.
+unsafe impl Send for CudaStream {}
+// SAFETY: as above; the handle is never mutated after creation.
+unsafe impl Sync for CudaStream {}
+
+impl Drop for CudaStream {
+    fn drop(&mut self) {
+        let d = self.ctx.driver;
+        let Some(destroy) = d.api.cu_stream_destroy else {
+            return;
+        };
+        let Ok(_current) = self.ctx.enter() else {
+            return;
+        };
+        // SAFETY: raw came from cuStreamCreate in this context, which the
+        // Arc keeps alive; it is destroyed once, here. Work still queued
+        // completes first (the driver defers the release).
+        let _ = unsafe { destroy(self.raw) };
+    }
+}
+
+struct Device {
+    facts: DeviceFacts,
+    ctx: OnceLock<Arc<PrimaryContext>>,
+    retaining: Mutex<()>,
+}
+
+#[derive(Clone, Copy)]
+struct Allocation {
+    ordinal: u32,
+    len: u64,
+}
+
+pub struct CudaInstance {
+    driver: &'static Driver,
+    host: Host<'static>,
+    devices: Vec<Device>,
+    device_memory: Mutex<HashMap<u64, Allocation>>,
+    pinned_memory: Mutex<HashMap<u64, Allocation>>,
+    page_size: u64,
+    said_pointer_needs_context: AtomicBool,
+}
+
+fn invalid(msg: impl Into<String>) -> PluginError {
+    PluginError::new(ErrorCode::InvalidArgument, msg)
+}
+
+fn host_page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(n)
+        .ok()
+        .filter(|n| n.is_power_of_two())
+        .unwrap_or(4096)
+}
+
+/// [addr, addr + len) widened to whole pages: (start, end).
+pub fn page_span(addr: u64, len: u64, page: u64) -> Option<(u64, u64)> {
+    let end = addr.checked_add(len)?;
+    let start = addr & !(page - 1);
+    let end = end.checked_add(page - 1)? & !(page - 1);
+    Some((start, end))
+}
+
+/// The raw answers of cuPointerGetAttributes for one pointer.
+#[derive(Clone, Copy, Debug, Default)]
+struct Attributes {
+    memory_type: u32,
+    ordinal: i32,
+    managed: bool,
+    start: u64,
+    size: u64,
+}
+
+impl Attributes {
+    fn classify(self) -> PointerInfo {
+        let kind = if self.managed {
+            PointerKind::Managed
+        } else {
+            match self.memory_type {
+                CU_MEMORYTYPE_DEVICE | CU_MEMORYTYPE_ARRAY => PointerKind::Device,
+                CU_MEMORYTYPE_HOST => PointerKind::HostPinned,
+                CU_MEMORYTYPE_UNIFIED => PointerKind::Managed,
+                _ => return PointerInfo::HOST,
+            }
+        };
+        let ordinal = match kind {
+            PointerKind::Device | PointerKind::Managed => u32::try_from(self.ordinal).ok(),
+            _ => None,
+        };
+        PointerInfo {
+            kind,
+            ordinal,
+            base: self.start,
+            size: self.size,
+        }
+    }
+}
+
+impl CudaInstance {
+    pub fn new(
+        host: Host<'static>,
+        driver: &'static Driver,
+        facts: Vec<DeviceFacts>,
+    ) -> CudaInstance {
+        CudaInstance {
+            driver,
+            host,
+            devices: facts
+                .into_iter()
+                .map(|facts| Device {
+                    facts,
+                    ctx: OnceLock::new(),
+                    retaining: Mutex::new(()),
+                })
+                .collect(),
+            device_memory: Mutex::new(HashMap::new()),
+            pinned_memory: Mutex::new(HashMap::new()),
+            page_size: host_page_size(),
+            said_pointer_needs_context: AtomicBool::new(false),
+        }
+    }
+
+    fn device(&self, ordinal: u32) -> PluginResult<&Device> {
+        self.devices.get(ordinal as usize).ok_or_else(|| {
+            invalid(format!(
+                "no CUDA device {ordinal}: {} visible ({})",
+                self.devices.len(),
+                visible_devices()
+            ))
+        })
+    }
+
+    /// The primary context of `ordinal`, retained on first use.
+    fn context(&self, ordinal: u32) -> PluginResult<&Arc<PrimaryContext>> {
+        let device = self.device(ordinal)?;
+        if let Some(ctx) = device.ctx.get() {
+            return Ok(ctx);
+        }
+        let _one_at_a_time = device
+            .retaining
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if device.ctx.get().is_none() {
+            let ctx = PrimaryContext::retain(self.driver, device.facts.handle)?;
+            self.host.debug(&format!(
+                "retained the primary context of cuda:{ordinal} ({})",
+                device.facts.info.pci_bus_id
+            ));
+            // Cannot be set already: we hold `retaining`.
+            let _ = device.ctx.set(Arc::new(ctx));
+        }
+        device
+            .ctx
+            .get()
+            .ok_or_else(|| PluginError::new(ErrorCode::Internal, "primary context vanished"))
+    }
+
+    /// A context for work that any device can do (pinned host memory,
+    /// pointer queries): the first one already retained, else device 0's.
+    fn any_context(&self) -> PluginResult<(u32, &Arc<PrimaryContext>)> {
+        for (i, d) in self.devices.iter().enumerate() {
+            if let Some(ctx) = d.ctx.get() {
+                return Ok((i as u32, ctx));
+            }
+        }
+        Ok((0, self.context(0)?))
+    }
+
+    fn raw_attributes(&self, addr: u64, out: &mut Attributes) -> PluginResult<CUresult> {
+        let d = self.driver;
+        let f = d.function(d.api.cu_pointer_get_attributes, "cuPointerGetAttributes")?;
+        let mut which: [c_uint; 5] = [
+            CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            CU_POINTER_ATTRIBUTE_IS_MANAGED,
+            CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+            CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        ];
+        // Each answer gets 8 zeroed bytes, wider than any of these
+        // attributes (4-byte enum, int and bool-as-uint; 8-byte address and
+        // size), so a driver writing fewer bytes still leaves a valid value.
+        let mut data = [0u64; 5];
+        let base = data.as_mut_ptr();
+        let mut slots: [*mut c_void; 5] =
+            std::array::from_fn(|i| base.wrapping_add(i).cast::<c_void>());
+        // SAFETY: which and slots hold 5 entries each, every slot points to
+        // 8 writable bytes that outlive the call.
+        let r = unsafe { f(5, which.as_mut_ptr(), slots.as_mut_ptr(), addr) };
+        *out = Attributes {
+            memory_type: data[0] as u32,
+            ordinal: data[1] as u32 as i32,
+            managed: data[2] as u32 != 0,
+            start: data[3],
+            size: data[4],
+        };
+        Ok(r)
+    }
+
+    fn attributes(&self, addr: u64) -> PluginResult<Option<Attributes>> {
+        let mut attrs = Attributes::default();
+        match self.raw_attributes(addr, &mut attrs)? {
+            CUDA_SUCCESS => return Ok(Some(attrs)),
+            // Memory the driver never saw.
+            CUDA_ERROR_INVALID_VALUE => return Ok(None),
+            CUDA_ERROR_INVALID_CONTEXT => {}
+            r => return Err(self.driver.error("cuPointerGetAttributes", r)),
+        }
+        // The driver wants a current context on this thread; any will do
+        // in a unified address space.
+        let (ordinal, ctx) = self.any_context()?;
+        if !self
+            .said_pointer_needs_context
+            .swap(true, Ordering::Relaxed)
+        {
+            self.host.debug(&format!(
+                "cuPointerGetAttributes asked for a current context; pointer queries \
+                 on threads without one borrow cuda:{ordinal}'s primary context"
+            ));
+        }
+        let _current = ctx.enter()?;
+        match self.raw_attributes(addr, &mut attrs)? {
+            CUDA_SUCCESS => Ok(Some(attrs)),
+            CUDA_ERROR_INVALID_VALUE | CUDA_ERROR_INVALID_CONTEXT => Ok(None),
+            r => Err(self.driver.error("cuPointerGetAttributes", r)),
+        }
+    }
+
+    fn export(
+        &self,
+        get_handle: unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize, c_int, u64) -> CUresult,
+        addr: u64,
+        len: u64,
+    ) -> PluginResult<(i32, u64)> {
+        if len == 0 {
+            return Err(invalid("export_dmabuf: empty range"));
+        }
+        let info = self.query_pointer(addr)?;
+        if info.kind != PointerKind::Device {
+            let kind = match info.kind {
+                PointerKind::HostPinned => "pinned host",
+                PointerKind::Managed => "managed",
+                _ => "ordinary host",
+            };
+            return Err(invalid(format!(
+                "export_dmabuf: {addr:#x} is {kind} memory; only device memory (cuMemAlloc, \
+                 cudaMalloc, cuMemCreate+cuMemMap) can be exported as DMA-BUF"
+            )));
+        }
+        let (start, end) = page_span(addr, len, self.page_size).ok_or_else(|| {
+            PluginError::new(ErrorCode::OutOfBounds, "export_dmabuf: range overflows")
+        })?;
+        let ordinal = info.ordinal.unwrap_or(0);
+        let ctx = self.context(ordinal)?;
+        let _current = ctx.enter()?;
+        let mut fd: c_int = -1;
+        // SAFETY: fd is a valid out-parameter of the size the DMA_BUF_FD
+        // handle type writes (an int); start and end are page-aligned as the
+        // driver requires.
+        let r = unsafe {
+            get_handle(
+                (&mut fd as *mut c_int).cast::<c_void>(),
+                start,
+                (end - start) as usize,
+                CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        };
+        if r != CUDA_SUCCESS {
+            let mut e = self.driver.error("cuMemGetHandleForAddressRange", r);
+            e.message.push_str(&format!(
+                " (range {start:#x}..{end:#x}, widened to {} KiB pages from {addr:#x}+{len}, \
+                 in the allocation {:#x}+{} on cuda:{ordinal})",
+                self.page_size / 1024,
+                info.base,
+                info.size
+            ));
+            return Err(e);
+        }
+        if fd < 0 {
+            return Err(PluginError::new(
+                ErrorCode::Plugin,
+                "cuMemGetHandleForAddressRange succeeded but returned no fd",
+            ));
+        }
+        Ok((fd, addr - start))
+    }
+}
+
+impl DeviceInstance for CudaInstance {
+    type Stream = CudaStream;
+
+    fn device_count(&self) -> PluginResult<u32> {
+        Ok(self.devices.len() as u32)
+    }
+
+    fn device_info(&self, ordinal: u32) -> PluginResult<DeviceInfo> {
+        Ok(self.device(ordinal)?.facts.info.clone())
+    }
+
+    fn query_pointer(&self, addr: u64) -> PluginResult<PointerInfo> {
+        Ok(self
+            .attributes(addr)?
+            .map_or(PointerInfo::HOST, Attributes::classify))
+    }
+
+    fn export_dmabuf(&self, addr: u64, len: u64) -> Option<PluginResult<(i32, u64)>> {
+        let get_handle = self.driver.api.cu_mem_get_handle_for_address_range?;
+        Some(self.export(get_handle, addr, len))
+    }
+
+    fn alloc_pinned(&self, len: u64) -> PluginResult<u64> {
+        if len == 0 {
+            return Err(invalid("alloc_pinned: zero bytes"));
+        }
+        let bytes = usize::try_from(len).map_err(|_| invalid("alloc_pinned: too large"))?;
+        let d = self.driver;
+        let f = d.function(d.api.cu_mem_host_alloc, "cuMemHostAlloc")?;
+        let (ordinal, ctx) = self.any_context()?;
+        let _current = ctx.enter()?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: p is a valid out-pointer; PORTABLE makes the memory pinned
+        // for every context, not only the current one.
+        let r = unsafe { f(&mut p, bytes, CU_MEMHOSTALLOC_PORTABLE) };
+        d.check("cuMemHostAlloc", r).map_err(|mut e| {
+            e.message.push_str(&format!(" ({len} bytes)"));
+            e
+        })?;
+        self.pinned_memory
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(p as u64, Allocation { ordinal, len });
+        Ok(p as u64)
+    }
+
+    fn free_pinned(&self, ptr: u64) {
+        let found = self
+            .pinned_memory
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&ptr);
+        let Some(a) = found else {
+            self.host.warn(&format!(
+                "free_pinned({ptr:#x}): not allocated by alloc_pinned or already freed; ignored"
+            ));
+            return;
+        };
+        if let Err(e) = self.release_pinned(ptr, a) {
+            self.host.warn(&e.message);
+        }
+    }
+
+    fn alloc_device(&self, ordinal: u32, len: u64) -> PluginResult<u64> {
+        if len == 0 {
+            return Err(invalid("alloc_device: zero bytes"));
+        }
+        let bytes = usize::try_from(len).map_err(|_| invalid("alloc_device: too large"))?;
+        let d = self.driver;
+        let f = d.function(d.api.cu_mem_alloc, "cuMemAlloc_v2")?;
+        let ctx = self.context(ordinal)?;
+        let _current = ctx.enter()?;
+        let mut p: CUdeviceptr = 0;
+        // SAFETY: p is a valid out-pointer; the device's context is current.
+        let r = unsafe { f(&mut p, bytes) };
+        d.check("cuMemAlloc_v2", r).map_err(|mut e| {
+            e.message
+                .push_str(&format!(" ({len} bytes on cuda:{ordinal})"));
+            e
+        })?;
+        self.device_memory
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(p, Allocation { ordinal, len });
+        Ok(p)
+    }
+
+    fn free_device(&self, ptr: u64) {
+        let found = self
+            .device_memory
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&ptr);
+        let Some(a) = found else {
+            self.host.warn(&format!(
+                "free_device({ptr:#x}): not allocated by alloc_device or already freed; ignored"
+            ));
+            return;
+        };
+        if let Err(e) = self.release_device(ptr, a) {
+            self.host.warn(&e.message);
+        }
+    }
+
+    fn stream_create(&self, ordinal: u32) -> PluginResult<CudaStream> {
+        let d = self.driver;
+        let f = d.function(d.api.cu_stream_create, "cuStreamCreate")?;
+        let ctx = self.context(ordinal)?;
+        let _current = ctx.enter()?;
+        let mut raw: CUstream = std::ptr::null_mut();
+        // SAFETY: raw is a valid out-pointer; the device's context is current.
+        d.check("cuStreamCreate", unsafe {
+            f(&mut raw, CU_STREAM_NON_BLOCKING)
+        })?;
+        Ok(CudaStream {
+            raw,
+            ordinal,
+            ctx: Arc::clone(ctx),
+        })
+    }
+
+    fn copy_async(&self, stream: &CudaStream, dst: u64, src: u64, len: u64) -> PluginResult<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let bytes = usize::try_from(len).map_err(|_| invalid("copy_async: too large"))?;
+        let d = self.driver;
+        let f = d.function(d.api.cu_memcpy_async, "cuMemcpyAsync")?;
+        let _current = stream.ctx.enter()?;
+        // SAFETY: the stream is alive (borrowed) and its context current;
+        // the driver validates both addresses (unified addressing tells it
+        // the direction) and fails the call rather than touching bad memory
+        // it knows about. The caller keeps both buffers alive until
+        // stream_sync, as the ABI requires.
+        let r = unsafe { f(dst, src, bytes, stream.raw) };
+        d.check("cuMemcpyAsync", r).map_err(|mut e| {
+            e.message.push_str(&format!(
+                " ({len} bytes {src:#x} -> {dst:#x} on a cuda:{} stream)",
+                stream.ordinal
+            ));
+            e
+        })
+    }
+
+    fn stream_sync(&self, stream: &CudaStream) -> PluginResult<()> {
+        let d = self.driver;
+        let f = d.function(d.api.cu_stream_synchronize, "cuStreamSynchronize")?;
+        let _current = stream.ctx.enter()?;
+        // SAFETY: the stream is alive (borrowed) and its context current.
+        d.check("cuStreamSynchronize", unsafe { f(stream.raw) })
+    }
+}
+
+impl CudaInstance {
+    fn release_device(&self, ptr: u64, a: Allocation) -> PluginResult<()> {
+        let d = self.driver;
+        let f = d.function(d.api.cu_mem_free, "cuMemFree_v2")?;
+        let ctx = self.context(a.ordinal)?;
+        let _current = ctx.enter()?;
+        // SAFETY: ptr came from cuMemAlloc_v2 in this context and was just
+        // removed from the table, so it is freed once.
+        d.check("cuMemFree_v2", unsafe { f(ptr) })
+    }
+
+    fn release_pinned(&self, ptr: u64, a: Allocation) -> PluginResult<()> {
+        let d = self.driver;
+        let f = d.function(d.api.cu_mem_free_host, "cuMemFreeHost")?;
+        let ctx = self.context(a.ordinal)?;
+        let _current = ctx.enter()?;
+        // SAFETY: ptr came from cuMemHostAlloc and was just removed from the
+        // table, so it is freed once.
+        d.check("cuMemFreeHost", unsafe { f(ptr as *mut c_void) })
+    }
+}
+
+impl Drop for CudaInstance {
+    fn drop(&mut self) {
+        // Free what the engine left behind while our contexts still hold;
+        // the contexts themselves are released as the devices drop (or with
+        // the last stream that still refers to one).
+        let device: Vec<(u64, Allocation)> = self
+            .device_memory
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain()
+            .collect();
+        let pinned: Vec<(u64, Allocation)> = self
+            .pinned_memory
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain()
+            .collect();
+        if !device.is_empty() || !pinned.is_empty() {
+            let bytes: u64 = device.iter().chain(&pinned).map(|(_, a)| a.len).sum();
+            self.host.warn(&format!(
+                "{} device and {} pinned allocations ({bytes} bytes) were still live at fini; freed",
+                device.len(),
+                pinned.len()
+            ));
+        }
+        for (ptr, a) in device {
+            let _ = self.release_device(ptr, a);
+        }
+        for (ptr, a) in pinned {
+            let _ = self.release_pinned(ptr, a);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spans_widen_to_whole_pages() {
+        assert_eq!(page_span(0x10000, 0x1000, 4096), Some((0x10000, 0x11000)));
+        assert_eq!(page_span(0x10064, 1000, 4096), Some((0x10000, 0x11000)));
+        assert_eq!(page_span(0x10fff, 2, 4096), Some((0x10000, 0x12000)));
+        assert_eq!(page_span(0x12345, 1, 65536), Some((0x10000, 0x20000)));
+        assert_eq!(page_span(u64::MAX - 10, 100, 4096), None);
+    }
+
+    #[test]
+    fn attributes_classify_every_kind() {
+        let a = |memory_type, managed| Attributes {
+            memory_type,
+            ordinal: 3,
+            managed,
+            start: 0x1000,
+            size: 0x2000,
+        };
+        assert_eq!(a(0, false).classify(), PointerInfo::HOST);
+        let dev = a(CU_MEMORYTYPE_DEVICE, false).classify();
+        assert_eq!((dev.kind, dev.ordinal), (PointerKind::Device, Some(3)));
+        assert_eq!((dev.base, dev.size), (0x1000, 0x2000));
+        let pinned = a(CU_MEMORYTYPE_HOST, false).classify();
+        assert_eq!(
+            (pinned.kind, pinned.ordinal),
+            (PointerKind::HostPinned, None)
+        );
+        let managed = a(CU_MEMORYTYPE_DEVICE, true).classify();
+        assert_eq!(
+            (managed.kind, managed.ordinal),
+            (PointerKind::Managed, Some(3))
+        );
+        assert_eq!(
+            a(CU_MEMORYTYPE_UNIFIED, false).classify().kind,
+            PointerKind::Managed
+        );
+    }
+}
