@@ -56,6 +56,8 @@ pub const CU_MEMORYTYPE_ARRAY: u32 = 3;
 pub const CU_MEMORYTYPE_UNIFIED: u32 = 4;
 
 pub const CU_MEMHOSTALLOC_PORTABLE: c_uint = 0x01;
+/// cuMemHostRegister: pinned for every context, not only the current one.
+pub const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 0x01;
 pub const CU_STREAM_NON_BLOCKING: c_uint = 0x01;
 pub const CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD: c_int = 1;
 
@@ -182,6 +184,10 @@ driver_api! {
         fn(CUdeviceptr, CUdeviceptr, usize, CUstream);
     cu_stream_synchronize: Required c"cuStreamSynchronize" ["cuStreamSynchronize"]
         fn(CUstream);
+    cu_mem_host_register: Optional c"cuMemHostRegister" ["cuMemHostRegister_v2"]
+        fn(*mut c_void, usize, c_uint);
+    cu_mem_host_unregister: Optional c"cuMemHostUnregister" ["cuMemHostUnregister"]
+        fn(*mut c_void);
     cu_mem_get_handle_for_address_range: Optional c"cuMemGetHandleForAddressRange"
         ["cuMemGetHandleForAddressRange"] fn(*mut c_void, CUdeviceptr, usize, c_int, u64);
 }
@@ -729,7 +735,12 @@ mod tests {
             .collect();
         assert_eq!(
             optional,
-            ["cuDeviceGetUuid_v2", "cuMemGetHandleForAddressRange"]
+            [
+                "cuDeviceGetUuid_v2",
+                "cuMemHostRegister_v2",
+                "cuMemHostUnregister",
+                "cuMemGetHandleForAddressRange"
+            ]
         );
     }
 }

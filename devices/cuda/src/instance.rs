@@ -198,6 +198,8 @@ pub struct CudaInstance {
     devices: Vec<Device>,
     device_memory: Mutex<HashMap<u64, Allocation>>,
     pinned_memory: Mutex<HashMap<u64, Allocation>>,
+    /// Host memory pinned in place by pin_host.
+    registered_memory: Mutex<HashMap<u64, Allocation>>,
     page_size: u64,
     said_pointer_needs_context: AtomicBool,
 }
@@ -277,6 +279,7 @@ impl CudaInstance {
                 .collect(),
             device_memory: Mutex::new(HashMap::new()),
             pinned_memory: Mutex::new(HashMap::new()),
+            registered_memory: Mutex::new(HashMap::new()),
             page_size: host_page_size(),
             said_pointer_needs_context: AtomicBool::new(false),
         }
@@ -507,6 +510,52 @@ impl DeviceInstance for CudaInstance {
             return;
         };
         if let Err(e) = self.release_pinned(ptr, a) {
+            self.host.warn(&e.message);
+        }
+    }
+
+    fn pin_host(&self, addr: u64, len: u64) -> Option<PluginResult<()>> {
+        let d = self.driver;
+        let f = d.api.cu_mem_host_register?;
+        Some((|| {
+            let bytes = usize::try_from(len).map_err(|_| invalid("pin_host: too large"))?;
+            if addr == 0 || len == 0 {
+                return Err(invalid("pin_host: empty range"));
+            }
+            let (ordinal, ctx) = self.any_context()?;
+            let _current = ctx.enter()?;
+            // SAFETY: the engine pins only host memory it allocated and
+            // keeps mapped until unpin_host; the driver checks the range.
+            let r = unsafe { f(addr as *mut c_void, bytes, CU_MEMHOSTREGISTER_PORTABLE) };
+            d.check("cuMemHostRegister", r).map_err(|mut e| {
+                e.message.push_str(&format!(" ({len} bytes at {addr:#x})"));
+                e
+            })?;
+            self.registered_memory
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(addr, Allocation { ordinal, len });
+            Ok(())
+        })())
+    }
+
+    fn unpin_host(&self, addr: u64) {
+        let found = self
+            .registered_memory
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&addr);
+        let (Some(a), Some(f)) = (found, self.driver.api.cu_mem_host_unregister) else {
+            return;
+        };
+        let unpinned = self.context(a.ordinal).and_then(|ctx| {
+            let _current = ctx.enter()?;
+            // SAFETY: addr was registered by pin_host and just removed from
+            // the table, so it is unregistered once.
+            self.driver
+                .check("cuMemHostUnregister", unsafe { f(addr as *mut c_void) })
+        });
+        if let Err(e) = unpinned {
             self.host.warn(&e.message);
         }
     }

@@ -7,7 +7,9 @@
 //! map like a real dma-buf.
 //!
 //! Behaviour is steered by FERRY_FAKEGPU_DEVICES (default 1), and
-//! FERRY_FAKEGPU_PCI (comma list of PCI bus ids, default 0000:1b:00.0,...).
+//! FERRY_FAKEGPU_PCI (comma list of PCI bus ids, default 0000:1b:00.0,...);
+//! FERRY_FAKEGPU_GDR=0 and FERRY_FAKEGPU_DMABUF=0 make the GPUs report no
+//! GPUDirect RDMA (attribute 116) or no DMA-BUF (attribute 124).
 
 use ferry_plugins_abi::sdk::{
     DeviceInfo, DeviceInstance, DevicePlugin, Host, PluginError, PluginResult, PointerInfo,
@@ -20,6 +22,11 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Mutex;
 
 pub struct FakeGpu;
+
+/// A device attribute the environment may switch off (default on).
+fn attribute(var: &str) -> bool {
+    std::env::var(var).map_or(true, |v| v != "0")
+}
 
 fn devices() -> u32 {
     std::env::var("FERRY_FAKEGPU_DEVICES")
@@ -127,9 +134,9 @@ impl DeviceInstance for Instance {
             pci_bus_id: pci(ordinal),
             uuid: format!("GPU-fake-{ordinal}"),
             total_memory: 1 << 34,
-            gpu_direct_rdma: Some(true),
-            dmabuf: Some(true),
-            dmabuf_export: true,
+            gpu_direct_rdma: Some(attribute("FERRY_FAKEGPU_GDR")),
+            dmabuf: Some(attribute("FERRY_FAKEGPU_DMABUF")),
+            dmabuf_export: attribute("FERRY_FAKEGPU_DMABUF"),
         })
     }
 
