@@ -65,7 +65,11 @@ fn gpu<'a>(v: &'a Value, name: &str) -> &'a Value {
 
 fn nearest(g: &Value) -> String {
     let n = &g["nearest_nics"][0];
-    format!("{} {}", n["name"].as_str().unwrap(), n["class"].as_str().unwrap())
+    format!(
+        "{} {}",
+        n["name"].as_str().unwrap(),
+        n["class"].as_str().unwrap()
+    )
 }
 
 fn method(g: &Value) -> &str {
@@ -134,7 +138,10 @@ fn the_driver_numbers_gpus_and_its_attributes_drive_the_decision() {
 
     // DMA-BUF when the GPU and libibverbs support it; without libibverbs
     // (CI), staging, and the reason names it.
-    let verbs = v["gpu_direct"]["libibverbs"].as_str().unwrap_or("").to_string();
+    let verbs = v["gpu_direct"]["libibverbs"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
     if verbs.contains("exports ibv_reg_dmabuf_mr") {
         assert_eq!(method(g0), "DMA-BUF", "{g0:#}");
     } else {
@@ -149,7 +156,10 @@ fn the_driver_numbers_gpus_and_its_attributes_drive_the_decision() {
     if verbs.contains("loads") {
         let why = skipped(g0);
         assert!(why.contains("DMA-BUF"), "{why}");
-        assert!(why.contains("nvidia_peermem") || why.contains("peermem"), "{why}");
+        assert!(
+            why.contains("nvidia_peermem") || why.contains("peermem"),
+            "{why}"
+        );
     }
 
     // The same with nvidia-peermem loaded: peermem.

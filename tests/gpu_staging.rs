@@ -88,3 +88,154 @@ fn gpu_to_gpu_writes_and_reads_over_tcp_and_shm_are_staged_and_verified() {
         assert!(h2[..] == host[12345..12345 + (1 << 20)]);
     }
 }
+
+/// Many threads staging small and large requests to one peer at once: each
+/// job gets its own staging session, small requests share slot space, and
+/// every byte lands where it was sent.
+#[test]
+fn concurrent_staged_jobs_with_small_and_large_requests_stay_intact() {
+    let plugins = fake_gpu_dir();
+    let target = engine(plugins.path(), "tcp");
+    let initiator = std::sync::Arc::new(engine(plugins.path(), "tcp"));
+    const PER: u64 = 6 << 20;
+    const THREADS: u64 = 4;
+    let remote = target
+        .allocate_device(Location::Cuda(0), PER * THREADS)
+        .unwrap();
+    target.register_memory(remote, PER * THREADS, None).unwrap();
+    let seg = initiator.open_segment(target.segment_name()).unwrap();
+    let threads: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let initiator = initiator.clone();
+            std::thread::spawn(move || {
+                let src = initiator.allocate_device(Location::Cuda(0), PER).unwrap();
+                let dst = initiator.allocate_device(Location::Cuda(0), PER).unwrap();
+                initiator.register_memory(src, PER, None).unwrap();
+                initiator.register_memory(dst, PER, None).unwrap();
+                let host = pattern(PER as usize, t as u8 + 1);
+                // SAFETY: host is a live Vec of PER bytes; src is device memory.
+                unsafe { initiator.copy_memory(src, host.as_ptr() as u64, PER) }.unwrap();
+                let base = remote + t * PER;
+                // 4 KiB, 100 KiB, 1 MiB pieces, then the rest in one request.
+                let mut cuts = vec![0u64, 4096, 4096 + 100_000, 4096 + 100_000 + (1 << 20)];
+                cuts.push(PER);
+                let reqs = |op| {
+                    cuts.windows(2)
+                        .map(|w| {
+                            let (s, l) = (w[0], w[1] - w[0]);
+                            let local = if op == Op::Write { src } else { dst };
+                            Request::new(op, local + s, seg, base + s, l)
+                        })
+                        .collect::<Vec<_>>()
+                };
+                for _ in 0..3 {
+                    initiator.transfer_sync(&reqs(Op::Write)).unwrap();
+                    initiator.transfer_sync(&reqs(Op::Read)).unwrap();
+                }
+                let mut back = vec![0u8; PER as usize];
+                // SAFETY: back is a live Vec of PER bytes; dst is device memory.
+                unsafe { initiator.copy_memory(back.as_mut_ptr() as u64, dst, PER) }.unwrap();
+                assert!(back == host, "thread {t}: data came back changed");
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+/// Staging requests are network input: a peer that asks for too much,
+/// names slots or device memory it was not given, or sends garbage gets an
+/// error reply and the target keeps serving.
+#[test]
+fn hostile_staging_requests_are_refused_and_the_target_keeps_serving() {
+    use ferry_core::control::{ControlClient, MsgType};
+    use std::time::Duration;
+    let plugins = fake_gpu_dir();
+    let target = engine(plugins.path(), "tcp");
+    let dev = target.allocate_device(Location::Cuda(0), 1 << 20).unwrap();
+    target.register_memory(dev, 1 << 20, None).unwrap();
+    let unregistered = target.allocate_device(Location::Cuda(0), 1 << 20).unwrap();
+    let name = target.segment_name().to_string();
+    let t = Duration::from_secs(5);
+    let mut c = ControlClient::connect(&name, t, t).unwrap();
+    let refused = |c: &mut ControlClient, kind, body: &str| -> String {
+        match c.call(kind, body.as_bytes()) {
+            Ok(r) => panic!("{body}: accepted ({r:?})"),
+            Err(e) => e.to_string(),
+        }
+    };
+    let copy = |slot: u64, offset: u64, len: u64, addr: u64| {
+        format!(
+            r#"{{"to_device":true,"slot":{slot},"offset":{offset},"len":{len},"device_addr":{addr}}}"#
+        )
+    };
+    // No session yet.
+    let e = refused(&mut c, MsgType::StageCopy, &copy(0, 0, 4096, dev));
+    assert!(e.contains("no staging session"), "{e}");
+    // Too many slots, too large, garbage.
+    let e = refused(
+        &mut c,
+        MsgType::StageOpen,
+        r#"{"slots":100000,"slot_len":4096}"#,
+    );
+    assert!(e.contains("out of range"), "{e}");
+    let e = refused(
+        &mut c,
+        MsgType::StageOpen,
+        r#"{"slots":1,"slot_len":1099511627776}"#,
+    );
+    assert!(e.contains("out of range"), "{e}");
+    let e = refused(&mut c, MsgType::StageOpen, "\u{0}\u{1}not json");
+    assert!(e.contains("JSON"), "{e}");
+    // A real session, then copies outside it.
+    let (kind, _) = c
+        .call(MsgType::StageOpen, br#"{"slots":2,"slot_len":65536}"#)
+        .unwrap();
+    assert_eq!(kind, MsgType::StageOpened);
+    let e = refused(&mut c, MsgType::StageCopy, &copy(2, 0, 4096, dev));
+    assert!(e.contains("no such slot"), "{e}");
+    let e = refused(&mut c, MsgType::StageCopy, &copy(0, 65000, 4096, dev));
+    assert!(e.contains("outside the slot"), "{e}");
+    let e = refused(
+        &mut c,
+        MsgType::StageCopy,
+        &copy(0, u64::MAX - 10, 4096, dev),
+    );
+    assert!(e.contains("wraps") || e.contains("outside"), "{e}");
+    let e = refused(&mut c, MsgType::StageCopy, &copy(0, 0, 4096, unregistered));
+    assert!(e.contains("not inside device memory registered"), "{e}");
+    let e = refused(
+        &mut c,
+        MsgType::StageCopy,
+        &copy(0, 0, 4096, dev + (1 << 20) - 100),
+    );
+    assert!(e.contains("not inside device memory registered"), "{e}");
+    // The same connection still works for a good copy.
+    let (kind, _) = c
+        .call(MsgType::StageCopy, copy(0, 0, 4096, dev).as_bytes())
+        .unwrap();
+    assert_eq!(kind, MsgType::StageDone);
+    // Asking for more than the target lends in all is refused.
+    let mut many = Vec::new();
+    let e = loop {
+        let mut c = ControlClient::connect(&name, t, t).unwrap();
+        match c.call(MsgType::StageOpen, br#"{"slots":16,"slot_len":67108864}"#) {
+            Ok(_) => many.push(c),
+            Err(e) => break e.to_string(),
+        }
+        assert!(many.len() < 16, "the target lends without limit");
+    };
+    assert!(e.contains("capacity"), "{e}");
+    drop(many);
+    // And a real transfer still goes through afterwards.
+    let initiator = engine(plugins.path(), "tcp");
+    let src = initiator
+        .allocate_device(Location::Cuda(0), 1 << 20)
+        .unwrap();
+    initiator.register_memory(src, 1 << 20, None).unwrap();
+    let seg = initiator.open_segment(&name).unwrap();
+    initiator
+        .transfer_sync(&[Request::new(Op::Write, src, seg, dev, 1 << 20)])
+        .unwrap();
+}

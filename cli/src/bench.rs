@@ -533,7 +533,9 @@ pub fn device_check(device: Location) -> Result<(), String> {
         human_size(len),
         registered.unwrap_or_default()
     );
-    match engine.export_dmabuf(dev, len) {
+    let exported = engine.export_dmabuf(dev, len);
+    let export_failed = exported.is_err() && gpu.info.dmabuf == Some(true);
+    match exported {
         Ok((fd, offset)) => {
             use std::os::fd::AsRawFd;
             // SAFETY: fstat on the fd we own, into a zeroed stat.
@@ -572,9 +574,11 @@ pub fn device_check(device: Location) -> Result<(), String> {
     );
     let _ = engine.unregister_memory(dev);
     let _ = engine.free_device(dev);
-    if got == want {
-        Ok(())
-    } else {
+    if got != want {
         Err("the copy through the device changed the data".into())
+    } else if export_failed {
+        Err("the GPU supports DMA-BUF but the export failed".into())
+    } else {
+        Ok(())
     }
 }

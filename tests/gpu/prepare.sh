@@ -7,9 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 cargo build --release --workspace --locked -q
+cargo build --release --locked -q -p ferry-device-cuda --example cuda_check
 rm -rf .gpu
 mkdir -p .gpu/bin .gpu/lib/ferry/plugins
-cp target/release/ferry .gpu/bin/
+cp target/release/ferry target/release/examples/cuda_check .gpu/bin/
 for so in target/release/libferry_transport_*.so target/release/libferry_device_*.so; do
     [ -e "$so" ] && cp "$so" .gpu/lib/ferry/plugins/
 done

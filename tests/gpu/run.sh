@@ -32,6 +32,9 @@ $B info --json > "$OUT/info.json"
 check "cuda plugin enabled" grep -q '"name": "cuda"' "$OUT/info.json"
 check "GPU decision shown" grep -q 'registration:' "$OUT/info.txt"
 
+section "cuda plugin through its C ABI (every pointer kind, DMA-BUF ranges, contexts)"
+check "cuda_check" $P/bin/cuda_check $P/lib/ferry/plugins/libferry_device_cuda.so
+
 section "device check (allocation, classification, DMA-BUF export, copies)"
 check "device check" $B bench device-check --device cuda:0
 

@@ -33,6 +33,8 @@ pub const DEFAULT_CHUNK: u64 = 4 << 20;
 /// Default for FERRY_STAGING_DEPTH: chunks in flight per staged job.
 pub const DEFAULT_DEPTH: usize = 4;
 const MAX_SLOTS: usize = 16;
+/// Most chunks of one job in flight (small requests share slots).
+const MAX_INFLIGHT: usize = 64;
 const MAX_SLOT_LEN: u64 = 64 << 20;
 
 /// Staging state of one engine: its configuration, the sessions peers
@@ -93,41 +95,103 @@ impl Staging {
     }
 }
 
+/// Units per slot: a chunk smaller than a slot takes only the units it
+/// needs, so many small requests are in flight in the space of one chunk.
+const UNITS: u32 = 16;
+
+/// Space in a set of equal slots, in units, first fit.
+struct Space {
+    unit: u64,
+    used: Vec<u32>,
+}
+
+/// A range of one slot: its index, byte offset and unit mask.
+#[derive(Clone, Copy)]
+struct Piece {
+    slot: usize,
+    offset: u64,
+    mask: u32,
+}
+
+impl Space {
+    fn new(slots: usize, unit: u64) -> Space {
+        Space {
+            unit,
+            used: vec![0; slots],
+        }
+    }
+
+    fn take(&mut self, len: u64) -> Option<Piece> {
+        let n = len.div_ceil(self.unit).clamp(1, UNITS as u64) as u32;
+        let run = if n == 32 { u32::MAX } else { (1u32 << n) - 1 };
+        for (slot, used) in self.used.iter_mut().enumerate() {
+            for first in 0..=(UNITS - n) {
+                let mask = run << first;
+                if *used & mask == 0 {
+                    *used |= mask;
+                    return Some(Piece {
+                        slot,
+                        offset: first as u64 * self.unit,
+                        mask,
+                    });
+                }
+            }
+        }
+        None
+    }
+
+    fn give(&mut self, p: Piece) {
+        if let Some(used) = self.used.get_mut(p.slot) {
+            *used &= !p.mask;
+        }
+    }
+}
+
+/// The unit and slot length that hold chunks of `chunk` bytes.
+fn slot_geometry(chunk: u64) -> (u64, u64) {
+    let unit = chunk.div_ceil(UNITS as u64).next_multiple_of(4096);
+    (unit, unit * UNITS as u64)
+}
+
 /// Pinned host slots of this engine, used as local sources and destinations.
 pub(crate) struct SlotPool {
-    free: Mutex<Vec<u64>>,
+    bases: Vec<u64>,
+    space: Mutex<Space>,
     available: Condvar,
 }
 
 impl SlotPool {
-    /// A free slot; waits for one only when `wait` (a job that holds none
-    /// must not wait on jobs that hold some, or jobs could deadlock).
-    fn take(self: &Arc<Self>, wait: bool) -> Option<LocalSlot> {
-        let mut free = self.free.lock();
+    /// Room for `len` bytes; waits for it only when `wait` (a job that
+    /// holds none must not wait on jobs that hold some, or jobs could
+    /// deadlock).
+    fn take(self: &Arc<Self>, len: u64, wait: bool) -> Option<LocalSlot> {
+        let mut space = self.space.lock();
         loop {
-            if let Some(addr) = free.pop() {
+            if let Some(piece) = space.take(len) {
                 return Some(LocalSlot {
                     pool: self.clone(),
-                    addr,
+                    addr: self.bases[piece.slot] + piece.offset,
+                    piece,
                 });
             }
             if !wait {
                 return None;
             }
-            self.available.wait(&mut free);
+            self.available.wait(&mut space);
         }
     }
 }
 
 struct LocalSlot {
     pool: Arc<SlotPool>,
+    piece: Piece,
     addr: u64,
 }
 
 impl Drop for LocalSlot {
     fn drop(&mut self) {
-        self.pool.free.lock().push(self.addr);
-        self.pool.available.notify_one();
+        self.pool.space.lock().give(self.piece);
+        self.pool.available.notify_all();
     }
 }
 
@@ -159,17 +223,11 @@ impl StagingLease {
             .expect("a lease holds its session until dropped")
     }
 
-    fn send_copy(
-        &mut self,
-        to_device: bool,
-        slot: usize,
-        len: u64,
-        device_addr: u64,
-    ) -> Result<()> {
+    fn send_copy(&mut self, to_device: bool, at: Piece, len: u64, device_addr: u64) -> Result<()> {
         let body = serde_json::to_vec(&CopyRequest {
             to_device,
-            slot,
-            offset: 0,
+            slot: at.slot,
+            offset: at.offset,
             len,
             device_addr,
         })
@@ -243,8 +301,8 @@ struct Chunk {
     off: u64,
     len: u64,
     local_slot: Option<LocalSlot>,
-    /// Index of the peer's slot, in the job's session.
-    remote_slot: Option<usize>,
+    /// Room in the peer's slots, in the job's session.
+    remote_slot: Option<Piece>,
     stream: Option<(usize, u32, Stream)>,
     phase: Phase,
 }
@@ -459,7 +517,7 @@ impl Shared {
         let Some(device) = self.devices.first() else {
             return;
         };
-        for addr in pool.free.lock().drain(..) {
+        for &addr in &pool.bases {
             let _ = self.unregister_memory(addr);
             device.free_pinned(addr);
         }
@@ -476,7 +534,7 @@ impl Shared {
             .devices
             .first()
             .ok_or_else(|| Error::new(ErrorCode::Unsupported, "staging needs a device plugin"))?;
-        let len = self.staging.chunk;
+        let (unit, len) = slot_geometry(self.staging.chunk);
         let mut free = Vec::new();
         for _ in 0..self.staging.depth * 2 {
             let made = device.alloc_pinned(len).and_then(|addr| {
@@ -496,7 +554,8 @@ impl Shared {
             }
         }
         let pool = Arc::new(SlotPool {
-            free: Mutex::new(free),
+            space: Mutex::new(Space::new(free.len(), unit)),
+            bases: free,
             available: Condvar::new(),
         });
         *local = Some(pool.clone());
@@ -507,11 +566,7 @@ impl Shared {
     /// the host leg of staged transfers).
     pub(super) fn local_slot_buffer(&self) -> Result<Arc<LocalBuffer>> {
         let pool = self.local_slots()?;
-        let addr = pool.free.lock().first().copied();
-        let addr = match addr {
-            Some(a) => a,
-            None => pool.take(true).map_or(0, |s| s.addr),
-        };
+        let addr = pool.bases.first().copied().unwrap_or(0);
         self.memory
             .find(addr, 1)
             .ok_or_else(|| Error::new(ErrorCode::Internal, "a staging slot is not registered"))
@@ -530,7 +585,7 @@ impl Shared {
             ControlClient::connect(&seg.name, self.config.connect_timeout, self.config.timeout)?;
         let body = serde_json::to_vec(&OpenRequest {
             slots: self.staging.depth,
-            slot_len: self.staging.chunk,
+            slot_len: slot_geometry(self.staging.chunk).1,
         })
         .map_err(|e| Error::new(ErrorCode::Internal, e.to_string()))?;
         let (kind, reply) = client.call(MsgType::StageOpen, &body)?;
@@ -550,6 +605,13 @@ impl Shared {
             return Err(Error::new(
                 ErrorCode::Protocol,
                 "the peer lent no usable staging slots",
+            ));
+        }
+        let (_, slot_len) = slot_geometry(self.staging.chunk);
+        if reply.slots.iter().any(|b| b.len < slot_len) {
+            return Err(Error::new(
+                ErrorCode::Protocol,
+                "the peer lent staging slots smaller than asked",
             ));
         }
         let main = seg.view.read().clone();
@@ -633,7 +695,7 @@ impl Shared {
         };
         loop {
             // Admit chunks while the window and the slots allow.
-            while inflight.len() < self.staging.depth {
+            while inflight.len() < MAX_INFLIGHT {
                 let Some(&(i, off)) = pending.front() else {
                     break;
                 };
@@ -696,7 +758,7 @@ impl Shared {
         let it = &job.items[i];
         let len = self.staging.chunk.min(it.length - off);
         let local_slot = match (it.local.device, pool) {
-            (Some(_), Some(p)) => match p.take(may_wait) {
+            (Some(_), Some(p)) => match p.take(len, may_wait) {
                 Some(s) => Some(s),
                 None => return Ok(None),
             },
@@ -706,11 +768,12 @@ impl Shared {
             let seg = it.segment.id;
             if !job.leases.contains_key(&seg) {
                 let lease = self.remote_staging(&it.segment)?;
+                let (unit, _) = slot_geometry(self.staging.chunk);
                 job.free_remote
-                    .insert(seg, (0..lease.view().buffers.len()).rev().collect());
+                    .insert(seg, Space::new(lease.view().buffers.len(), unit));
                 job.leases.insert(seg, lease);
             }
-            match job.free_remote.get_mut(&seg).and_then(|f| f.pop()) {
+            match job.free_remote.get_mut(&seg).and_then(|f| f.take(len)) {
                 Some(s) => Some(s),
                 None => return Ok(None),
             }
@@ -781,7 +844,7 @@ impl Shared {
                     Error::new(ErrorCode::Internal, "a staged chunk lost its session")
                 })?;
                 let view = lease.view().clone();
-                (view.buffers[slot].addr, Some(view))
+                (view.buffers[slot.slot].addr + slot.offset, Some(view))
             }
             None => (it.remote_addr + c.off, None),
         };
@@ -894,7 +957,7 @@ impl Shared {
         if let Some(slot) = c.remote_slot {
             let seg = job.items[c.item].segment.id;
             if let Some(f) = job.free_remote.get_mut(&seg) {
-                f.push(slot);
+                f.give(slot);
             }
         }
     }
@@ -908,7 +971,7 @@ struct Job<'a> {
     batch: &'a Batch,
     /// The session used with each peer, for the whole job.
     leases: HashMap<SegmentId, StagingLease>,
-    free_remote: HashMap<SegmentId, Vec<usize>>,
+    free_remote: HashMap<SegmentId, Space>,
     /// Per peer, the chunks whose copy requests await replies, oldest first.
     awaiting: HashMap<SegmentId, VecDeque<(usize, u64)>>,
     /// Replies read for chunks that were not being looked at.
