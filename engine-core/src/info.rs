@@ -190,7 +190,11 @@ pub struct NicRank {
 #[derive(Clone, Debug, Serialize)]
 pub struct Registration {
     pub method: String,
+    /// Why this method (what makes it possible).
+    pub reason: String,
     pub skipped: Vec<Skipped>,
+    /// What applies today, when it differs from the method (no RDMA NIC).
+    pub note: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -268,8 +272,27 @@ impl InfoReport {
                 })
             });
             let d = gpudirect::decide(policy, facts, &host, pair.as_ref());
+            let reason = match d.method {
+                gpudirect::Method::DmaBuf => "the GPU supports DMA-BUF (attribute 124), the driver \
+                    exports it (cuMemGetHandleForAddressRange) and libibverbs has ibv_reg_dmabuf_mr"
+                    .to_string(),
+                gpudirect::Method::PeerMem => format!(
+                    "the GPU supports GPUDirect RDMA (attribute 116) and nvidia-peermem is loaded ({})",
+                    host.peermem.as_deref().unwrap_or("?")
+                ),
+                gpudirect::Method::Staged => {
+                    "every transport can move it through pinned host memory".to_string()
+                }
+            };
+            let note = (d.method != gpudirect::Method::Staged && pair.is_none()).then(|| {
+                "no RDMA NIC on this host yet: until one is present, transfers of this GPU's \
+                 memory are staged through pinned host memory"
+                    .to_string()
+            });
             Registration {
                 method: d.method.as_str().to_string(),
+                reason,
+                note,
                 skipped: d
                     .skipped
                     .iter()
@@ -326,6 +349,8 @@ impl InfoReport {
                     nearest_nics: nics,
                     registration: Registration {
                         method: gpudirect::Method::Staged.as_str().to_string(),
+                        reason: "every transport can move it through pinned host memory".into(),
+                        note: None,
                         skipped: vec![Skipped {
                             method: "GPUDirect".into(),
                             reason: "no GPU driver plugin is enabled (see the cuda plugin's reason above)"
@@ -396,9 +421,13 @@ fn render_gpus(out: &mut String, report: &InfoReport) {
                 nics.join(", ")
             }
         );
-        let _ = writeln!(out, "      registration: {}", g.registration.method);
-        for s in &g.registration.skipped {
+        let r = &g.registration;
+        let _ = writeln!(out, "      registration: {} ({})", r.method, r.reason);
+        for s in &r.skipped {
             let _ = writeln!(out, "        not {}: {}", s.method, s.reason);
+        }
+        if let Some(n) = &r.note {
+            let _ = writeln!(out, "        today: {n}");
         }
     }
 }
