@@ -66,6 +66,12 @@ enum Command {
         #[arg(long, hide = true, value_names = ["NAME", "DIR"], num_args = 2)]
         write_fixture: Option<Vec<String>>,
     },
+    /// List the segments registered in the metadata store (FERRY_METADATA).
+    Segments {
+        /// Print JSON: name, engine id, control address, transports, buffers.
+        #[arg(long)]
+        json: bool,
+    },
     /// A real transfer between two engines in two processes on this host,
     /// saying what was chosen and why, then verifying every byte.
     Demo {
@@ -195,6 +201,7 @@ fn main() -> ExitCode {
             json,
             write_fixture,
         } => topology(json, write_fixture),
+        Command::Segments { json } => segments(json),
         Command::Demo {
             size,
             block,
@@ -299,6 +306,54 @@ fn info(json: bool) -> Result<(), String> {
         println!("{text}");
     } else {
         print!("{}", report.render_text());
+    }
+    Ok(())
+}
+
+fn segments(json: bool) -> Result<(), String> {
+    let config = ferry_core::EngineConfig::from_env().map_err(|e| e.to_string())?;
+    let store = match &config.metadata {
+        ferry_core::metadata::MetadataConfig::P2p => None,
+        m => Some(
+            ferry_core::metadata::EtcdStore::connect(m, config.connect_timeout)
+                .map_err(|e| e.to_string())?,
+        ),
+    };
+    let list = ferry_core::engine::list_segments(store.as_deref()).map_err(|e| e.to_string())?;
+    if json {
+        let items: Vec<serde_json::Value> = list
+            .iter()
+            .map(|(name, d)| {
+                serde_json::json!({
+                    "name": name,
+                    "engine_id": d.engine_id,
+                    "control": d.control_addr(),
+                    "transports": d.transports.iter().map(|t| t.name.clone()).collect::<Vec<_>>(),
+                    "buffers": d.buffers.len(),
+                    "bytes": d.buffers.iter().map(|b| b.len).sum::<u64>(),
+                })
+            })
+            .collect();
+        let text = serde_json::to_string_pretty(&items).map_err(|e| e.to_string())?;
+        println!("{text}");
+        return Ok(());
+    }
+    if list.is_empty() {
+        println!("no segments registered");
+    }
+    for (name, d) in &list {
+        println!(
+            "{name:<24} engine {}  control {}  transports {}  {} buffers, {} bytes",
+            d.engine_id,
+            d.control_addr(),
+            d.transports
+                .iter()
+                .map(|t| t.name.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+            d.buffers.len(),
+            d.buffers.iter().map(|b| b.len).sum::<u64>()
+        );
     }
     Ok(())
 }

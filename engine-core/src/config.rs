@@ -2,6 +2,7 @@
 //! wins). Every setting here is documented in the README with its default.
 
 use crate::error::{Error, ErrorCode, Result};
+use crate::metadata::MetadataConfig;
 use crate::topology::TopologyConfig;
 use ferry_loader::{LoaderConfig, NameFilter};
 use std::collections::BTreeMap;
@@ -38,6 +39,13 @@ pub struct EngineConfig {
     /// Where topology comes from (FERRY_SYSFS_ROOT, FERRY_NICS,
     /// FERRY_TOPOLOGY_FILE, CUDA_VISIBLE_DEVICES).
     pub topology: TopologyConfig,
+    /// Where segments are found by name (FERRY_METADATA): peer to peer, or
+    /// etcd with a key prefix (FERRY_METADATA_PREFIX) and a lease TTL
+    /// (FERRY_METADATA_TTL_S).
+    pub metadata: MetadataConfig,
+    /// The name this engine registers under in a metadata store
+    /// (FERRY_NAME); by default its control address, "host:port".
+    pub name: Option<String>,
 }
 
 impl Default for EngineConfig {
@@ -51,6 +59,8 @@ impl Default for EngineConfig {
             settings: BTreeMap::new(),
             loader: LoaderConfig::default(),
             topology: TopologyConfig::default(),
+            metadata: MetadataConfig::P2p,
+            name: None,
         }
     }
 }
@@ -127,6 +137,18 @@ impl EngineConfig {
         if let Ok(v) = std::env::var("FERRY_SPIN_US") {
             c.spin = parse_us("FERRY_SPIN_US", &v)?;
         }
+        if let Ok(v) = std::env::var("FERRY_METADATA") {
+            c.set("metadata", &v)?;
+        }
+        for (var, key) in [
+            ("FERRY_METADATA_PREFIX", "metadata_prefix"),
+            ("FERRY_METADATA_TTL_S", "metadata_ttl_s"),
+            ("FERRY_NAME", "name"),
+        ] {
+            if let Ok(v) = std::env::var(var) {
+                c.set(key, &v)?;
+            }
+        }
         Ok(c)
     }
 
@@ -141,6 +163,66 @@ impl EngineConfig {
             "timeout_ms" => self.timeout = parse_ms("timeout_ms", value)?,
             "connect_timeout_ms" => self.connect_timeout = parse_ms("connect_timeout_ms", value)?,
             "spin_us" => self.spin = parse_us("spin_us", value)?,
+            "metadata" => {
+                // Keep a prefix or TTL set before the store.
+                let old = std::mem::take(&mut self.metadata);
+                self.metadata = MetadataConfig::parse(value)?;
+                if let (
+                    MetadataConfig::Etcd { prefix, ttl_s, .. },
+                    MetadataConfig::Etcd {
+                        prefix: p,
+                        ttl_s: t,
+                        ..
+                    },
+                ) = (&mut self.metadata, old)
+                {
+                    *prefix = p;
+                    *ttl_s = t;
+                }
+            }
+            "metadata_prefix" | "metadata_ttl_s" => {
+                if let MetadataConfig::Etcd { prefix, ttl_s, .. } = &mut self.metadata {
+                    if key == "metadata_prefix" {
+                        let v = value.trim();
+                        if v.is_empty() || v.contains(char::is_whitespace) {
+                            return Err(Error::new(
+                                ErrorCode::InvalidArgument,
+                                format!("metadata_prefix {value:?}: expected a key prefix such as /ferry/cluster-a"),
+                            ));
+                        }
+                        *prefix = format!("/{}", v.trim_matches('/'));
+                    } else {
+                        *ttl_s = value
+                            .trim()
+                            .parse::<u64>()
+                            .ok()
+                            .filter(|t| (2..=3600).contains(t))
+                            .ok_or_else(|| {
+                                Error::new(
+                                    ErrorCode::InvalidArgument,
+                                    format!(
+                                        "metadata_ttl_s {value:?}: expected seconds, 2 to 3600"
+                                    ),
+                                )
+                            })?;
+                    }
+                } else {
+                    return Err(Error::new(
+                        ErrorCode::InvalidArgument,
+                        format!("{key} applies to a metadata store: set metadata (FERRY_METADATA) to etcd://host:port first"),
+                    ));
+                }
+            }
+            "name" => {
+                let v = value.trim();
+                if v.is_empty() || v.len() > 200 || v.chars().any(|c| c.is_control() || c == '/') {
+                    return Err(Error::new(
+                        ErrorCode::InvalidArgument,
+                        format!("segment name {value:?}: 1 to 200 characters, no '/' or control characters"),
+                    ));
+                }
+                self.name = Some(v.to_string());
+            }
             "plugin_path" => {
                 let mut dirs: Vec<_> = std::env::split_paths(value)
                     .filter(|p| !p.as_os_str().is_empty())
@@ -163,7 +245,8 @@ impl EngineConfig {
                     format!(
                         "unknown option {key:?}: expected listen, hostname, timeout_ms, \
                          connect_timeout_ms, spin_us, plugin_path, transports, nics, sysfs_root, \
-                         topology_file, or a plugin setting such as tcp.connections"
+                         topology_file, metadata, metadata_prefix, metadata_ttl_s, name, \
+                         or a plugin setting such as tcp.connections"
                     ),
                 ))
             }

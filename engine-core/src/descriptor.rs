@@ -23,6 +23,10 @@ pub struct SegmentDescriptor {
     pub version: u32,
     /// "host:port" (or a name in a metadata store).
     pub name: String,
+    /// The engine's control address, "host:port" (staging sessions, plugin
+    /// messages, descriptor reads). Empty in old descriptors: the name.
+    #[serde(default)]
+    pub control: String,
     /// Random per engine instance: a restarted peer has a new one.
     pub engine_id: String,
     /// Same value on every engine of one host (see `identity`).
@@ -77,6 +81,15 @@ fn protocol(msg: &str) -> Error {
 }
 
 impl SegmentDescriptor {
+    /// Where the engine's control listener is.
+    pub fn control_addr(&self) -> &str {
+        if self.control.is_empty() {
+            &self.name
+        } else {
+            &self.control
+        }
+    }
+
     pub fn to_json(&self) -> Vec<u8> {
         serde_json::to_vec(self).unwrap_or_default()
     }
@@ -183,6 +196,7 @@ mod tests {
         SegmentDescriptor {
             version: DESCRIPTOR_VERSION,
             name: "127.0.0.1:1234".into(),
+            control: String::new(),
             engine_id: "e".into(),
             machine_id: "m".into(),
             process_id: "p".into(),

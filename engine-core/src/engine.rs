@@ -212,7 +212,13 @@ struct Shared {
     gpus: Vec<Gpu>,
     staging: staging::Staging,
     identity: Identity,
+    /// The segment name peers open: the control address, or the name
+    /// registered in the metadata store.
     name: String,
+    /// The control listener's "host:port".
+    control_addr: String,
+    /// The metadata store (etcd), when not peer to peer.
+    metadata: Option<Arc<crate::metadata::EtcdStore>>,
     plugins: PluginSet,
     transports: Vec<Arc<Transport>>,
     transport_failures: Vec<(String, Error)>,
@@ -314,7 +320,26 @@ impl Engine {
                 format!("cannot read the control address: {e}"),
             )
         })?;
-        let name = format!("{}:{}", advertised_host(&config, bound), bound.port());
+        let control_addr = format!("{}:{}", advertised_host(&config, bound), bound.port());
+        let metadata = match &config.metadata {
+            crate::metadata::MetadataConfig::P2p => {
+                if let Some(n) = &config.name {
+                    log::warn!(
+                        "name {n:?} ignored: without a metadata store (FERRY_METADATA) a \
+                         segment's name is its control address, {control_addr}"
+                    );
+                }
+                None
+            }
+            m => Some(crate::metadata::EtcdStore::connect(
+                m,
+                config.connect_timeout,
+            )?),
+        };
+        let name = match (&metadata, &config.name) {
+            (Some(_), Some(n)) => n.clone(),
+            _ => control_addr.clone(),
+        };
 
         let mut settings = config.settings.clone();
         settings
@@ -399,6 +424,8 @@ impl Engine {
             staging: staging::Staging::from_env(),
             identity: Identity::new(),
             name,
+            control_addr,
+            metadata,
             plugins,
             transports,
             transport_failures,
@@ -414,6 +441,24 @@ impl Engine {
         });
         let weak: Weak<dyn ControlHandler> = Arc::downgrade(&shared) as Weak<dyn ControlHandler>;
         let control = ControlServer::start(listener, weak, shared.config.timeout)?;
+        if let Some(store) = &shared.metadata {
+            if let Ok(Some(old)) = store.fetch(&shared.name) {
+                if let Ok(d) = SegmentDescriptor::from_json(&old) {
+                    log::warn!(
+                        "metadata: segment {} was registered by engine {} (at {}); replacing it",
+                        shared.name,
+                        d.engine_id,
+                        d.control_addr()
+                    );
+                }
+            }
+            store.publish(&shared.name, shared.describe().to_json())?;
+            log::info!(
+                "metadata: registered segment {} in etcd at {}",
+                shared.name,
+                store.endpoints()
+            );
+        }
         log::info!(
             "engine {} listening; transports: {}",
             shared.name,
@@ -427,9 +472,16 @@ impl Engine {
         Ok(Engine { control, shared })
     }
 
-    /// This engine's segment name, "host:port", for peers to open.
+    /// This engine's segment name for peers to open: "host:port", or its
+    /// name in the metadata store.
     pub fn segment_name(&self) -> &str {
         &self.shared.name
+    }
+
+    /// The metadata store's segments (name, descriptor), or an error
+    /// without one.
+    pub fn list_segments(&self) -> Result<Vec<(String, SegmentDescriptor)>> {
+        list_segments(self.shared.metadata.as_deref())
     }
 
     pub fn control_addr(&self) -> SocketAddr {
@@ -867,7 +919,8 @@ impl Shared {
     /// The interface the kernel uses toward the segment's host, and its NIC.
     fn route_nic(&self, seg: &RemoteSegment, local: &LocalBuffer) -> Option<RouteNic> {
         use std::net::ToSocketAddrs;
-        let peer = seg.name.to_socket_addrs().ok()?.next()?;
+        let control = seg.view.read().descriptor.control_addr().to_string();
+        let peer = control.to_socket_addrs().ok()?.next()?;
         let local_ip = ferry_plugins_abi::sdk::net::source_address_toward(peer)?;
         let itf = ferry_plugins_abi::sdk::net::interface_with(local_ip)?;
         let nic = self
@@ -896,6 +949,7 @@ impl Shared {
         SegmentDescriptor {
             version: DESCRIPTOR_VERSION,
             name: self.name.clone(),
+            control: self.control_addr.clone(),
             engine_id: self.identity.engine_id.clone(),
             machine_id: self.identity.machine_id.clone(),
             process_id: self.identity.process_id.clone(),
@@ -1016,6 +1070,7 @@ impl Shared {
             ));
         }
         log::debug!("registered [{addr:#x}, +{len}) at {location_s} ({visibility:?})");
+        let published = visibility == Visibility::Published;
         let buffer = Arc::new(LocalBuffer {
             addr,
             len,
@@ -1027,6 +1082,9 @@ impl Shared {
             inflight: Default::default(),
         });
         self.memory.insert(buffer.clone());
+        if published {
+            self.publish();
+        }
         Ok(buffer)
     }
 
@@ -1121,6 +1179,9 @@ impl Shared {
                 first_error.get_or_insert(e);
             }
         }
+        if buffer.visibility == Visibility::Published {
+            self.publish();
+        }
         first_error.map_or(Ok(()), Err)
     }
 
@@ -1144,6 +1205,48 @@ impl Shared {
             })
     }
 
+    /// A peer's descriptor: from the metadata store when there is one,
+    /// else from the peer itself (the name is its control address).
+    fn fetch_descriptor(&self, name: &str) -> Result<SegmentDescriptor> {
+        let Some(store) = &self.metadata else {
+            return control::fetch_descriptor(
+                name,
+                self.config.connect_timeout,
+                self.config.timeout,
+            );
+        };
+        match store.fetch(name)? {
+            Some(bytes) => SegmentDescriptor::from_json(&bytes).map_err(|e| {
+                Error::new(
+                    e.code,
+                    format!(
+                        "segment {name} in etcd at {}: {}",
+                        store.endpoints(),
+                        e.message
+                    ),
+                )
+            }),
+            None => Err(Error::new(
+                ErrorCode::NotFound,
+                format!(
+                    "no such segment {name:?} in etcd at {} (its engine is not running, or \
+                     registered under another name or prefix; `ferry segments` lists them)",
+                    store.endpoints()
+                ),
+            )),
+        }
+    }
+
+    /// Stores this engine's descriptor in the metadata store, if any. A
+    /// failure is logged: the store's keeper stores it once etcd answers.
+    fn publish(&self) {
+        if let Some(store) = &self.metadata {
+            if let Err(e) = store.publish(&self.name, self.describe().to_json()) {
+                log::warn!("metadata: {e}");
+            }
+        }
+    }
+
     fn scope_of(&self, d: &SegmentDescriptor) -> Scope {
         if d.machine_id != self.identity.machine_id {
             Scope::CrossHost
@@ -1158,8 +1261,7 @@ impl Shared {
         if let Some(seg) = self.segments.read().values().find(|s| s.name == name) {
             return Ok(seg.id);
         }
-        let descriptor =
-            control::fetch_descriptor(name, self.config.connect_timeout, self.config.timeout)?;
+        let descriptor = self.fetch_descriptor(name)?;
         let scope = self.scope_of(&descriptor);
         let id = self.next_segment.fetch_add(1, Ordering::SeqCst);
         log::info!(
@@ -1195,8 +1297,7 @@ impl Shared {
     /// Re-reads a segment's descriptor. A peer that restarted (new engine
     /// id) has lost every connection: drop ours.
     fn refresh(&self, seg: &RemoteSegment) -> Result<Arc<RemoteView>> {
-        let descriptor =
-            control::fetch_descriptor(&seg.name, self.config.connect_timeout, self.config.timeout)?;
+        let descriptor = self.fetch_descriptor(&seg.name)?;
         let view = Arc::new(RemoteView::new(descriptor));
         let mut current = seg.view.write();
         if current.descriptor.engine_id != view.descriptor.engine_id {
@@ -1717,6 +1818,10 @@ fn anonymous_map(len: u64) -> Result<u64> {
 
 impl Drop for Shared {
     fn drop(&mut self) {
+        // Gone from the metadata store at once, not when the lease expires.
+        if let Some(store) = &self.metadata {
+            store.withdraw();
+        }
         // Staging sessions peers opened here, and our own slots.
         let conns: Vec<u64> = self.staging_connections();
         for c in conns {
@@ -1772,4 +1877,27 @@ fn rank_reason(t: &Transport, scope: Scope) -> String {
         },
         _ => format!("{} is a vendor transport both ends run", t.name),
     }
+}
+
+/// Segments stored in a metadata store, decoded; entries that do not decode
+/// are skipped with a warning.
+pub fn list_segments(
+    store: Option<&crate::metadata::EtcdStore>,
+) -> Result<Vec<(String, SegmentDescriptor)>> {
+    let store = store.ok_or_else(|| {
+        Error::new(
+            ErrorCode::Unsupported,
+            "no metadata store is configured (FERRY_METADATA=etcd://host:port): peer-to-peer \
+             segments are named by their control address and are not listed anywhere",
+        )
+    })?;
+    let mut out = Vec::new();
+    for (name, bytes) in store.list()? {
+        match SegmentDescriptor::from_json(&bytes) {
+            Ok(d) => out.push((name, d)),
+            Err(e) => log::warn!("metadata: segment {name}: {e}"),
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
 }

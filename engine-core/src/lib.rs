@@ -32,6 +32,7 @@ pub mod identity;
 pub mod info;
 pub mod location;
 pub mod memory;
+pub mod metadata;
 pub mod topology;
 pub mod transport;
 

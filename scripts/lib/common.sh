@@ -52,8 +52,9 @@ ensure_rust_components() {
 }
 
 # The base every script needs: a C compiler and linker (cargo links with cc,
-# tests compile C plugins and examples), and pkg-config.
+# tests compile C plugins and examples), pkg-config, and protoc (the etcd
+# client compiles its protocol at build time).
 ensure_base() {
-    ensure_commands cc:gcc pkg-config:pkg-config make:make
+    ensure_commands cc:gcc pkg-config:pkg-config make:make protoc:protobuf-compiler
     ensure_files /usr/include/stdio.h:libc6-dev
 }

@@ -581,8 +581,9 @@ impl Shared {
                 broken: false,
             });
         }
+        let control = seg.view.read().descriptor.control_addr().to_string();
         let mut client =
-            ControlClient::connect(&seg.name, self.config.connect_timeout, self.config.timeout)?;
+            ControlClient::connect(&control, self.config.connect_timeout, self.config.timeout)?;
         let body = serde_json::to_vec(&OpenRequest {
             slots: self.staging.depth,
             slot_len: slot_geometry(self.staging.chunk).1,
