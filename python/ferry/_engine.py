@@ -1,0 +1,422 @@
+"""Ferry's own Python API: engines, registrations, segments and transfers,
+with context managers and exceptions.
+
+    with ferry.Engine() as engine, engine.register(buf):
+        with engine.open(peer_name) as seg:
+            seg.write(buf, seg.buffers[0].addr)
+
+Every call that blocks (starting, registering, opening, waiting) releases
+the GIL. Errors raise :class:`ferry.FerryError` with Ferry's code, name and
+message.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
+
+from . import _buffers
+from .lib import _ferry
+
+FerryError = _ferry.FerryError
+
+#: A local buffer: an address (with a length), a torch tensor, an object
+#: with __cuda_array_interface__, one exporting the buffer protocol, or a
+#: Registration / Allocation of this package.
+Local = object
+
+
+def _error(code_name: str, message: str) -> FerryError:
+    codes = {name: code for code, name in _ferry.error_codes()}
+    e = FerryError(f"{message} [{code_name}]")
+    e.code, e.name, e.message = codes[code_name], code_name, message
+    return e
+
+
+@dataclass(frozen=True)
+class RemoteBuffer:
+    """A buffer a peer registered, as its segment descriptor says."""
+
+    addr: int
+    nbytes: int
+    location: str
+
+
+@dataclass(frozen=True)
+class Status:
+    """A batch's progress; ``error`` is the first failure as a FerryError."""
+
+    total: int
+    completed: int
+    failed: int
+    pending: int
+    error: Optional[FerryError]
+
+    @property
+    def done(self) -> bool:
+        return self.pending == 0
+
+    @classmethod
+    def _from(cls, t) -> "Status":
+        total, completed, failed, pending, first = t
+        err = None
+        if first is not None:
+            index, code, name, message = first
+            err = FerryError(f"request {index}: {message} [{name}]")
+            err.code, err.name, err.message = code, name, f"request {index}: {message}"
+        return cls(total, completed, failed, pending, err)
+
+
+class Registration:
+    """Memory registered with an engine; unregistered by ``unregister()``,
+    at the end of a ``with`` block, or when the engine closes. Holds the
+    object (and its exported buffer) so that it cannot be freed or moved
+    while peers may write it."""
+
+    def __init__(self, engine: "Engine", memory: _buffers.Resolved, location: Optional[str]):
+        self._engine = engine
+        self._memory = memory
+        self.location = location
+        self.registered = True
+
+    @property
+    def addr(self) -> int:
+        return self._memory.addr
+
+    @property
+    def nbytes(self) -> int:
+        return self._memory.nbytes
+
+    def __ferry_memory__(self) -> _buffers.Resolved:
+        return self._memory
+
+    def unregister(self) -> None:
+        if self.registered:
+            self.registered = False
+            self._engine._forget(self)
+            try:
+                if not self._engine.closed:
+                    self._engine._native.unregister_memory(self.addr)
+            finally:
+                self._memory.release()
+
+    def __enter__(self) -> "Registration":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.unregister()
+
+    def __repr__(self) -> str:
+        where = self.location or "host"
+        return f"<ferry.Registration {self.nbytes} bytes at {self.addr:#x} ({where})>"
+
+
+class Allocation(Registration):
+    """Host memory the engine allocated and registered (same-host peers may
+    map it). ``view()`` is a writable memoryview of it; freed by ``free()``,
+    at the end of a ``with`` block, or with the engine."""
+
+    def view(self) -> memoryview:
+        if not self.registered:
+            raise _error("INVALID_ARGUMENT", "this allocation was freed")
+        return _buffers.host_view(self.addr, self.nbytes)
+
+    def free(self) -> None:
+        if self.registered:
+            self.registered = False
+            self._engine._forget(self)
+            if not self._engine.closed:
+                self._engine._native.free_memory(self.addr)
+
+    unregister = free
+
+    def __repr__(self) -> str:
+        return f"<ferry.Allocation {self.nbytes} bytes at {self.addr:#x}>"
+
+
+def _resolve(obj, length=None, *, writable=False) -> _buffers.Resolved:
+    own = getattr(obj, "__ferry_memory__", None)
+    if own is not None:
+        return _buffers.resolve(own(), length, writable=writable)
+    return _buffers.resolve(obj, length, writable=writable)
+
+
+Item = Union[Tuple[Local, int], Tuple[Local, int, Optional[int]]]
+
+
+class Transfer:
+    """A submitted batch. ``wait()`` blocks (without the GIL) until every
+    request finished and raises the first failure; ``done()`` polls. Leaving
+    a ``with`` block waits."""
+
+    def __init__(self, segment: "Segment", batch: int, keep: List[_buffers.Resolved]):
+        self._segment = segment
+        self._native = segment._engine._native
+        self._batch = batch
+        self._keep = keep
+        self._result: Optional[Status] = None
+
+    def status(self) -> Status:
+        if self._result is not None:
+            return self._result
+        return Status._from(self._native.batch_status(self._batch))
+
+    def done(self) -> bool:
+        if self._result is not None:
+            return True
+        s = self.status()
+        if s.done:
+            self._finish(s)
+        return s.done
+
+    def wait(self, timeout: Optional[float] = None) -> Status:
+        """Waits up to ``timeout`` seconds (default: twice the engine's
+        timeout). Raises FerryError on a failed request or at the deadline."""
+        if self._result is None:
+            s = Status._from(self._native.wait(self._batch, timeout))
+            if not s.done:
+                raise _error(
+                    "TIMEOUT",
+                    f"{s.pending} of {s.total} requests still in flight after the wait",
+                )
+            self._finish(s)
+        if self._result.error is not None:
+            raise self._result.error
+        return self._result
+
+    def _finish(self, s: Status) -> None:
+        self._result = s
+        try:
+            self._native.free_batch(self._batch)
+        except FerryError:
+            pass
+        for r in self._keep:
+            r.release()
+        self._keep = []
+
+    def __enter__(self) -> "Transfer":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.wait()
+        else:
+            try:
+                self.wait()
+            except FerryError:
+                pass
+
+
+class Segment:
+    """A peer's memory, opened by name. Addresses are the peer's own (as it
+    registered them; ``buffers`` lists them)."""
+
+    def __init__(self, engine: "Engine", name: str, segment_id: int):
+        self._engine = engine
+        self.name = name
+        self.id = segment_id
+
+    @property
+    def buffers(self) -> List[RemoteBuffer]:
+        return [RemoteBuffer(*b) for b in self._engine._native.segment_buffers(self.id)]
+
+    def refresh(self) -> None:
+        """Re-reads the peer's buffers now (they are also re-read when a
+        request falls outside the known ones)."""
+        self._engine._native.refresh_segment(self.id)
+
+    def route(self, local: Local, remote_addr: int, length: Optional[int] = None) -> Tuple[str, str]:
+        """(transport, reason): what would carry this request, and why."""
+        m = _resolve(local, length)
+        return self._engine._native.route(self.id, m.addr, remote_addr, m.nbytes)
+
+    def _requests(self, op: str, items: Iterable[Item]):
+        writable = op == "read"
+        keep, local, remote, lengths = [], [], [], []
+        for item in items:
+            obj, remote_addr = item[0], item[1]
+            length = item[2] if len(item) > 2 else None
+            m = _resolve(obj, length, writable=writable)
+            keep.append(m)
+            local.append(m.addr)
+            remote.append(int(remote_addr))
+            lengths.append(m.nbytes)
+        return keep, local, remote, lengths
+
+    def _transfer(self, op: str, items: Sequence[Item], transport: Optional[str]) -> None:
+        keep, local, remote, lengths = self._requests(op, items)
+        try:
+            self._engine._native.transfer(op, self.id, local, remote, lengths, transport)
+        finally:
+            for m in keep:
+                m.release()
+
+    def _submit(self, op: str, items: Sequence[Item], transport: Optional[str]) -> Transfer:
+        keep, local, remote, lengths = self._requests(op, items)
+        try:
+            batch = self._engine._native.submit(op, self.id, local, remote, lengths, transport)
+        except BaseException:
+            for m in keep:
+                m.release()
+            raise
+        return Transfer(self, batch, keep)
+
+    def write(self, src: Local, remote_addr: int, length: Optional[int] = None, *, transport: Optional[str] = None) -> None:
+        """Copies ``src`` (registered local memory) to the peer at ``remote_addr``."""
+        self._transfer("write", [(src, remote_addr, length)], transport)
+
+    def read(self, dst: Local, remote_addr: int, length: Optional[int] = None, *, transport: Optional[str] = None) -> None:
+        """Copies the peer's memory at ``remote_addr`` into ``dst`` (registered)."""
+        self._transfer("read", [(dst, remote_addr, length)], transport)
+
+    def write_batch(self, items: Sequence[Item], *, transport: Optional[str] = None) -> None:
+        """Writes many ``(src, remote_addr[, length])`` as one batch and waits."""
+        self._transfer("write", items, transport)
+
+    def read_batch(self, items: Sequence[Item], *, transport: Optional[str] = None) -> None:
+        """Reads many ``(dst, remote_addr[, length])`` as one batch and waits."""
+        self._transfer("read", items, transport)
+
+    def submit_write(self, items: Sequence[Item], *, transport: Optional[str] = None) -> Transfer:
+        """Starts a batch of writes; returns at once."""
+        return self._submit("write", items, transport)
+
+    def submit_read(self, items: Sequence[Item], *, transport: Optional[str] = None) -> Transfer:
+        """Starts a batch of reads; returns at once."""
+        return self._submit("read", items, transport)
+
+    def close(self) -> None:
+        if not self._engine.closed:
+            self._engine._native.close_segment(self.id)
+
+    def __enter__(self) -> "Segment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<ferry.Segment {self.name!r}>"
+
+
+_OPTION_NAMES = ("listen", "hostname", "metadata", "metadata_prefix", "name", "transports", "nics", "timeout_ms", "plugin_path")
+
+
+class Engine:
+    """A Ferry engine: a control listener peers find it by, the transports
+    this host supports, and the memory registered with it.
+
+    Options are the engine's settings (README, "Configuration"); FERRY_*
+    variables apply first and these override them. ``settings`` takes any
+    other key, e.g. ``{"tcp.connections": 8}``. ``prefer`` names a transport
+    to use whenever it can serve a request (else the engine's choice).
+    """
+
+    def __init__(
+        self,
+        *,
+        listen: Optional[str] = None,
+        hostname: Optional[str] = None,
+        metadata: Optional[str] = None,
+        metadata_prefix: Optional[str] = None,
+        name: Optional[str] = None,
+        transports: Optional[str] = None,
+        nics: Optional[str] = None,
+        timeout_ms: Optional[int] = None,
+        plugin_path: Optional[str] = None,
+        prefer: Optional[str] = None,
+        settings: Optional[dict] = None,
+    ):
+        values = dict(
+            listen=listen,
+            hostname=hostname,
+            metadata=metadata,
+            metadata_prefix=metadata_prefix,
+            name=name,
+            transports=transports,
+            nics=nics,
+            timeout_ms=timeout_ms,
+            plugin_path=plugin_path,
+        )
+        # metadata before metadata_prefix: the prefix needs a store.
+        options = [(k, str(values[k])) for k in _OPTION_NAMES if values[k] is not None]
+        options += [(str(k), str(v)) for k, v in (settings or {}).items()]
+        self._native = _ferry.NativeEngine(options, prefer)
+        self._lock = threading.Lock()
+        self._owned: dict = {}
+
+    @property
+    def segment_name(self) -> str:
+        """The name peers open this engine by."""
+        return self._native.segment_name()
+
+    @property
+    def port(self) -> int:
+        """The control listener's port (Mooncake's RPC port)."""
+        return self._native.control_port()
+
+    @property
+    def transports(self) -> List[str]:
+        return self._native.transports()
+
+    @property
+    def preferred_transport(self) -> Optional[str]:
+        return self._native.preferred
+
+    @property
+    def closed(self) -> bool:
+        return self._native.closed
+
+    def register(self, obj: Local, length: Optional[int] = None, *, location: Optional[str] = None) -> Registration:
+        """Registers ``obj``'s memory so it can be a local buffer and peers
+        can read and write it. ``location`` ("cpu:N", "cuda:N") is found
+        from the object or by the engine when not given."""
+        m = _resolve(obj, length, writable=True)
+        loc = location or m.location
+        try:
+            self._native.register_memory(m.addr, m.nbytes, loc)
+        except BaseException:
+            m.release()
+            raise
+        reg = Registration(self, m, loc)
+        with self._lock:
+            self._owned[id(reg)] = reg
+        return reg
+
+    def allocate(self, nbytes: int, *, numa_node: Optional[int] = None) -> Allocation:
+        """Allocates and registers ``nbytes`` of host memory."""
+        addr = self._native.allocate_memory(int(nbytes), numa_node)
+        a = Allocation(self, _buffers.Resolved(addr, int(nbytes), None), None)
+        with self._lock:
+            self._owned[id(a)] = a
+        return a
+
+    def _forget(self, reg: Registration) -> None:
+        with self._lock:
+            self._owned.pop(id(reg), None)
+
+    def open(self, name: str) -> Segment:
+        """Opens a peer's segment by name ("host:port", or a name in etcd)."""
+        return Segment(self, name, self._native.open_segment(name))
+
+    def close(self) -> None:
+        """Stops the engine; its registrations and allocations end with it."""
+        with self._lock:
+            owned = list(self._owned.values())
+            self._owned.clear()
+        self._native.close()
+        for r in owned:
+            r.registered = False
+            r._memory.release()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "<ferry.Engine (closed)>"
+        return f"<ferry.Engine {self.segment_name!r} transports={self.transports}>"

@@ -1,0 +1,6 @@
+"""The native module (_ferry) and, in lib/ferry/plugins, the plugins it loads.
+
+This folder is laid out like an install prefix's lib/: the loader finds
+plugins at <dir of the library>/../lib/ferry/plugins, which from here is
+this folder's ferry/plugins. No environment variable is needed.
+"""

@@ -1,0 +1,381 @@
+"""A drop-in for Mooncake's Python ``TransferEngine``: the methods serving
+stacks (SGLang, vLLM, ...) call, with the same arguments in the same order
+and the same return conventions: 0 on success and a negative code on
+failure (Ferry's error code, see ``ferry.error_codes()``), batch ids that
+are never 0, 0 for a failed allocation. Switching is an import change::
+
+    from ferry import TransferEngine   # was: from mooncake.engine import TransferEngine
+
+The differences are listed in docs/python.md. In short: ``protocol`` is a
+preference the engine honours when that transport can serve a peer (else it
+picks one that can, instead of failing); ``device_name`` filters NICs; a
+target must register the memory peers write (Mooncake's TCP transport does
+not check); notifications are not supported. The message of the last
+failure is in ``last_error`` and is logged to the "ferry" logger.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import ipaddress
+import logging
+import threading
+from typing import Dict, List, Optional
+
+from . import _buffers
+from ._engine import Engine, FerryError, Status, _error
+from .lib import _ferry
+
+log = logging.getLogger("ferry")
+
+_CODES = {name: code for code, name in _ferry.error_codes()}
+
+
+class TransferOpcode(enum.IntEnum):
+    READ = 0
+    WRITE = 1
+
+
+class TransferNotify:
+    """Accepted for compatibility; Ferry does not deliver notifications."""
+
+    def __init__(self, name: str = "", msg: str = ""):
+        self.name = name
+        self.msg = msg
+
+
+def _split_host_port(local_hostname: str):
+    """("host", port or 0) from "host", "host:port", "[v6]:port" or "v6"."""
+    text = local_hostname.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    else:
+        host, port = text, ""  # a bare name, or an IPv6 address without a port
+    if port and not port.isdigit():
+        raise ValueError(f"local_hostname {local_hostname!r}: the port must be a number")
+    return host, int(port or 0)
+
+
+def _listen_address(host: str, port: int) -> str:
+    """Where to listen for peers that will dial ``host``: that address when
+    it is one, loopback for "localhost", every interface for a name."""
+    if host in ("localhost", ""):
+        return f"127.0.0.1:{port}"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return f"0.0.0.0:{port}"
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+class TransferEngine:
+    """Mooncake's ``TransferEngine`` on Ferry. Create, ``initialize``, then
+    register memory and transfer by segment name ("host:rpc_port" with
+    P2PHANDSHAKE, the peer's local_hostname with etcd)."""
+
+    def __init__(self):
+        self._engine: Optional[Engine] = None
+        self._segments: Dict[str, int] = {}
+        self._managed: Dict[int, object] = {}
+        self._registered: Dict[int, _buffers.Resolved] = {}
+        self._lock = threading.Lock()
+        #: The message of the last failure (Ferry's words), or None.
+        self.last_error: Optional[str] = None
+
+    # -- errors ---------------------------------------------------------
+
+    def _fail(self, e: BaseException, what: str) -> int:
+        if isinstance(e, FerryError):
+            code = getattr(e, "code", _CODES["INTERNAL"])
+        elif isinstance(e, (ValueError, TypeError, OverflowError, BufferError)):
+            code = _CODES["INVALID_ARGUMENT"]
+        else:
+            raise e
+        self.last_error = f"{what}: {e}"
+        log.error("%s", self.last_error)
+        return int(code) if int(code) < 0 else -1
+
+    def _native(self):
+        if self._engine is None:
+            raise _error("INVALID_ARGUMENT", "the engine is not initialized: call initialize() first")
+        return self._engine._native
+
+    # -- initialization ---------------------------------------------------
+
+    def initialize(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str) -> int:
+        """Starts the engine. ``metadata_server``: "P2PHANDSHAKE" (a segment
+        is named "host:rpc_port"), or etcd as "etcd://host:port" or
+        "host:port" (a segment is named by its ``local_hostname``).
+        ``protocol``: the transport preferred ("tcp", "rdma", ...).
+        ``device_name``: comma-separated NICs to use ("" = all)."""
+        return self.initialize_ext(local_hostname, metadata_server, protocol, device_name, "")
+
+    def initialize_ext(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str, metadata_type: str) -> int:
+        try:
+            if self._engine is not None:
+                raise _error("INVALID_ARGUMENT", "initialize() was already called on this engine")
+            host, port = _split_host_port(local_hostname)
+            server = (metadata_server or "").strip()
+            kind = (metadata_type or "").strip().lower()
+            options = dict(listen=_listen_address(host, port), hostname=host or "127.0.0.1")
+            if server.upper() == "P2PHANDSHAKE" or kind == "p2p":
+                pass
+            elif server.startswith("etcd://") or (kind in ("", "etcd") and server and "://" not in server):
+                options["metadata"] = server if server.startswith("etcd://") else f"etcd://{server}"
+                options["name"] = local_hostname.strip()
+            elif not server:
+                raise _error("INVALID_ARGUMENT", "metadata_server is empty: pass \"P2PHANDSHAKE\" or an etcd address")
+            else:
+                raise _error(
+                    "UNSUPPORTED",
+                    f"metadata server {server!r} ({kind or 'by its scheme'}): Ferry finds segments "
+                    "peer to peer (P2PHANDSHAKE) or through etcd (etcd://host:port)",
+                )
+            if device_name and device_name.strip():
+                options["nics"] = device_name.strip()
+            self._engine = Engine(prefer=(protocol or "").strip() or None, **options)
+            return 0
+        except BaseException as e:
+            return self._fail(e, "initialize")
+
+    def get_rpc_port(self) -> int:
+        """The port of this engine's control listener: with P2PHANDSHAKE,
+        peers name this engine "<local_hostname>:<rpc port>"."""
+        return self._native().control_port()
+
+    def get_engine(self) -> Engine:
+        """The underlying ``ferry.Engine`` (Ferry's own API)."""
+        self._native()
+        return self._engine
+
+    def get_session_id(self) -> str:
+        """This engine's segment name, as peers open it."""
+        return self._native().segment_name()
+
+    def close(self) -> None:
+        """Stops the engine (Mooncake stops it when the object goes)."""
+        if self._engine is not None:
+            self._engine.close()
+
+    # -- memory -----------------------------------------------------------
+
+    def register_memory(self, buffer_addr, capacity: int) -> int:
+        """Registers ``[buffer_addr, buffer_addr + capacity)``; host memory or
+        GPU memory (the engine asks the device plugin which)."""
+        try:
+            m = _buffers.resolve(buffer_addr, capacity, writable=True) if not isinstance(buffer_addr, int) else None
+            addr = m.addr if m is not None else int(buffer_addr)
+            self._native().register_memory(addr, int(capacity), m.location if m else None)
+            if m is not None:
+                with self._lock:
+                    self._registered[addr] = m
+            return 0
+        except BaseException as e:
+            return self._fail(e, "register_memory")
+
+    def unregister_memory(self, buffer_addr) -> int:
+        try:
+            addr = buffer_addr if isinstance(buffer_addr, int) else _buffers.resolve(buffer_addr).addr
+            self._native().unregister_memory(int(addr))
+            with self._lock:
+                m = self._registered.pop(int(addr), None)
+            if m is not None:
+                m.release()
+            return 0
+        except BaseException as e:
+            return self._fail(e, "unregister_memory")
+
+    def batch_register_memory(self, buffer_addresses: List[int], capacities: List[int]) -> int:
+        if len(buffer_addresses) != len(capacities):
+            return self._fail(ValueError(f"{len(buffer_addresses)} addresses but {len(capacities)} capacities"), "batch_register_memory")
+        for addr, cap in zip(buffer_addresses, capacities):
+            rc = self.register_memory(addr, cap)
+            if rc != 0:
+                return rc
+        return 0
+
+    def batch_unregister_memory(self, buffer_addresses: List[int]) -> int:
+        result = 0
+        for addr in buffer_addresses:
+            rc = self.unregister_memory(addr)
+            result = result or rc
+        return result
+
+    def allocate_managed_buffer(self, length: int) -> int:
+        """Host memory the engine allocates and registers; its address, or 0."""
+        try:
+            self._native()
+            a = self._engine.allocate(int(length))
+            with self._lock:
+                self._managed[a.addr] = a
+            return a.addr
+        except BaseException as e:
+            self._fail(e, "allocate_managed_buffer")
+            return 0
+
+    def free_managed_buffer(self, buffer_addr: int, length: int) -> int:
+        try:
+            with self._lock:
+                a = self._managed.pop(int(buffer_addr), None)
+            if a is None:
+                raise _error("NOT_FOUND", f"{int(buffer_addr):#x} was not returned by allocate_managed_buffer")
+            a.free()
+            return 0
+        except BaseException as e:
+            return self._fail(e, "free_managed_buffer")
+
+    def write_bytes_to_buffer(self, dest_address: int, src_ptr: bytes, length: int) -> int:
+        """Copies ``length`` bytes of ``src_ptr`` to host memory at ``dest_address``."""
+        try:
+            data = bytes(src_ptr)
+            if length < 0 or length > len(data):
+                raise ValueError(f"length {length} is outside the {len(data)} bytes given")
+            ctypes.memmove(int(dest_address), data, int(length))
+            return 0
+        except BaseException as e:
+            return self._fail(e, "write_bytes_to_buffer")
+
+    def read_bytes_from_buffer(self, source_address: int, length: int) -> bytes:
+        """``length`` bytes of host memory at ``source_address``."""
+        return ctypes.string_at(int(source_address), int(length))
+
+    # -- segments ---------------------------------------------------------
+
+    def _segment(self, name: str) -> int:
+        seg = self._segments.get(name)
+        if seg is None:
+            seg = self._native().open_segment(name)
+            with self._lock:
+                self._segments[name] = seg
+        return seg
+
+    def get_first_buffer_address(self, segment_name: str) -> int:
+        """The address of the first buffer the peer registered, or 0."""
+        try:
+            buffers = self._native().segment_buffers(self._segment(segment_name))
+            return buffers[0][0] if buffers else 0
+        except BaseException as e:
+            self._fail(e, "get_first_buffer_address")
+            return 0
+
+    def send_probe(self, peer_server_name: str) -> int:
+        """0 when the peer answers (its descriptor is re-read), else a code."""
+        try:
+            self._native().refresh_segment(self._segment(peer_server_name))
+            return 0
+        except BaseException as e:
+            with self._lock:
+                self._segments.pop(peer_server_name, None)
+            return self._fail(e, "send_probe")
+
+    def get_notifies(self) -> list:
+        """Always empty: Ferry does not deliver notifications."""
+        return []
+
+    # -- transfers --------------------------------------------------------
+
+    @staticmethod
+    def _local(buffer, length: int) -> int:
+        return int(buffer) if isinstance(buffer, int) else _buffers.resolve(buffer, length).addr
+
+    def _sync(self, op: str, target: str, buffers, peers, lengths, hint: str) -> int:
+        try:
+            lengths = [int(n) for n in lengths]
+            local = [self._local(b, n) for b, n in zip(buffers, lengths)]
+            self._native().transfer(op, self._segment(target), local, [int(p) for p in peers], lengths, hint or None)
+            return 0
+        except BaseException as e:
+            return self._fail(e, f"{op} to {target}")
+
+    def _async(self, op: str, target: str, buffers, peers, lengths, hint: str) -> int:
+        lengths = [int(n) for n in lengths]
+        local = [self._local(b, n) for b, n in zip(buffers, lengths)]
+        return self._native().submit(op, self._segment(target), local, [int(p) for p in peers], lengths, hint or None)
+
+    @staticmethod
+    def _op(opcode) -> str:
+        return "read" if int(opcode) == TransferOpcode.READ else "write"
+
+    def transfer_sync_write(self, target_hostname: str, buffer, peer_buffer_address: int, length: int, transport_hint: str = "") -> int:
+        return self._sync("write", target_hostname, [buffer], [peer_buffer_address], [length], transport_hint)
+
+    def transfer_sync_read(self, target_hostname: str, buffer, peer_buffer_address: int, length: int, transport_hint: str = "") -> int:
+        return self._sync("read", target_hostname, [buffer], [peer_buffer_address], [length], transport_hint)
+
+    def transfer_sync(self, target_hostname: str, buffer, peer_buffer_address: int, length: int, opcode, notify=None, transport_hint: str = "") -> int:
+        if notify is not None:
+            return self._fail(_error("UNSUPPORTED", "notifications are not supported"), "transfer_sync")
+        return self._sync(self._op(opcode), target_hostname, [buffer], [peer_buffer_address], [length], transport_hint)
+
+    def batch_transfer_sync_write(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
+        return self._sync("write", target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+
+    def batch_transfer_sync_read(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
+        return self._sync("read", target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+
+    def batch_transfer_sync(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], opcode, notify=None, transport_hint: str = "") -> int:
+        if notify is not None:
+            return self._fail(_error("UNSUPPORTED", "notifications are not supported"), "batch_transfer_sync")
+        return self._sync(self._op(opcode), target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+
+    def transfer_submit_write(self, target_hostname: str, buffer, peer_buffer_address: int, length: int, transport_hint: str = "") -> int:
+        """Starts a write; its batch id (> 0), or a negative code."""
+        try:
+            return self._async("write", target_hostname, [buffer], [peer_buffer_address], [length], transport_hint)
+        except BaseException as e:
+            return self._fail(e, f"write to {target_hostname}")
+
+    def transfer_check_status(self, batch_id: int) -> int:
+        """1 done, 0 in progress, -1 failed, -2 timed out; a finished batch
+        is freed (its id is then unknown)."""
+        try:
+            s = Status._from(self._native().batch_status(int(batch_id)))
+            if not s.done:
+                return 0
+            self._native().free_batch(int(batch_id))
+            if s.error is None:
+                return 1
+            self._fail(s.error, f"batch {batch_id}")
+            return -2 if s.error.name == "TIMEOUT" else -1
+        except BaseException as e:
+            self._fail(e, "transfer_check_status")
+            return -1
+
+    def _batch_async(self, op: str, target: str, buffers, peers, lengths, hint: str) -> int:
+        try:
+            return self._async(op, target, buffers, peers, lengths, hint)
+        except BaseException as e:
+            self._fail(e, f"{op} to {target}")
+            return 0
+
+    def batch_transfer_async_write(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
+        """Starts a batch of writes; its id, or 0 on failure."""
+        return self._batch_async("write", target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+
+    def batch_transfer_async_read(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
+        """Starts a batch of reads; its id, or 0 on failure."""
+        return self._batch_async("read", target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+
+    def batch_transfer_async(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], opcode, transport_hint: str = "") -> int:
+        return self._batch_async(self._op(opcode), target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+
+    def get_batch_transfer_status(self, batch_ids: List[int]) -> int:
+        """Waits for every batch (without the GIL) and frees them: 0 if all
+        succeeded, -1 if any failed or did not finish in time."""
+        result = 0
+        for b in batch_ids:
+            try:
+                s = Status._from(self._native().wait(int(b), None))
+                if not s.done:
+                    raise _error("TIMEOUT", f"batch {b}: {s.pending} of {s.total} requests still in flight")
+                self._native().free_batch(int(b))
+                if s.error is not None:
+                    raise s.error
+            except BaseException as e:
+                self._fail(e, "get_batch_transfer_status")
+                result = -1
+        return result

@@ -1,0 +1,424 @@
+//! The engine handle Python holds. Every call that may block (start,
+//! registration, opening a segment, submitting, waiting) runs with the GIL
+//! released, so other Python threads keep running while bytes move.
+//!
+//! Transport preference (Mooncake's `protocol`): when the engine runs the
+//! preferred transport, requests carry it as a hint; if it cannot serve a
+//! segment (the engine refuses before submitting anything), that segment
+//! falls back to the engine's own choice, said once in the log, and stays
+//! there.
+
+use crate::{ferry_err, invalid};
+use ferry_core::{BatchId, BatchStatus, Engine, EngineConfig, Error, ErrorCode, Op, Request};
+use parking_lot::{Mutex, RwLock};
+use pyo3::prelude::*;
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// (total, completed, failed, pending, first error as (index, code, name,
+/// message)).
+type StatusTuple = (
+    usize,
+    usize,
+    usize,
+    usize,
+    Option<(usize, i32, &'static str, String)>,
+);
+
+fn status_tuple(s: BatchStatus) -> StatusTuple {
+    (
+        s.total,
+        s.completed,
+        s.failed,
+        s.pending,
+        s.first_error
+            .map(|(i, e)| (i, e.code.as_raw(), e.code.name(), e.message)),
+    )
+}
+
+fn parse_op(py: Python<'_>, op: &str) -> PyResult<Op> {
+    match op {
+        "read" | "READ" => Ok(Op::Read),
+        "write" | "WRITE" => Ok(Op::Write),
+        other => Err(invalid(
+            py,
+            format!("op {other:?}: expected \"read\" or \"write\""),
+        )),
+    }
+}
+
+#[pyclass(name = "NativeEngine", module = "ferry", frozen)]
+pub struct NativeEngine {
+    engine: RwLock<Option<Arc<Engine>>>,
+    /// The transport requests prefer, when this engine runs it.
+    preferred: Option<String>,
+    /// Segments the preferred transport could not serve.
+    declined: Mutex<HashSet<u64>>,
+}
+
+impl NativeEngine {
+    fn get(&self, py: Python<'_>) -> PyResult<Arc<Engine>> {
+        self.engine
+            .read()
+            .clone()
+            .ok_or_else(|| invalid(py, "this engine is closed"))
+    }
+
+    /// Allocates a batch and submits `reqs` to it, preferring the preferred
+    /// transport for this segment unless it was declined before.
+    fn submit_preferring(
+        &self,
+        engine: &Engine,
+        segment: u64,
+        mut reqs: Vec<Request>,
+    ) -> Result<BatchId, Error> {
+        let batch = engine.allocate_batch(reqs.len().max(1))?;
+        let pinned = reqs.iter().any(|r| r.transport.is_some());
+        if let (Some(p), false) = (&self.preferred, pinned) {
+            if !self.declined.lock().contains(&segment) {
+                for r in &mut reqs {
+                    r.transport = Some(p.clone());
+                }
+                match engine.submit(batch, &reqs) {
+                    Ok(()) => return Ok(batch),
+                    // Refused while routing: nothing was submitted.
+                    Err(e) if e.code == ErrorCode::Unsupported => {
+                        log::info!(
+                            "preferred transport {p} cannot serve segment {segment}; using \
+                             the engine's choice for it ({})",
+                            e.message
+                        );
+                        self.declined.lock().insert(segment);
+                        for r in &mut reqs {
+                            r.transport = None;
+                        }
+                    }
+                    Err(e) => {
+                        let _ = engine.free_batch(batch);
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        match engine.submit(batch, &reqs) {
+            Ok(()) => Ok(batch),
+            Err(e) => {
+                let _ = engine.free_batch(batch);
+                Err(e)
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn requests(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        segment: u64,
+        local: Vec<u64>,
+        remote: Vec<u64>,
+        lengths: Vec<u64>,
+        transport: Option<String>,
+    ) -> PyResult<Vec<Request>> {
+        let op = parse_op(py, op)?;
+        if local.len() != remote.len() || local.len() != lengths.len() {
+            return Err(invalid(
+                py,
+                format!(
+                    "{} local addresses, {} remote addresses and {} lengths: one of each per request",
+                    local.len(),
+                    remote.len(),
+                    lengths.len()
+                ),
+            ));
+        }
+        let transport = transport.filter(|t| !t.is_empty());
+        Ok(local
+            .into_iter()
+            .zip(remote)
+            .zip(lengths)
+            .map(|((l, r), n)| {
+                let mut req = Request::new(op, l, segment, r, n);
+                req.transport = transport.clone();
+                req
+            })
+            .collect())
+    }
+}
+
+/// Waits for a batch and frees it; the first failed request is the error.
+/// A batch still pending at the deadline stays allocated (its requests are
+/// in flight) and the error says so.
+fn finish(engine: &Engine, batch: BatchId, timeout: Duration) -> Result<(), Error> {
+    let status = engine.wait(batch, timeout)?;
+    if !status.is_done() {
+        return Err(Error::new(
+            ErrorCode::Timeout,
+            format!(
+                "{} of {} requests did not finish within {:?}",
+                status.pending, status.total, timeout
+            ),
+        ));
+    }
+    let _ = engine.free_batch(batch);
+    match status.first_error {
+        Some((i, e)) => Err(Error::new(e.code, format!("request {i}: {}", e.message))),
+        None => Ok(()),
+    }
+}
+
+#[pymethods]
+impl NativeEngine {
+    /// Starts an engine: FERRY_* variables, then `options` (EngineConfig
+    /// keys such as listen, hostname, metadata, name, transports, nics,
+    /// timeout_ms, tcp.connections) on top. `prefer` names a transport
+    /// requests use when it can serve them.
+    #[new]
+    #[pyo3(signature = (options, prefer = None))]
+    fn new(
+        py: Python<'_>,
+        options: Vec<(String, String)>,
+        prefer: Option<String>,
+    ) -> PyResult<Self> {
+        let engine = py
+            .detach(move || -> Result<Engine, Error> {
+                let mut config = EngineConfig::from_env()?;
+                for (k, v) in &options {
+                    config.set(k, v)?;
+                }
+                Engine::new(config)
+            })
+            .map_err(|e| ferry_err(py, e))?;
+        let preferred = prefer.filter(|p| !p.is_empty()).and_then(|p| {
+            let names = engine.transports();
+            let found = names
+                .iter()
+                .find(|n| **n == p)
+                .or_else(|| names.iter().find(|n| n.starts_with(&p)))
+                .cloned();
+            if found.is_none() {
+                log::info!(
+                    "preferred transport {p:?} does not run here (running: {}; `ferry info` \
+                     says why); the engine chooses per request",
+                    names.join(", ")
+                );
+            }
+            found
+        });
+        Ok(NativeEngine {
+            engine: RwLock::new(Some(Arc::new(engine))),
+            preferred,
+            declined: Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// The name peers open this engine by: "host:port" (p2p) or its name in
+    /// the metadata store.
+    fn segment_name(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(self.get(py)?.segment_name().to_string())
+    }
+
+    /// The control listener's port (Mooncake's "RPC port").
+    fn control_port(&self, py: Python<'_>) -> PyResult<u16> {
+        Ok(self.get(py)?.control_addr().port())
+    }
+
+    /// Transports that can move data, in load order.
+    fn transports(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        Ok(self.get(py)?.transports())
+    }
+
+    /// The transport requests prefer, if this engine runs it.
+    #[getter]
+    fn preferred(&self) -> Option<String> {
+        self.preferred.clone()
+    }
+
+    #[pyo3(signature = (addr, length, location = None))]
+    fn register_memory(
+        &self,
+        py: Python<'_>,
+        addr: u64,
+        length: u64,
+        location: Option<&str>,
+    ) -> PyResult<()> {
+        let location = location
+            .filter(|l| !l.is_empty())
+            .map(ferry_core::location::parse_location)
+            .transpose()
+            .map_err(|e| ferry_err(py, e))?;
+        let engine = self.get(py)?;
+        py.detach(|| engine.register_memory(addr, length, location))
+            .map_err(|e| ferry_err(py, e))
+    }
+
+    fn unregister_memory(&self, py: Python<'_>, addr: u64) -> PyResult<()> {
+        let engine = self.get(py)?;
+        py.detach(|| engine.unregister_memory(addr))
+            .map_err(|e| ferry_err(py, e))
+    }
+
+    /// Allocates and registers host memory (shared with same-host peers
+    /// when a transport can); returns its address.
+    #[pyo3(signature = (length, numa_node = None))]
+    fn allocate_memory(
+        &self,
+        py: Python<'_>,
+        length: u64,
+        numa_node: Option<u32>,
+    ) -> PyResult<u64> {
+        let engine = self.get(py)?;
+        py.detach(|| engine.allocate_memory(length, numa_node))
+            .map_err(|e| ferry_err(py, e))
+    }
+
+    fn free_memory(&self, py: Python<'_>, addr: u64) -> PyResult<()> {
+        let engine = self.get(py)?;
+        py.detach(|| engine.free_memory(addr))
+            .map_err(|e| ferry_err(py, e))
+    }
+
+    /// Opens a peer's segment by name (fetching its descriptor); the same
+    /// name gives the same id.
+    fn open_segment(&self, py: Python<'_>, name: String) -> PyResult<u64> {
+        let engine = self.get(py)?;
+        py.detach(|| engine.open_segment(&name))
+            .map_err(|e| ferry_err(py, e))
+    }
+
+    fn close_segment(&self, py: Python<'_>, segment: u64) -> PyResult<()> {
+        let engine = self.get(py)?;
+        self.declined.lock().remove(&segment);
+        py.detach(|| engine.close_segment(segment))
+            .map_err(|e| ferry_err(py, e))
+    }
+
+    /// Re-reads the peer's descriptor now (a liveness probe, too).
+    fn refresh_segment(&self, py: Python<'_>, segment: u64) -> PyResult<()> {
+        let engine = self.get(py)?;
+        py.detach(|| engine.refresh_segment(segment))
+            .map_err(|e| ferry_err(py, e))
+    }
+
+    /// The peer's registered buffers as last fetched: (addr, len, location).
+    fn segment_buffers(&self, py: Python<'_>, segment: u64) -> PyResult<Vec<(u64, u64, String)>> {
+        let d = self
+            .get(py)?
+            .descriptor_of(segment)
+            .map_err(|e| ferry_err(py, e))?;
+        Ok(d.buffers
+            .into_iter()
+            .map(|b| (b.addr, b.len, b.location))
+            .collect())
+    }
+
+    /// Which transport would carry a request and why: (transport, reason).
+    fn route(
+        &self,
+        py: Python<'_>,
+        segment: u64,
+        local: u64,
+        remote: u64,
+        length: u64,
+    ) -> PyResult<(String, String)> {
+        let engine = self.get(py)?;
+        let r = py
+            .detach(|| engine.route(segment, local, remote, length))
+            .map_err(|e| ferry_err(py, e))?;
+        Ok((r.transport, r.reason))
+    }
+
+    /// Submits one batch of reads or writes to one segment; returns its id.
+    /// The requests are checked first: if any is invalid nothing is
+    /// submitted and this raises.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (op, segment, local, remote, lengths, transport = None))]
+    fn submit(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        segment: u64,
+        local: Vec<u64>,
+        remote: Vec<u64>,
+        lengths: Vec<u64>,
+        transport: Option<String>,
+    ) -> PyResult<u64> {
+        let reqs = self.requests(py, op, segment, local, remote, lengths, transport)?;
+        let engine = self.get(py)?;
+        py.detach(|| self.submit_preferring(&engine, segment, reqs))
+            .map_err(|e| ferry_err(py, e))
+    }
+
+    /// Submits one batch and waits for it (up to twice the engine's
+    /// timeout, as `Engine::transfer_sync`); raises on the first failure.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (op, segment, local, remote, lengths, transport = None))]
+    fn transfer(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        segment: u64,
+        local: Vec<u64>,
+        remote: Vec<u64>,
+        lengths: Vec<u64>,
+        transport: Option<String>,
+    ) -> PyResult<()> {
+        let reqs = self.requests(py, op, segment, local, remote, lengths, transport)?;
+        if reqs.is_empty() {
+            return Ok(());
+        }
+        let engine = self.get(py)?;
+        py.detach(|| {
+            let batch = self.submit_preferring(&engine, segment, reqs)?;
+            finish(&engine, batch, engine.config().timeout * 2)
+        })
+        .map_err(|e| ferry_err(py, e))
+    }
+
+    /// Waits up to `timeout_s` (default: twice the engine's timeout) for a
+    /// batch; returns its status (total, completed, failed, pending, first
+    /// error as (index, code, name, message) or None).
+    #[pyo3(signature = (batch, timeout_s = None))]
+    fn wait(&self, py: Python<'_>, batch: u64, timeout_s: Option<f64>) -> PyResult<StatusTuple> {
+        let engine = self.get(py)?;
+        let timeout = match timeout_s {
+            Some(t) if t.is_finite() && t >= 0.0 => Duration::from_secs_f64(t.min(1e9)),
+            Some(t) => return Err(invalid(py, format!("timeout {t}: expected seconds >= 0"))),
+            None => engine.config().timeout * 2,
+        };
+        py.detach(|| engine.wait(batch, timeout))
+            .map(status_tuple)
+            .map_err(|e| ferry_err(py, e))
+    }
+
+    /// A batch's status now, without waiting.
+    fn batch_status(&self, py: Python<'_>, batch: u64) -> PyResult<StatusTuple> {
+        let engine = self.get(py)?;
+        py.detach(|| engine.batch_status(batch))
+            .map(status_tuple)
+            .map_err(|e| ferry_err(py, e))
+    }
+
+    /// Frees a finished batch.
+    fn free_batch(&self, py: Python<'_>, batch: u64) -> PyResult<()> {
+        self.get(py)?
+            .free_batch(batch)
+            .map_err(|e| ferry_err(py, e))
+    }
+
+    /// Stops the engine: its listener closes, peers can no longer reach its
+    /// memory, transfers still in flight fail. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let engine = self.engine.write().take();
+        if let Some(engine) = engine {
+            // Dropping the last handle joins the engine's threads.
+            py.detach(move || drop(engine));
+        }
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.engine.read().is_none()
+    }
+}
