@@ -9,7 +9,7 @@
 //! (unchanged since 3.3, and frozen into the stable ABI as of 3.11), so they
 //! are declared here.
 
-use pyo3::exceptions::PyBufferError;
+use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use std::os::raw::{c_char, c_int, c_void};
@@ -104,6 +104,13 @@ impl BufferView {
         let rc = unsafe { PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags) };
         if rc != 0 {
             let cause = PyErr::take(py);
+            // Not an exporter at all: a TypeError, as Python raises it.
+            if let Some(c) = cause
+                .as_ref()
+                .filter(|c| c.is_instance_of::<PyTypeError>(py))
+            {
+                return Err(c.clone_ref(py));
+            }
             let what = obj
                 .get_type()
                 .name()
