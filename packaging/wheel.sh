@@ -52,6 +52,13 @@ stage=python/ferry/lib/ferry/plugins
 rm -rf python/ferry/lib/ferry
 mkdir -p "$stage"
 while read -r _ lib; do cp "target/$dir/lib$lib.so" "$stage/"; done <<< "$plugins"
+# Release wheels carry no debug info (the line tables are 90% of each file);
+# the plugins keep their symbol names.
+strip_args=()
+if [ "$profile" = release ]; then
+    strip_args=(--strip)
+    command -v strip >/dev/null 2>&1 && strip --strip-debug "$stage"/*.so
+fi
 
 # manylinux_2_N for the newest GLIBC_2.N any of them needs (17 at least).
 need=17
@@ -64,7 +71,7 @@ fi
 
 mkdir -p "$out"
 rm -f "$out"/ferry-*.whl
-(cd python && ../"$venv"/bin/maturin build --profile "$profile" \
+(cd python && ../"$venv"/bin/maturin build --profile "$profile" "${strip_args[@]}" \
     --compatibility "manylinux_2_$need" --out "../$out")
 wheel=$(ls "$out"/ferry-*.whl 2>/dev/null | head -1)
 [ -n "$wheel" ] || { echo "packaging/wheel.sh: maturin made no wheel" >&2; exit 1; }

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Builds the release binaries on this (development) machine and lays them out
 # in .gpu/ (git-ignored) as an install prefix: bin/ferry and
-# lib/ferry/plugins/*.so. The GPU machine has no Rust toolchain: this folder
-# travels there (the device tool's `carry`) and tests/gpu/run.sh uses it.
+# lib/ferry/plugins/*.so, and the Python wheel in wheels/. The GPU machine has
+# no Rust toolchain: this folder travels there (the device tool's `carry`) and
+# tests/gpu/run.sh uses it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # also right in a worktree
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 cargo build --release --workspace --locked -q
 cargo build --release --locked -q -p ferry-device-cuda --example cuda_check
 rm -rf .gpu
@@ -14,4 +17,6 @@ cp target/release/ferry target/release/examples/cuda_check .gpu/bin/
 for so in target/release/libferry_transport_*.so target/release/libferry_device_*.so; do
     [ -e "$so" ] && cp "$so" .gpu/lib/ferry/plugins/
 done
-ls -l .gpu/bin .gpu/lib/ferry/plugins
+# The Python wheel (plugins inside); run.sh installs it beside torch.
+packaging/wheel.sh --out .gpu/wheels >/dev/null
+ls -l .gpu/bin .gpu/lib/ferry/plugins .gpu/wheels

@@ -79,6 +79,56 @@ done
 kill $(cat "$tmp/pids") 2>/dev/null
 cat "$OUT/bench.md"
 
+section "Python wheel: torch CUDA tensors between two processes; throughput vs ferry bench"
+# The wheel from prepare.sh, installed (no index: no network here) into a
+# venv that sees torch. Skipped, with the reason, when either is missing.
+whl=$(ls "$P"/wheels/ferry-*.whl 2>/dev/null | head -1)
+py=""
+for c in ${PYTHON:-} /opt/torch/.venv/bin/python3 python3; do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import torch' 2>/dev/null; then py=$c; break; fi
+done
+if [ -z "$whl" ]; then
+    echo "SKIP: no wheel in $P/wheels (tests/gpu/prepare.sh builds it)"
+elif [ -z "$py" ]; then
+    echo "SKIP: no python3 that imports torch (set PYTHON)"
+else
+    venv=$(mktemp -d)/venv
+    "$py" -m venv --system-site-packages "$venv" || "$py" -m venv --system-site-packages --without-pip "$venv"
+    VPY=$venv/bin/python
+    site=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    # A venv made from another venv's python does not see that venv's
+    # packages: point the new one at torch's site-packages.
+    if ! "$VPY" -c 'import torch' 2>/dev/null; then
+        "$py" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' > "$site/torch-site.pth"
+    fi
+    install_wheel() {
+        if "$VPY" -m pip --version >/dev/null 2>&1; then
+            "$VPY" -m pip install -q --no-index "$whl"
+        else # a venv without pip: torch's python installs into it
+            "$py" -m pip install -q --no-index --no-deps --target "$site" "$whl"
+        fi
+    }
+    check "pip install --no-index $(basename "$whl")" install_wheel
+    "$VPY" -c 'import ferry; print(ferry.info())' | tee "$OUT/python-info.txt"
+    check "python: the wheel's cuda plugin is enabled" "$VPY" -c 'import ferry, sys
+sys.exit(not any(p["name"] == "cuda" and p["state"] == "enabled" for p in ferry.info()["plugins"]))'
+    for t in tcp shm; do
+        check "python: torch CUDA tensors, two processes, over $t" "$VPY" tests/gpu/python_cuda.py run --transport $t
+    done
+    rm -f "$OUT/python-bench.jsonl"
+    py_bench() {
+        "$VPY" python/bench.py --ferry "$B" --blocks 1M,16M --duration "$DUR" "$@" \
+            --json "$OUT/python-bench.jsonl" | tee -a "$OUT/python-bench.txt"
+    }
+    check "python bench: host buffers" py_bench
+    check "python bench: local buffers on cuda:0" py_bench --device cuda:0
+    check "python: throughput within 10% of ferry bench (1 MiB+ blocks, same run)" "$VPY" -c 'import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+low = [r for r in rows if r["ratio"] < 0.9]
+for r in low: print("  below 0.9:", r)
+sys.exit(1 if low or not rows else 0)' "$OUT/python-bench.jsonl"
+fi
+
 section "summary"
 echo "pinned copy limit: host->device ${h2d:-?} GB/s, device->host ${d2h:-?} GB/s"
 echo "$failures check(s) failed"
