@@ -58,3 +58,11 @@ ensure_base() {
     ensure_commands cc:gcc pkg-config:pkg-config make:make protoc:protobuf-compiler
     ensure_files /usr/include/stdio.h:libc6-dev
 }
+
+# python3 able to make a virtual environment with pip (ensurepip; Debian
+# splits it into python3-venv). The Python package's build and tests run in
+# target/pyenv.
+ensure_python_venv() {
+    ensure_commands python3:python3
+    python3 -c 'import venv, ensurepip' 2>/dev/null || apt_install python3-venv
+}
