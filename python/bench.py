@@ -97,46 +97,32 @@ def ferry_initiator(ferry_bin, env, segment, op, block, batch, duration, device)
     return json.loads(out.stdout.strip().splitlines()[-1])["gb_per_s"]
 
 
-class PythonInitiator:
-    """The same loop as `ferry bench initiator`, from Python: one thread,
-    synchronous batches, moving on through the remote buffer and through a
-    local working set of at least 64 MiB."""
-
-    def __init__(self, protocol: str, device: str | None):
-        self.te = ferry.TransferEngine()
-        if self.te.initialize("127.0.0.1", "P2PHANDSHAKE", protocol, "") != 0:
-            sys.exit(f"initialize: {self.te.last_error}")
-        self.device = device
-        self.local = None
-        self.local_len = 0
-
-    def _local(self, length: int) -> int:
-        if self.local_len >= length:
-            return self.local_addr
-        if self.local is not None:
-            self.te.unregister_memory(self.local_addr)
-        if self.device:
-            import torch
-
-            self.local = torch.empty(length, dtype=torch.uint8, device=self.device)
-            self.local_addr = self.local.data_ptr()
-        else:
-            self.local = ctypes.create_string_buffer(length)  # no numpy needed
-            self.local_addr = ctypes.addressof(self.local)
-            ctypes.memset(self.local_addr, 1, length)
-        if self.te.register_memory(self.local_addr, length) != 0:
-            sys.exit(f"register_memory: {self.te.last_error}")
-        self.local_len = length
-        return self.local_addr
-
-    def run(self, segment, op, block, batch, duration) -> float:
-        seg = self.te.get_engine().open(segment)
-        remote = max(seg.buffers, key=lambda b: b.nbytes)
+def python_initiator(protocol, device, segment, op, block, batch, duration) -> float:
+    """The same loop as `ferry bench initiator`, from Python, set up afresh
+    for each measurement as that process is: a new engine, one thread,
+    synchronous batches moving on through the remote buffer and through a
+    local working set of at least 64 MiB (touched before timing)."""
+    te = ferry.TransferEngine()
+    if te.initialize("127.0.0.1", "P2PHANDSHAKE", protocol, "") != 0:
+        sys.exit(f"initialize: {te.last_error}")
+    try:
+        remote = max(te.get_engine().open(segment).buffers, key=lambda b: b.nbytes)
         slots = max(remote.nbytes // block, 1)
         per_batch = block * batch
         local_slots = max(min(max(per_batch, WORKING_SET) // block, slots), 1)
-        local = self._local(local_slots * block)
-        call = self.te.batch_transfer_sync_write if op == "write" else self.te.batch_transfer_sync_read
+        length = local_slots * block
+        if device:
+            import torch
+
+            keep = torch.zeros(length, dtype=torch.uint8, device=device)
+            local = keep.data_ptr()
+        else:
+            keep = ctypes.create_string_buffer(length)  # no numpy needed
+            local = ctypes.addressof(keep)
+            ctypes.memset(local, 0, length)  # touched, as ferry bench's buffer is
+        if te.register_memory(local, length) != 0:
+            sys.exit(f"register_memory: {te.last_error}")
+        call = te.batch_transfer_sync_write if op == "write" else te.batch_transfer_sync_read
         lengths = [block] * batch
         moved, n = 0, 0
         started = time.perf_counter()
@@ -147,13 +133,15 @@ class PythonInitiator:
                       [remote.addr + (k % slots) * block for k in ks],
                       lengths)
             if rc != 0:
-                sys.exit(f"{op} failed: {self.te.last_error}")
+                sys.exit(f"{op} failed: {te.last_error}")
             moved += per_batch
             n += 1
-        return moved / (time.perf_counter() - started) / 1e9
-
-    def close(self):
-        self.te.close()
+        elapsed = time.perf_counter() - started
+        te.unregister_memory(local)
+        del keep
+        return moved / elapsed / 1e9
+    finally:
+        te.close()
 
 
 def main():
@@ -179,7 +167,6 @@ def main():
         env = dict(os.environ, FERRY_TRANSPORTS=transport)
         os.environ["FERRY_TRANSPORTS"] = transport  # this process's engine too
         target = Target(ferry_bin, parse_size(args.target_size), env, transport == "shm")
-        py = PythonInitiator(transport, args.device)
         try:
             for block in blocks:
                 batch = args.batch or default_batch(block)
@@ -188,7 +175,8 @@ def main():
                     for _ in range(args.repeat):
                         f_runs.append(ferry_initiator(ferry_bin, env, target.segment, op, block, batch,
                                                       args.duration, args.device))
-                        p_runs.append(py.run(target.segment, op, block, batch, args.duration))
+                        p_runs.append(python_initiator(transport, args.device, target.segment, op, block,
+                                                       batch, args.duration))
                     f, p = statistics.median(f_runs), statistics.median(p_runs)
                     row = dict(transport=transport, op=op, block_size=block, batch_size=batch,
                                device=args.device or "host", ferry_gb_per_s=round(f, 3),
@@ -201,7 +189,6 @@ def main():
                         with open(args.json, "a") as fh:
                             fh.write(json.dumps(row) + "\n")
         finally:
-            py.close()
             target.stop()
     print("\n| transport | op | block | batch | ferry bench GB/s | Python GB/s | Python / ferry |")
     print("|---|---|---|---|---|---|---|")

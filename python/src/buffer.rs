@@ -35,6 +35,8 @@ const PYBUF_ND: c_int = 0x0008;
 const PYBUF_STRIDES: c_int = 0x0010 | PYBUF_ND;
 const PYBUF_C_CONTIGUOUS: c_int = 0x0020 | PYBUF_STRIDES;
 
+// SAFETY: the signatures are CPython's (Include/pybuffer.h); the symbols
+// are resolved from the interpreter that loads this module.
 unsafe extern "C" {
     fn PyObject_GetBuffer(obj: *mut ffi::PyObject, view: *mut RawBuffer, flags: c_int) -> c_int;
     fn PyBuffer_Release(view: *mut RawBuffer);

@@ -112,6 +112,10 @@ else
     "$VPY" -c 'import ferry; print(ferry.info())' | tee "$OUT/python-info.txt"
     check "python: the wheel's cuda plugin is enabled" "$VPY" -c 'import ferry, sys
 sys.exit(not any(p["name"] == "cuda" and p["state"] == "enabled" for p in ferry.info()["plugins"]))'
+    if "$VPY" -c 'import pytest, numpy' 2>/dev/null; then
+        # The CPU suite too, and its torch test with CUDA tensors.
+        check "python: pytest python/tests" "$VPY" -m pytest python/tests -q -p no:cacheprovider -rs
+    fi
     for t in tcp shm; do
         check "python: torch CUDA tensors, two processes, over $t" "$VPY" tests/gpu/python_cuda.py run --transport $t
     done
