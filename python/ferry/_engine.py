@@ -144,6 +144,9 @@ def _resolve(obj, length=None, *, writable=False) -> _buffers.Resolved:
 
 Item = Union[Tuple[Local, int], Tuple[Local, int, Optional[int]]]
 
+#: Buffers of transfers dropped while still in flight (never released).
+_ABANDONED: list = []
+
 
 class Transfer:
     """A submitted batch. ``wait()`` blocks (without the GIL) until every
@@ -194,6 +197,19 @@ class Transfer:
         for r in self._keep:
             r.release()
         self._keep = []
+
+    def __del__(self):
+        # The memory must outlive the requests: a transfer dropped unwaited
+        # is waited for (the GIL released) before its buffers are let go.
+        if getattr(self, "_result", True) is None:
+            try:
+                s = Status._from(self._native.wait(self._batch, None))
+            except Exception:
+                s = None
+            if s is not None and s.done:
+                self._finish(s)
+            else:  # still in flight: its buffers stay exported for good
+                _ABANDONED.extend(self._keep)
 
     def __enter__(self) -> "Transfer":
         return self

@@ -279,21 +279,30 @@ class TransferEngine:
     # -- transfers --------------------------------------------------------
 
     @staticmethod
-    def _local(buffer, length: int) -> int:
-        return int(buffer) if isinstance(buffer, int) else _buffers.resolve(buffer, length).addr
+    def _locals(op: str, buffers, lengths):
+        """Addresses, and what keeps object buffers exported meanwhile."""
+        if all(isinstance(b, int) for b in buffers):
+            return [int(b) for b in buffers], []
+        keep = [_buffers.resolve(b, n, writable=op == "read") for b, n in zip(buffers, lengths)]
+        return [m.addr for m in keep], keep
 
     def _sync(self, op: str, target: str, buffers, peers, lengths, hint: str) -> int:
+        keep = []
         try:
             lengths = [int(n) for n in lengths]
-            local = [self._local(b, n) for b, n in zip(buffers, lengths)]
+            local, keep = self._locals(op, buffers, lengths)
             self._native().transfer(op, self._segment(target), local, [int(p) for p in peers], lengths, hint or None)
             return 0
         except BaseException as e:
             return self._fail(e, f"{op} to {target}")
+        finally:
+            for m in keep:
+                m.release()
 
     def _async(self, op: str, target: str, buffers, peers, lengths, hint: str) -> int:
+        # Like Mooncake, the caller keeps the memory alive until the batch ends.
         lengths = [int(n) for n in lengths]
-        local = [self._local(b, n) for b, n in zip(buffers, lengths)]
+        local, _ = self._locals(op, buffers, lengths)
         return self._native().submit(op, self._segment(target), local, [int(p) for p in peers], lengths, hint or None)
 
     @staticmethod

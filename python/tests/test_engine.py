@@ -198,6 +198,10 @@ def test_async_transfers(engines):
         with seg.submit_write([(src, reg.addr)]) as t2:
             pass  # leaving the block waits
         assert t2.done() and (remote == 4).all()
+        # A transfer dropped unwaited is waited for before its buffers go.
+        src[:] = 5
+        seg.submit_write([(src, reg.addr)])  # the Transfer is dropped at once
+        assert (remote == 5).all()
         # A failure inside a batch raises from wait().
         with target.register(np.zeros(16, np.uint8)):
             pass
