@@ -27,6 +27,7 @@ use std::ffi::{c_char, CString};
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Once;
 
+pub mod auth;
 mod device;
 pub mod net;
 mod transport;
