@@ -469,6 +469,10 @@ static int parse_faults(const char *spec, struct emu_device *devs, int ndevs)
 		entry = trim(entry);
 		if (!*entry)
 			continue;
+		if (!strcmp(entry, "no_uverbs")) {
+			emu_g.no_uverbs = 1;
+			continue;
+		}
 		colon = strchr(entry, ':');
 		if (!colon) {
 			emu_log("FERRY_VERBS_EMU_FAULTS: '%s' lacks 'device:'", entry);

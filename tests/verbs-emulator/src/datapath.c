@@ -327,15 +327,11 @@ static struct outcome run(struct emu_qp *qp, const struct emu_wr *wr, uint64_t *
 static void complete(struct emu_qp *qp, const struct emu_wr *wr, struct outcome o,
 		     uint64_t len)
 {
+	int fails = o.status != IBV_WC_SUCCESS && o.status != IBV_WC_WR_FLUSH_ERR &&
+		    qp->hw_state != IBV_QPS_ERR;
+
 	__atomic_add_fetch(&qp->sq_inflight, 1, __ATOMIC_ACQ_REL);
 	qp->unsignaled++;
-	if (o.status != IBV_WC_SUCCESS && o.status != IBV_WC_WR_FLUSH_ERR &&
-	    qp->hw_state != IBV_QPS_ERR) {
-		emu_debug("QP 0x%06x: %s wr_id %llu completes with %s",
-			  qp->qpx.qp_base.qp_num, op_name(wr->opcode),
-			  (unsigned long long)wr->wr_id, emu_wc_status_name(o.status));
-		emu_qp_enter_error(qp); /* RC: any error completion errors the QP */
-	}
 	if (o.status == IBV_WC_SUCCESS && !(wr->flags & IBV_SEND_SIGNALED) &&
 	    !qp->sq_sig_all)
 		return;
@@ -354,6 +350,14 @@ static void complete(struct emu_qp *qp, const struct emu_wr *wr, struct outcome 
 	};
 	qp->unsignaled = 0;
 	emu_cq_push(qp->scq, &e);
+	if (fails) {
+		/* RC: an error completion moves the QP to ERR; the flushes of
+		 * posted receives follow the error CQE, as on hardware. */
+		emu_debug("QP 0x%06x: %s wr_id %llu completed with %s",
+			  qp->qpx.qp_base.qp_num, op_name(wr->opcode),
+			  (unsigned long long)wr->wr_id, emu_wc_status_name(o.status));
+		emu_qp_enter_error(qp);
+	}
 }
 
 /* ---- posting ------------------------------------------------------------ */

@@ -100,6 +100,11 @@ EMU_EXPORT struct ibv_device **ibv_get_device_list(int *num_devices)
 		errno = err;
 		return NULL;
 	}
+	if (emu_g.no_uverbs) {
+		/* rdma-core when /sys/class/infiniband_verbs is missing */
+		errno = ENOSYS;
+		return NULL;
+	}
 	list = calloc((size_t)emu_g.ndevs + 1, sizeof(*list));
 	if (!list) {
 		errno = ENOMEM;

@@ -108,6 +108,7 @@ struct emu_global {
 	int ndevs;
 	char fabric_dir[PATH_MAX];
 	int fabric_ready;
+	int no_uverbs; /* fault: behave like a host without ib_uverbs */
 	char sysfs_root[160]; /* device paths must fit IBV_SYSFS_PATH_MAX */
 };
 

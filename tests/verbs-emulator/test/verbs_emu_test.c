@@ -18,6 +18,7 @@
 #include <infiniband/verbs.h>
 
 #include <arpa/inet.h>
+#include <pthread.h>
 #include <endian.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -37,7 +38,7 @@ static int checks;
 
 #define CHECK(cond, ...)                                                       \
 	do {                                                                   \
-		checks++;                                                      \
+		__atomic_add_fetch(&checks, 1, __ATOMIC_RELAXED);              \
 		if (!(cond)) {                                                 \
 			fprintf(stderr, "[%s] FAIL %s:%d: %s: ", role, __FILE__, \
 				__LINE__, #cond);                              \
@@ -284,7 +285,7 @@ static struct ibv_wc rdma(struct node *nd, struct ibv_qp *qp, enum ibv_wr_opcode
 			  void *laddr, uint32_t len, uint32_t lkey, uint64_t raddr,
 			  uint32_t rkey)
 {
-	static uint64_t id = 1000;
+	static __thread uint64_t id = 1000; /* per thread: wr_ids must not race */
 	struct ibv_sge sge = { .addr = (uintptr_t)laddr, .length = len, .lkey = lkey };
 	struct ibv_wc wc;
 
@@ -1003,9 +1004,17 @@ static void run_faults_error(void)
 	int n;
 
 	role = "faults";
+	if (getenv("FERRY_TEST_NO_UVERBS")) {
+		setenv("FERRY_VERBS_EMU_FAULTS", "no_uverbs", 1);
+		CHECK(ibv_get_device_list(&n) == NULL && errno == ENOSYS,
+		      "no_uverbs must fail with ENOSYS like rdma-core");
+		exit(0);
+	}
 	setenv("FERRY_VERBS_EMU_FAULTS", "mlx5_0:port_down_afterr=3", 1);
 	CHECK(ibv_get_device_list(&n) == NULL && errno == EINVAL, "bad fault spec must fail");
-	exit(0);
+	setenv("FERRY_TEST_NO_UVERBS", "1", 1);
+	execl("/proc/self/exe", "verbs_emu_test", NULL); /* a fresh library state */
+	CHECK(0, "re-exec: %s", strerror(errno));
 }
 
 static void run_empty(void)
@@ -1058,6 +1067,169 @@ static void run_no_dmabuf(const char *tmp)
 	exit(0);
 }
 
+
+
+/* ---- injected error completions, completion channel, receive flush ------ */
+
+static void run_misc(void)
+{
+	role = "wc-errors";
+	setenv("FERRY_VERBS_EMU_FAULTS",
+	       "mlx5_9:wc_error_every=3,wc_error_status=REM_OP_ERR", 1);
+	struct ibv_context *a = open_named("mlx5_9"), *b = open_named("mlx5_10");
+	struct ibv_comp_channel *ch = ibv_create_comp_channel(a);
+	CHECK(ch, "comp channel");
+	struct ibv_pd *pda = ibv_alloc_pd(a), *pdb = ibv_alloc_pd(b);
+	struct ibv_cq *ca = ibv_create_cq(a, 16, (void *)0x1234, ch, 0);
+	struct ibv_cq *cb = ibv_create_cq(b, 16, NULL, NULL, 0);
+	struct node na = { a, pda, ca, 0x1a, { { 0 } } }, nb = { b, pdb, cb, 0x1b, { { 0 } } };
+	struct ibv_qp *qa = make_qp(&na, 8), *qb = make_qp(&nb, 8);
+	unsigned char *src = page_buf(4096), *dst = page_buf(4096);
+	struct ibv_mr *smr = ibv_reg_mr(pda, src, 4096, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_mr *dmr = ibv_reg_mr(pdb, dst, 4096, RW_ACCESS);
+	struct ibv_wc wc;
+
+	CHECK(to_init(qa) == 0 && to_init(qb) == 0, "INIT");
+	CHECK(to_rtr(qa, qb->qp_num, 0x1b, NULL) == 0 && to_rts(qa) == 0, "qa");
+	CHECK(to_rtr(qb, qa->qp_num, 0x1a, NULL) == 0 && to_rts(qb) == 0, "qb");
+
+	/* completion channel: armed CQ -> one event naming it */
+	CHECK(ibv_req_notify_cq(ca, 0) == 0, "req_notify");
+	fill(src, 4096, 3);
+	wc = rdma(&na, qa, IBV_WR_RDMA_WRITE, src, 4096, smr->lkey, (uintptr_t)dst, dmr->rkey);
+	CHECK(wc.status == IBV_WC_SUCCESS && !memcmp(src, dst, 4096), "WR 1");
+	struct ibv_cq *ev_cq;
+	void *ev_ctx;
+	CHECK(ibv_get_cq_event(ch, &ev_cq, &ev_ctx) == 0 && ev_cq == ca &&
+		      ev_ctx == (void *)0x1234,
+	      "cq event");
+	ibv_ack_cq_events(ca, 1);
+	say("completion channel: req_notify_cq -> get_cq_event -> ack");
+
+	/* two receives are held, then flushed when the QP errors */
+	struct ibv_recv_wr rw[2] = { { .wr_id = 71, .next = &rw[1] }, { .wr_id = 72 } }, *rbad;
+	CHECK(ibv_post_recv(qa, rw, &rbad) == 0, "post_recv");
+	wc = rdma(&na, qa, IBV_WR_RDMA_WRITE, src, 64, smr->lkey, (uintptr_t)dst, dmr->rkey);
+	CHECK(wc.status == IBV_WC_SUCCESS, "WR 2");
+	uint64_t before = fnv(dst, 4096);
+	fill(src, 4096, 4);
+	wc = rdma(&na, qa, IBV_WR_RDMA_WRITE, src, 4096, smr->lkey, (uintptr_t)dst, dmr->rkey);
+	CHECK(wc.status == IBV_WC_REM_OP_ERR && wc.vendor_err == 0xfe03,
+	      "WR 3 must be the injected error, got %s", ibv_wc_status_str(wc.status));
+	CHECK(fnv(dst, 4096) == before, "injected error touched the target");
+	for (int i = 0; i < 2; i++) {
+		CHECK(ibv_poll_cq(ca, 1, &wc) == 1 && wc.status == IBV_WC_WR_FLUSH_ERR &&
+			      wc.opcode == IBV_WC_RECV && wc.wr_id == 71u + (unsigned)i,
+		      "receive %d flushed", i);
+	}
+	CHECK(hw_state(qa) == IBV_QPS_ERR, "QP in ERR after an injected error");
+	connect_qp(qa, qb->qp_num, 0x1b, NULL);
+	for (int i = 4; i <= 6; i++) {
+		wc = rdma(&na, qa, IBV_WR_RDMA_WRITE, src, 64, smr->lkey, (uintptr_t)dst,
+			  dmr->rkey);
+		CHECK(wc.status == (i == 6 ? IBV_WC_REM_OP_ERR : IBV_WC_SUCCESS), "WR %d", i);
+	}
+	CHECK(ibv_destroy_comp_channel(ch) == EBUSY, "channel in use");
+	say("wc_error_every=3: WRs 3 and 6 fail with the chosen status, receives flush");
+	exit(0);
+}
+
+/* ---- threads: one process, two NICs, four QP pairs, MR churn ------------ */
+
+#define NTHREADS 4
+#define TLEN (256u << 10)
+
+struct shared {
+	struct ibv_context *a, *b;
+	struct ibv_pd *pda, *pdb;
+	int stop; /* atomic */
+};
+
+struct worker {
+	struct shared *sh;
+	int id;
+	int failed;
+};
+
+static void *work(void *arg)
+{
+	struct worker *w = arg;
+	struct shared *sh = w->sh;
+	unsigned char *src = page_buf(TLEN), *dst = page_buf(TLEN);
+	struct ibv_mr *smr = ibv_reg_mr(sh->pda, src, TLEN, RW_ACCESS);
+	struct ibv_mr *dmr = ibv_reg_mr(sh->pdb, dst, TLEN, RW_ACCESS);
+	struct ibv_cq *ca = ibv_create_cq(sh->a, 32, NULL, NULL, w->id % 4);
+	struct ibv_cq *cb = ibv_create_cq(sh->b, 32, NULL, NULL, 0);
+	struct node na = { sh->a, sh->pda, ca, 0, { { 0 } } }, nb = { sh->b, sh->pdb, cb, 0, { { 0 } } };
+	struct ibv_port_attr pa;
+	uint32_t x = 7u + (uint32_t)w->id;
+
+	CHECK(smr && dmr && ca && cb, "thread setup");
+	ibv_query_port(sh->b, 1, &pa);
+	struct ibv_qp *qa = make_qp(&na, 8), *qb = make_qp(&nb, 8);
+	CHECK(to_init(qa) == 0 && to_init(qb) == 0, "INIT");
+	CHECK(to_rtr(qa, qb->qp_num, pa.lid, NULL) == 0 && to_rts(qa) == 0, "qa");
+	ibv_query_port(sh->a, 1, &pa);
+	CHECK(to_rtr(qb, qa->qp_num, pa.lid, NULL) == 0 && to_rts(qb) == 0, "qb");
+	for (int i = 0; i < 300; i++) {
+		x ^= x << 13, x ^= x >> 17, x ^= x << 5;
+		uint32_t len = 1 + x % (TLEN / 2);
+		uint32_t off = (x >> 7) % (TLEN - len);
+		fill(src, len, x);
+		struct ibv_wc wc = rdma(&na, qa, IBV_WR_RDMA_WRITE, src, len, smr->lkey,
+					(uintptr_t)dst + off, dmr->rkey);
+		CHECK(wc.status == IBV_WC_SUCCESS && !memcmp(src, dst + off, len),
+		      "thread %d WRITE %d", w->id, i);
+		wc = rdma(&na, qa, IBV_WR_RDMA_READ, src + TLEN / 2, len / 2 + 1, smr->lkey,
+			  (uintptr_t)dst + off, dmr->rkey);
+		CHECK(wc.status == IBV_WC_SUCCESS &&
+			      !memcmp(src + TLEN / 2, dst + off, len / 2 + 1),
+		      "thread %d READ %d", w->id, i);
+	}
+	CHECK(ibv_destroy_qp(qa) == 0 && ibv_destroy_qp(qb) == 0, "destroy qps");
+	CHECK(ibv_destroy_cq(ca) == 0 && ibv_destroy_cq(cb) == 0, "destroy cqs");
+	CHECK(ibv_dereg_mr(smr) == 0 && ibv_dereg_mr(dmr) == 0, "dereg");
+	return NULL;
+}
+
+static void *churn(void *arg)
+{
+	struct shared *sh = arg;
+	unsigned char *scratch = page_buf(1 << 16);
+
+	while (!__atomic_load_n(&sh->stop, __ATOMIC_ACQUIRE)) {
+		struct ibv_mr *m1 = ibv_reg_mr(sh->pda, scratch, 1 << 16, RW_ACCESS);
+		struct ibv_mr *m2 = ibv_reg_mr(sh->pdb, scratch, 4096, IBV_ACCESS_REMOTE_READ);
+		CHECK(m1 && m2, "churn reg");
+		CHECK(ibv_dereg_mr(m2) == 0 && ibv_dereg_mr(m1) == 0, "churn dereg");
+	}
+	return NULL;
+}
+
+static void run_threads(void)
+{
+	role = "threads";
+	struct shared sh = { .a = open_named("mlx5_5"), .b = open_named("mlx5_6") };
+	struct worker w[NTHREADS];
+	pthread_t t[NTHREADS], c;
+
+	sh.pda = ibv_alloc_pd(sh.a);
+	sh.pdb = ibv_alloc_pd(sh.b);
+	CHECK(pthread_create(&c, NULL, churn, &sh) == 0, "churn thread");
+	for (int i = 0; i < NTHREADS; i++) {
+		w[i] = (struct worker){ &sh, i, 0 };
+		CHECK(pthread_create(&t[i], NULL, work, &w[i]) == 0, "thread");
+	}
+	for (int i = 0; i < NTHREADS; i++)
+		pthread_join(t[i], NULL);
+	__atomic_store_n(&sh.stop, 1, __ATOMIC_RELEASE);
+	pthread_join(c, NULL);
+	CHECK(ibv_dealloc_pd(sh.pda) == 0 && ibv_dealloc_pd(sh.pdb) == 0, "dealloc");
+	CHECK(ibv_close_device(sh.a) == 0 && ibv_close_device(sh.b) == 0, "close");
+	say("%d threads x 300 WRITE+READ on shared PDs while MRs churn", NTHREADS);
+	exit(0);
+}
+
 /* ---- main --------------------------------------------------------------- */
 
 static pid_t spawn(void (*fn)(void *), void *arg)
@@ -1094,6 +1266,8 @@ static void c_config(void *a) { (void)a; run_config_errors(tmpdir); }
 static void c_faults(void *a) { (void)a; run_faults_error(); }
 static void c_empty(void *a) { (void)a; run_empty(); }
 static void c_nodmabuf(void *a) { (void)a; run_no_dmabuf(tmpdir); }
+static void c_threads(void *a) { (void)a; run_threads(); }
+static void c_misc(void *a) { (void)a; run_misc(); }
 static void c_target(void *a)
 {
 	(void)a;
@@ -1115,6 +1289,10 @@ int main(void)
 {
 	int failed = 0;
 
+	if (getenv("FERRY_TEST_NO_UVERBS")) {
+		alarm(60);
+		run_faults_error();
+	}
 	tmpdir = getenv("VERBS_TEST_TMP");
 	if (!tmpdir || !getenv("FERRY_VERBS_EMU_CONFIG") || !getenv("FERRY_VERBS_EMU_DIR")) {
 		fprintf(stderr, "run me through test/run-check.sh\n");
@@ -1127,6 +1305,8 @@ int main(void)
 	failed |= reap(spawn(c_faults, NULL), "faults");
 	failed |= reap(spawn(c_empty, NULL), "empty");
 	failed |= reap(spawn(c_nodmabuf, NULL), "no-dmabuf");
+	failed |= reap(spawn(c_threads, NULL), "threads");
+	failed |= reap(spawn(c_misc, NULL), "wc-errors");
 
 	for (int c = 0; c < 2; c++)
 		for (int d = 0; d < 2; d++)
