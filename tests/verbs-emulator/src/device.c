@@ -747,6 +747,54 @@ EMU_EXPORT int ibv_destroy_ah(struct ibv_ah *ah)
 	return EOPNOTSUPP;
 }
 
+EMU_EXPORT int ibv_init_ah_from_wc(struct ibv_context *context, uint8_t port_num,
+				   struct ibv_wc *wc, struct ibv_grh *grh,
+				   struct ibv_ah_attr *ah_attr)
+{
+	(void)context, (void)port_num, (void)wc, (void)grh, (void)ah_attr;
+	errno = EOPNOTSUPP;
+	return -1;
+}
+
+EMU_EXPORT struct ibv_ah *ibv_create_ah_from_wc(struct ibv_pd *pd, struct ibv_wc *wc,
+						struct ibv_grh *grh, uint8_t port_num)
+{
+	(void)pd, (void)wc, (void)grh, (void)port_num;
+	errno = EOPNOTSUPP;
+	return NULL;
+}
+
+EMU_EXPORT int ibv_resolve_eth_l2_from_gid(struct ibv_context *context,
+					   struct ibv_ah_attr *attr,
+					   uint8_t eth_mac[ETHERNET_LL_SIZE],
+					   uint16_t *vid)
+{
+	(void)context, (void)attr, (void)eth_mac, (void)vid;
+	return EOPNOTSUPP;
+}
+
+/*
+ * librdmacm is linked with immediate binding and needs these to load at
+ * all (rdma-mummy-sys dlopens it next to us). They convert structs that
+ * only a kernel RDMA-CM ioctl fills, which cannot succeed here, so they
+ * are never reached with data; they leave the destination untouched.
+ */
+EMU_EXPORT void ibv_copy_qp_attr_from_kern(void *dst, const void *src);
+EMU_EXPORT void ibv_copy_ah_attr_from_kern(void *dst, const void *src);
+EMU_EXPORT void ibv_copy_path_rec_from_kern(void *dst, const void *src);
+void ibv_copy_qp_attr_from_kern(void *dst, const void *src)
+{
+	(void)dst, (void)src;
+}
+void ibv_copy_ah_attr_from_kern(void *dst, const void *src)
+{
+	(void)dst, (void)src;
+}
+void ibv_copy_path_rec_from_kern(void *dst, const void *src)
+{
+	(void)dst, (void)src;
+}
+
 EMU_EXPORT int ibv_attach_mcast(struct ibv_qp *qp, const union ibv_gid *gid,
 				uint16_t lid)
 {
