@@ -141,7 +141,7 @@ pub fn no_direct_transport(set: &ferry_loader::PluginSet) -> Option<String> {
             p.report
                 .missing
                 .iter()
-                .filter(|m| m.capability.starts_with("cuda"))
+                .filter(|m| m.capability.starts_with("cuda") || m.capability.starts_with("rdma+"))
                 .map(|m| m.reason.as_str())
                 .collect::<Vec<_>>()
                 .join("; ")
