@@ -624,6 +624,16 @@ impl Engine {
         self.shared.register_memory(addr, len, location)
     }
 
+    /// How memory of `location` (a GPU) would be registered for RDMA and
+    /// why better methods were skipped (DESIGN.md's tiers), if it is a GPU
+    /// this engine knows.
+    pub fn gpu_direct(&self, location: Location) -> Option<String> {
+        self.shared
+            .gpu_direct
+            .get(&location.to_string())
+            .map(|d| d.explain())
+    }
+
     /// How the buffer registered at `addr` is registered: each transport's
     /// name with the `FERRY_MEM_*` bit it registered it as (for device
     /// memory, DMA-BUF or nvidia-peermem; none at all means staged).

@@ -979,7 +979,8 @@ pub fn check_timeouts(inner: &Inner) {
         ch.break_it();
         if force {
             // The NIC never flushed it: give up on the work request.
-            if let Some(s) = inner.inflight.lock().remove(&id) {
+            let gone = inner.inflight.lock().remove(&id);
+            if let Some(s) = gone {
                 ch.outstanding.fetch_sub(1, Ordering::AcqRel);
                 inner.nics[s.pair.0]
                     .outstanding

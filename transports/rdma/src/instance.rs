@@ -355,7 +355,12 @@ impl Inner {
         let weak = Arc::downgrade(&inner);
         let handle = std::thread::Builder::new()
             .name("ferry-rdma-poll".into())
-            .spawn(move || poll_loop(weak))
+            .spawn(move || {
+                // Nothing in the loop should panic; if something does, the
+                // thread ends quietly and waiting threads' progress() still
+                // polls.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| poll_loop(weak)));
+            })
             .map_err(|e| {
                 err(
                     ErrorCode::NoMemory,
