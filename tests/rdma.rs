@@ -350,7 +350,11 @@ fn child_nics_follow_the_topology() {
 fn an_injected_nic_failure_mid_transfer_completes_on_the_other_nics() {
     child(
         "child_nic_failure_mid_transfer",
-        &[("FERRY_VERBS_EMU_FAULTS", "mlx5_3:port_down_after=4")],
+        // mlx5_3's port dies after 4 work requests; mlx5_4 fails every 7th.
+        &[(
+            "FERRY_VERBS_EMU_FAULTS",
+            "mlx5_3:port_down_after=4;mlx5_4:wc_error_every=7",
+        )],
     );
 }
 

@@ -703,7 +703,7 @@ pub fn on_completion(inner: &Inner, nic: usize, wc: Wc) {
         return;
     }
     let why = format!(
-        "{} on {} (vendor error {:#x})",
+        "{} on {}, vendor error {:#x}",
         verbs::wc_status_name(wc.status),
         peer.pair_name(inner, pair),
         wc.vendor_err
@@ -753,26 +753,16 @@ fn record_failure(inner: &Inner, peer: &Arc<Peer>, pair: Pair, why: &str, data: 
     let nic = &inner.nics[pair.0];
     let base = inner.settings.pause;
     let port_down = data && verbs::port_active(&nic.dev.ctx, nic.port.port) == Some(false);
-    let others = || {
-        inner
-            .nics
-            .iter()
-            .enumerate()
-            .filter(|(i, n)| *i != pair.0 && !n.health.paused(Instant::now()))
-            .map(|(_, n)| n.name.as_str())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
+
     if port_down {
         if let Verdict::Paused(d) = nic.health.failure(why, 1, base, MAX_PAUSE) {
             inner.host.warn(&format!(
                 "rdma: {} port {} is down ({why}); pausing {} for {:.1} s (back-off doubles while \
-                 it keeps failing, up to 60 s); its slices move to {}",
+                 it keeps failing, up to 60 s); its slices move to the other NICs",
                 nic.name,
                 nic.port.port,
                 nic.name,
                 d.as_secs_f64(),
-                others()
             ));
         }
         return;
@@ -791,10 +781,9 @@ fn record_failure(inner: &Inner, peer: &Arc<Peer>, pair: Pair, why: &str, data: 
     if let Verdict::Paused(d) = nic.health.failure(why, LOCAL_PAUSE_AFTER, base, MAX_PAUSE) {
         inner.host.warn(&format!(
             "rdma: {} failed {LOCAL_PAUSE_AFTER} times in a row (last: {why}); pausing it for \
-             {:.1} s (back-off doubles while it keeps failing); its slices move to {}",
+             {:.1} s (back-off doubles while it keeps failing); its slices move to the other NICs",
             nic.name,
             d.as_secs_f64(),
-            others()
         ));
     }
 }
@@ -857,10 +846,12 @@ fn retry(inner: &Inner, mut s: Slice) {
                 format!("moved:{}:{:?}:{:?}", peer.name, s.pair, next),
                 || {
                     format!(
-                        "rdma: slices to {} that failed on {} ({}) continue on {}",
+                        "rdma: slices to {} that failed ({}) continue on {}",
                         peer.name,
-                        peer.pair_name(inner, s.pair),
-                        s.last_error.as_deref().unwrap_or("its queue pair broke"),
+                        s.last_error.clone().unwrap_or_else(|| format!(
+                            "{}: its queue pair broke",
+                            peer.pair_name(inner, s.pair)
+                        )),
                         peer.pair_name(inner, next)
                     )
                 },
