@@ -972,6 +972,17 @@ fn ferry_info_shows_rdma_and_both_gpu_methods_with_reasons() {
         "{text}"
     );
 
+    // A GPU (the fake one) next to these NICs: DMA-BUF, nothing skipped.
+    let mut with_gpu = env.clone();
+    with_gpu.push((
+        "FERRY_PLUGIN_PATH".into(),
+        fake_gpu_dir().display().to_string(),
+    ));
+    let (text, json) = info(&with_gpu);
+    let g0 = &json["gpus"][0];
+    assert_eq!(g0["registration"]["method"], "DMA-BUF", "{text}");
+    assert_eq!(g0["nearest_nics"][0]["name"], "mlx5_0", "{text}");
+
     // With nvidia-peermem loaded, both methods are on.
     let mut with_peermem = env.clone();
     with_peermem.push((
