@@ -814,6 +814,75 @@ fn child_gpu_fallback() {
 }
 
 #[test]
+fn roce_nics_are_addressed_by_gid_with_a_sensible_overridable_index() {
+    // The DGX's two Ethernet ports (mlx5_1, mlx5_2 on the fixture's NUMA
+    // node 0), as RoCE with a v1, a v2 link-local and a v2 IPv4 GID each.
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("roce.conf");
+    let mut text = String::new();
+    for (name, pci, n) in [("mlx5_1", "0000:29:00.0", 7), ("mlx5_2", "0000:29:00.1", 8)] {
+        text.push_str(&format!(
+            "[{name}]\npci = {pci}\nport1.link_layer = Ethernet\nport1.speed = HDR\n\
+             port1.gid0 = fe80::a:{n} RoCEv1\nport1.gid1 = fe80::a:{n} RoCEv2\n\
+             port1.gid3 = ::ffff:10.0.0.{n} RoCEv2\n\n"
+        ));
+    }
+    std::fs::write(&conf, text).unwrap();
+    child(
+        "child_roce",
+        &[("FERRY_VERBS_EMU_CONFIG", conf.to_str().unwrap())],
+    );
+}
+
+#[test]
+#[ignore = "runs in a child process with the verbs emulator (see child())"]
+fn child_roce() {
+    if !in_child() {
+        return;
+    }
+    capture_logs();
+    let t = target(&["--buffer-size", "8M"], &[]);
+    for gid_index in [None, Some("1")] {
+        let e = match gid_index {
+            None => engine(&[]),
+            Some(i) => engine(&[("rdma.gid_index", i)]),
+        };
+        let seg = e.open_segment(&t.segment).unwrap();
+        let (raddr, rlen) = remote(&e, seg);
+        let src = pattern(rlen as usize, 21);
+        let mut back = vec![0u8; rlen as usize];
+        e.register_memory(src.as_ptr() as u64, rlen, None).unwrap();
+        e.register_memory(back.as_mut_ptr() as u64, rlen, None)
+            .unwrap();
+        e.transfer_sync(&[Request::new(
+            Op::Write,
+            src.as_ptr() as u64,
+            seg,
+            raddr,
+            rlen,
+        )])
+        .unwrap();
+        e.transfer_sync(&[Request::new(
+            Op::Read,
+            back.as_mut_ptr() as u64,
+            seg,
+            raddr,
+            rlen,
+        )])
+        .unwrap();
+        assert!(back == src);
+        assert_eq!(
+            used(&carried(&e, seg, src.as_ptr() as u64, raddr)),
+            names(&["mlx5_1", "mlx5_2"])
+        );
+    }
+    let logs = logs();
+    // By default the RoCE v2 GID holding an IPv4 address; the setting wins.
+    assert!(logs.contains("mlx5_1 (RoCE port 1, GID 3"), "{logs}");
+    assert!(logs.contains("mlx5_1 (RoCE port 1, GID 1"), "{logs}");
+}
+
+#[test]
 fn hostile_plugin_messages_are_refused_and_the_target_keeps_serving() {
     child("child_hostile_messages", &[]);
 }
