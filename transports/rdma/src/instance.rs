@@ -271,6 +271,10 @@ impl Inner {
         let mut nics = Vec::new();
         let mut skipped = Vec::new();
         for name in names {
+            if nics.len() >= wire::MAX_NICS {
+                skipped.push(format!("{name} (more than {} NICs)", wire::MAX_NICS));
+                continue;
+            }
             if !topo.is_empty() && !topo.contains(&name) {
                 skipped.push(format!(
                     "{name} (not in the topology: FERRY_NICS or a topology file removed it)"
