@@ -1163,9 +1163,6 @@ impl Shared {
                 Method::PeerMem => sys::FERRY_MEM_CUDA_PEERMEM,
                 Method::Staged => continue,
             };
-            if t.mem_kinds & bit == 0 || failed_before.contains(method) {
-                continue;
-            }
             let next = ladder
                 .get(n + 1..)
                 .unwrap_or_default()
@@ -1173,6 +1170,24 @@ impl Shared {
                 .find(|m| !failed_before.contains(m))
                 .copied()
                 .unwrap_or(Method::Staged);
+            if failed_before.contains(method) {
+                continue;
+            }
+            if t.mem_kinds & bit == 0 {
+                first_try = false;
+                let key = (spec.location.to_string(), i, *method);
+                if self.direct_logged.lock().insert(key) {
+                    log::info!(
+                        "{}: does not register {} memory by {} on this host (`ferry info` says \
+                         why); trying {}",
+                        t.name,
+                        spec.location,
+                        method.as_str(),
+                        next.as_str()
+                    );
+                }
+                continue;
+            }
             let exported = if *method == Method::DmaBuf {
                 let why = match self.devices[plugin].export_dmabuf(spec.addr, spec.len) {
                     Ok((fd, offset)) if fd >= 0 => {
