@@ -5,7 +5,10 @@
 # travels there (the device tool's `carry`) and tests/gpu/run.sh uses it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+# Keep .gpu/ out of git (works in a linked worktree too, where .git is a file).
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 cargo build --release --workspace --locked -q
 cargo build --release --locked -q -p ferry-device-cuda --example cuda_check
 # The verbs emulator (test-only libibverbs.so.1): run.sh points the rdma
