@@ -249,6 +249,7 @@ static const ferry_transport_plugin_v1_t memcpy_plugin = {
     NULL, /* allocate_memory: plain host memory is all it needs */
     NULL, /* free_memory */
     NULL, /* accepts: connect already refuses peers outside this process */
+    NULL, /* on_peer_request (ABI 1.1): no handshake with peers */
 };
 
 __attribute__((visibility("default"))) const ferry_transport_plugin_v1_t *

@@ -52,9 +52,17 @@ ensure_rust_components() {
 }
 
 # The base every script needs: a C compiler and linker (cargo links with cc,
-# tests compile C plugins and examples), pkg-config, and protoc (the etcd
-# client compiles its protocol at build time).
+# tests compile C plugins, examples and the verbs emulator), pkg-config, and
+# what the RDMA plugin's sideway needs to build (rdma-mummy-sys runs cmake
+# and bindgen, which loads libclang). libibverbs itself is never needed to
+# build: it is loaded at run time. protoc: the etcd client compiles its
+# protocol at build time.
 ensure_base() {
-    ensure_commands cc:gcc pkg-config:pkg-config make:make protoc:protobuf-compiler
+    ensure_commands cc:gcc pkg-config:pkg-config make:make cmake:cmake readelf:binutils \
+        protoc:protobuf-compiler
     ensure_files /usr/include/stdio.h:libc6-dev
+    if ! compgen -G '/usr/lib/llvm-*/lib/libclang*.so*' >/dev/null \
+        && ! compgen -G '/usr/lib/*/libclang*.so*' >/dev/null; then
+        apt_install libclang-dev
+    fi
 }

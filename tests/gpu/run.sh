@@ -5,6 +5,9 @@
 #   bash tests/gpu/run.sh .gpu
 #
 # Prints everything; copies the JSON it gathers to $OUT when that is set.
+# Runs with the fake GPU too (a prefix whose plugins hold the test plugin
+# fakegpu as libferry_device_cuda.so): the cuda-only checks then fail, the
+# rest show the flow.
 # Each check runs even if an earlier one failed; the exit status says
 # whether all passed.
 set -uo pipefail
@@ -31,6 +34,29 @@ $B info | tee "$OUT/info.txt"
 $B info --json > "$OUT/info.json"
 check "cuda plugin enabled" grep -q '"name": "cuda"' "$OUT/info.json"
 check "GPU decision shown" grep -q 'registration:' "$OUT/info.txt"
+
+section "RDMA: the rdma plugin with this host's libibverbs (no RDMA NIC here)"
+sed -n '/^  rdma /,/^$/p' "$OUT/info.txt" | tee "$OUT/rdma-info.txt"
+check "rdma disabled: libibverbs loads, no RDMA device" \
+    grep -q 'why not: libibverbs loads, but' "$OUT/rdma-info.txt"
+
+section "RDMA: GPU memory registered by DMA-BUF through the rdma plugin, on emulated NICs"
+# The verbs emulator stands in for libibverbs (LD_LIBRARY_PATH) with the eight
+# NICs of a DGX H100 (fake sysfs tree): the rdma plugin's real code exports
+# cuda:0 memory as DMA-BUF and calls ibv_reg_dmabuf_mr with it. A write from
+# that memory then needs a NIC that can reach GPU memory, which the emulator
+# is not: it fails cleanly (reported, not a failure of the check).
+emu=$P/lib/verbs-emulator
+sysfs=$(mktemp -d); fabric=$(mktemp -d)
+$B topology --write-fixture dgx-h100 "$sysfs"
+emu_env=(env LD_LIBRARY_PATH="$emu" FERRY_VERBS_EMU_CONFIG="$emu/dgx-h100.conf" FERRY_VERBS_EMU_DIR="$fabric"
+         FERRY_SYSFS_ROOT="$sysfs" FERRY_TRANSPORTS=rdma)
+"${emu_env[@]}" $B info | tee "$OUT/info-emulated.txt" | sed -n '/^  rdma /,/^$/p'
+check "rdma enabled on emulated NICs, DMA-BUF on" grep -q 'rdma+dmabuf: enabled' "$OUT/info-emulated.txt"
+"${emu_env[@]}" FERRY_LOG=info $B bench rdma-check --device cuda:0 2>&1 | tee "$OUT/rdma-check.txt"
+check "cuda:0 memory registered by DMA-BUF through rdma (emulated NICs)" \
+    grep -q 'rdma as cuda-dmabuf' "$OUT/rdma-check.txt"
+rm -rf "$sysfs" "$fabric"
 
 section "cuda plugin through its C ABI (every pointer kind, DMA-BUF ranges, contexts)"
 check "cuda_check" $P/bin/cuda_check $P/lib/ferry/plugins/libferry_device_cuda.so

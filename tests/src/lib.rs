@@ -120,3 +120,85 @@ impl Drop for TargetProcess {
         let _ = self.child.wait();
     }
 }
+
+/// rdma-core's headers for building the verbs emulator: the system's
+/// (libibverbs-dev), else the copy rdma-mummy-sys vendors in the cargo
+/// registry.
+pub fn verbs_include_dir() -> Option<PathBuf> {
+    if Path::new("/usr/include/infiniband/verbs.h").exists() {
+        return Some(PathBuf::from("/usr/include"));
+    }
+    let home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))?;
+    let mut found: Vec<PathBuf> = std::fs::read_dir(home.join("registry/src"))
+        .ok()?
+        .flatten()
+        .flat_map(|d| std::fs::read_dir(d.path()).into_iter().flatten().flatten())
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("rdma-mummy-sys-"))
+        })
+        .map(|p| p.join("rdma-core-mummy/include"))
+        .filter(|p| p.join("infiniband/verbs.h").exists())
+        .collect();
+    found.sort();
+    found.pop()
+}
+
+/// Builds tests/verbs-emulator (a test-only libibverbs.so.1) into `out`
+/// with the C compiler, as its README shows; returns the library's path.
+pub fn build_verbs_emulator(out: &Path) -> PathBuf {
+    let src = repo_root().join("tests/verbs-emulator");
+    let include = verbs_include_dir()
+        .expect("no infiniband/verbs.h: apt-get install libibverbs-dev (scripts/test does)");
+    let mut sources: Vec<PathBuf> = std::fs::read_dir(src.join("src"))
+        .expect("tests/verbs-emulator/src")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "c"))
+        .collect();
+    sources.sort();
+    let lib = out.join("libibverbs.so.1");
+    let output = Command::new(c_compiler())
+        .args([
+            "-std=gnu11",
+            "-O1",
+            "-fPIC",
+            "-shared",
+            "-fvisibility=hidden",
+        ])
+        .arg(format!("-I{}", include.display()))
+        .args(["-Wl,-soname,libibverbs.so.1"])
+        .arg(format!(
+            "-Wl,--version-script={}",
+            src.join("libibverbs.map").display()
+        ))
+        .arg("-o")
+        .arg(&lib)
+        .args(&sources)
+        .arg("-lpthread")
+        .output()
+        .expect("run the C compiler (is cc installed?)");
+    assert!(
+        output.status.success(),
+        "building the verbs emulator failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    lib
+}
+
+/// Writes one of Ferry's fake sysfs trees (`ferry topology --write-fixture`).
+pub fn write_fixture(name: &str, dir: &Path) {
+    let out = Command::new(ferry_bin())
+        .args(["topology", "--write-fixture", name])
+        .arg(dir)
+        .output()
+        .expect("run ferry topology --write-fixture");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
