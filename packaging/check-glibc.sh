@@ -77,7 +77,7 @@ for f in "${files[@]}"; do
     is_linked_elf "$f" || continue
     checked=$((checked + 1))
     v=$(highest_glibc "$f")
-    name=${f#"$tmp"/}
+    name=${f#"$tmp"/*/}
     if [ "$tsv" = 1 ]; then
         printf '%s\t%s\n' "$name" "$v"
     else
@@ -93,7 +93,7 @@ fi
 if [ ${#bad[@]} -gt 0 ]; then
     echo "error: ${#bad[@]} file(s) need a glibc newer than $floor; they would not start on the oldest supported hosts:" >&2
     for f in "${bad[@]}"; do
-        echo "  ${f#"$tmp"/} needs these symbols:" >&2
+        echo "  ${f#"$tmp"/*/} needs these symbols:" >&2
         objdump -T "$f" 2>/dev/null |
             awk 'match($0, /GLIBC_[0-9.]+/) { print substr($0, RSTART + 6, RLENGTH - 6), $NF }' |
             sort -uV | while read -r ver sym; do
