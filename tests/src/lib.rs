@@ -4,7 +4,7 @@
 //! These tests use what `cargo build --workspace` produced (the `ferry`
 //! binary, plugin .so files); `scripts/test` builds it first.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
@@ -201,4 +201,59 @@ pub fn write_fixture(name: &str, dir: &Path) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// A real two-process transfer between the C examples (examples/c): starts
+/// `target` (a command for target.c's binary, environment already set), runs
+/// `initiator` (initiator.c's) against the segment it prints, and checks the
+/// initiator's write, refused out-of-bounds request and read-back, and the
+/// data at the target. Panics with both programs' output on any failure.
+pub fn run_c_transfer(target: &mut Command, initiator: &mut Command) {
+    let mut t = target
+        .arg("8388608")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start the C target");
+    let mut lines = BufReader::new(t.stdout.take().expect("stdout")).lines();
+    let first = lines
+        .next()
+        .expect("the target prints its segment")
+        .expect("read the target's output");
+    let parts: Vec<&str> = first.split_whitespace().collect();
+    assert!(
+        parts.len() == 4 && parts[0] == "SEGMENT",
+        "target said {first:?}"
+    );
+    let out = initiator
+        .args([parts[1], parts[2], parts[3]])
+        .output()
+        .expect("run the C initiator");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "initiator failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("WROTE 8 requests"), "{stdout}");
+    assert!(
+        stdout.contains("OUT_OF_BOUNDS FERRY_ERR_OUT_OF_BOUNDS: "),
+        "{stdout}"
+    );
+    assert!(stdout.trim_end().ends_with("OK"), "{stdout}");
+    let local = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("LOCAL "))
+        .expect("the initiator prints its checksum")
+        .to_string();
+    let stdin = t.stdin.as_mut().expect("stdin");
+    writeln!(stdin, "checksum").expect("ask the target for its checksum");
+    stdin.flush().expect("flush");
+    let at_target = lines
+        .next()
+        .expect("the target answers")
+        .expect("read the target's answer");
+    assert_eq!(at_target, format!("CHECKSUM {local}"), "data at the target");
+    drop(t.stdin.take());
+    assert!(t.wait().expect("wait for the target").success());
 }
