@@ -52,6 +52,14 @@ log=$work/build.log
 # 1. Build the whole workspace for the glibc floor. cargo's JSON messages
 # name the files this build produced, so a stale plugin left in target/ by
 # another branch is never shipped.
+# bindgen (the rdma plugin's rdma-mummy-sys generates verbs bindings from
+# headers) runs libclang, which under zig's wrappers does not search the
+# system include directories; the bindings are declarations only, the same
+# for any glibc, so the build machine's headers are right.
+multiarch=$(gcc -print-multiarch 2>/dev/null || echo "$arch-linux-gnu")
+# libclang's own headers (stddef.h) come first, as clang would put them.
+clang_include=$(ls -d /usr/lib/llvm-*/lib/clang/*/include 2>/dev/null | sort -V | tail -1 || true)
+export BINDGEN_EXTRA_CLANG_ARGS="${BINDGEN_EXTRA_CLANG_ARGS:-}${clang_include:+ -isystem $clang_include} -isystem /usr/include/$multiarch -isystem /usr/include"
 if ! cargo zigbuild --profile "$profile" --locked --workspace --target "$triple.$glibc" \
     --message-format=json-render-diagnostics > "$work/artifacts.json" 2> "$log"; then
     cat "$log" >&2
