@@ -3,10 +3,9 @@
 //! shared library and once against the static one, and every misuse of the
 //! API answered with a code and a message.
 
-use ferry_tests::{built, c_compiler, repo_root};
-use std::io::{BufRead, BufReader, Write};
+use ferry_tests::{built, c_compiler, repo_root, run_c_transfer};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 /// An install-like prefix (include/, lib/, lib/pkgconfig/ferry.pc) made of
 /// links into the build tree, as packaging will lay it out.
@@ -80,51 +79,6 @@ fn shared_link(prefix: &Path) -> Vec<String> {
     args
 }
 
-/// Runs the C target and the given initiator binary against it.
-/// `plugin_path` is for binaries that cannot find plugins beside themselves.
-fn run_pair(target: &Path, initiator: &Path, plugin_path: Option<&Path>) {
-    let mut t = Command::new(target)
-        .arg("8388608")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(t.stdout.take().unwrap()).lines();
-    let first = lines.next().unwrap().unwrap();
-    let parts: Vec<&str> = first.split_whitespace().collect();
-    assert_eq!(parts[0], "SEGMENT", "{first}");
-    let mut cmd = Command::new(initiator);
-    cmd.args([parts[1], parts[2], parts[3]]);
-    if let Some(p) = plugin_path {
-        cmd.env("FERRY_PLUGIN_PATH", p);
-    }
-    let out = cmd.output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "initiator failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(stdout.contains("WROTE 8 requests"), "{stdout}");
-    assert!(
-        stdout.contains("OUT_OF_BOUNDS FERRY_ERR_OUT_OF_BOUNDS: "),
-        "{stdout}"
-    );
-    assert!(stdout.trim_end().ends_with("OK"), "{stdout}");
-    let local = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("LOCAL "))
-        .unwrap()
-        .to_string();
-    let stdin = t.stdin.as_mut().unwrap();
-    writeln!(stdin, "checksum").unwrap();
-    stdin.flush().unwrap();
-    let at_target = lines.next().unwrap().unwrap();
-    assert_eq!(at_target, format!("CHECKSUM {local}"), "data at the target");
-    drop(t.stdin.take());
-    assert!(t.wait().unwrap().success());
-}
-
 #[test]
 fn c_examples_transfer_between_two_processes_with_the_shared_library() {
     let prefix = dev_prefix();
@@ -143,10 +97,9 @@ fn c_examples_transfer_between_two_processes_with_the_shared_library() {
         &dir.path().join("initiator"),
         &link,
     );
-    run_pair(
-        &dir.path().join("target"),
-        &dir.path().join("initiator"),
-        None,
+    run_c_transfer(
+        &mut Command::new(dir.path().join("target")),
+        &mut Command::new(dir.path().join("initiator")),
     );
 }
 
@@ -176,11 +129,9 @@ fn the_static_library_links_and_works_too() {
     );
     // A statically linked program has no libferry.so to find plugins beside:
     // FERRY_PLUGIN_PATH names them.
-    run_pair(
-        &dir.path().join("target"),
-        &dir.path().join("initiator-static"),
-        Some(&ferry_tests::target_dir()),
-    );
+    let mut initiator = Command::new(dir.path().join("initiator-static"));
+    initiator.env("FERRY_PLUGIN_PATH", ferry_tests::target_dir());
+    run_c_transfer(&mut Command::new(dir.path().join("target")), &mut initiator);
 }
 
 #[test]

@@ -59,7 +59,7 @@ fn c_plugin_built_from_the_header_alone_is_discovered_probed_and_enabled() {
     assert_eq!(p.stage, Stage::Probed);
     assert_eq!(p.kind, PluginKind::Transport);
     assert_eq!(p.version.as_deref(), Some("1.0.0"));
-    assert_eq!(p.abi.as_deref(), Some("1.0"));
+    assert_eq!(p.abi.as_deref(), Some("1.1"));
     assert_eq!(p.path, path);
     assert_eq!(
         p.description.as_deref(),
@@ -203,7 +203,7 @@ fn every_bad_plugin_gets_its_own_reason_and_the_good_one_still_loads() {
     expect(
         "oldtable",
         Stage::Discovered,
-        "its transport table says plugin ABI 7.0, but this Ferry speaks 1.0",
+        "its transport table says plugin ABI 7.0, but this Ferry speaks 1.1",
     );
     expect("needsdep", Stage::Discovered, "needs libferrytestdep.so,");
     expect(
@@ -327,7 +327,7 @@ fn ferry_info_json_has_the_documented_shape() {
     );
     let v: serde_json::Value = serde_json::from_str(&stdout).expect("valid JSON");
     assert_eq!(v["ferry_version"], env!("CARGO_PKG_VERSION"));
-    assert_eq!(v["abi_version"], "1.0");
+    assert_eq!(v["abi_version"], "1.1");
     let search = v["search_path"].as_array().expect("search_path array");
     assert_eq!(search[0]["path"], dir.path().to_string_lossy().as_ref());
     assert_eq!(search[0]["origin"], "env");

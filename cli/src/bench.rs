@@ -582,3 +582,124 @@ pub fn device_check(device: Location) -> Result<(), String> {
         Ok(())
     }
 }
+
+/// The RDMA plugin's GPU memory path up to where a NIC is needed: device
+/// memory is allocated, exported as DMA-BUF by the device plugin and
+/// registered with ibv_reg_dmabuf_mr on every NIC the rdma plugin uses
+/// (on a host without RDMA NICs, run it against the verbs emulator: see
+/// tests/gpu/run.sh). A write from that memory to a host buffer follows; it
+/// moves data where the NIC (or the emulator) can reach the GPU memory and
+/// fails cleanly where it cannot. Succeeds when the DMA-BUF registration did.
+pub fn rdma_check(device: Location) -> Result<(), String> {
+    let config = || EngineConfig::from_env().map_err(|e| e.to_string());
+    let engine = Engine::new(config()?).map_err(|e| e.to_string())?;
+    if !engine.transports().iter().any(|t| t == "rdma") {
+        let why = engine
+            .plugins()
+            .plugins
+            .iter()
+            .find(|p| p.report.name == "rdma")
+            .map(|p| p.report.reason.clone())
+            .or_else(|| {
+                engine
+                    .transport_failures()
+                    .iter()
+                    .find(|(n, _)| n == "rdma")
+                    .map(|(_, e)| e.to_string())
+            })
+            .unwrap_or_else(|| "no rdma plugin was found".into());
+        return Err(format!("the rdma transport is not running: {why}"));
+    }
+    let Some(gpu) = engine.gpus().iter().find(|g| g.location == device) else {
+        return Err(format!(
+            "no {device}: the engine sees {} device(s); `ferry info` says why",
+            engine.gpus().len()
+        ));
+    };
+    println!(
+        "{device}: {} at PCI {}, GPUDirect RDMA {:?}, DMA-BUF {:?}",
+        gpu.info.name, gpu.info.pci_bus_id, gpu.info.gpu_direct_rdma, gpu.info.dmabuf
+    );
+    println!(
+        "decision for {device} memory: {}",
+        engine.gpu_direct(device).unwrap_or_else(|| "none".into())
+    );
+    let len: u64 = 64 << 20;
+    let dev = engine
+        .allocate_device(device, len)
+        .map_err(|e| e.to_string())?;
+    engine
+        .register_memory(dev, len, None)
+        .map_err(|e| e.to_string())?;
+    let how: Vec<String> = engine
+        .registrations(dev)
+        .map_err(|e| e.to_string())?
+        .iter()
+        .map(|(t, kind)| {
+            format!(
+                "{t} as {}",
+                ferry_plugins_abi::caps::mem_kind_names(*kind).join(", ")
+            )
+        })
+        .collect();
+    let dmabuf = engine
+        .registrations(dev)
+        .map_err(|e| e.to_string())?
+        .iter()
+        .any(|(t, k)| t == "rdma" && *k == ferry_plugins_abi::sys::FERRY_MEM_CUDA_DMABUF);
+    println!(
+        "registered {} of {device} memory at {dev:#x}: {}",
+        human_size(len),
+        if how.is_empty() {
+            "no transport registered it directly (staged)".to_string()
+        } else {
+            how.join("; ")
+        }
+    );
+    // A write from the GPU to host memory of a second engine.
+    let target = Engine::new(config()?).map_err(|e| e.to_string())?;
+    let host = Buffer::new(len as usize)?;
+    target
+        .register_memory(host.addr(), len, None)
+        .map_err(|e| e.to_string())?;
+    let mut pattern = Buffer::new(len as usize)?;
+    crate::util::fill_pattern(pattern.as_mut_slice(), 7);
+    // SAFETY: pattern and dev are `len`-byte allocations of this process.
+    unsafe { engine.copy_memory(dev, pattern.addr(), len) }.map_err(|e| e.to_string())?;
+    let seg = engine
+        .open_segment(target.segment_name())
+        .map_err(|e| e.to_string())?;
+    let moved = engine.transfer_sync(&[Request::new(Op::Write, dev, seg, host.addr(), len)]);
+    let verified = match &moved {
+        Ok(()) => {
+            let ok = crate::util::crc32(host.as_slice()) == crate::util::crc32(pattern.as_slice());
+            println!(
+                "write {device} -> host over rdma: {}",
+                if ok {
+                    "every byte arrived"
+                } else {
+                    "DATA DIFFERS"
+                }
+            );
+            ok
+        }
+        Err(e) => {
+            println!(
+                "write {device} -> host over rdma failed, as it must where no NIC can reach GPU \
+                 memory (the verbs emulator cannot map a real GPU's DMA-BUF): {e}"
+            );
+            true
+        }
+    };
+    let _ = engine.unregister_memory(dev);
+    let _ = engine.free_device(dev);
+    if !dmabuf {
+        Err(format!(
+            "{device} memory was not registered by DMA-BUF through rdma"
+        ))
+    } else if !verified {
+        Err("the write arrived with different data".into())
+    } else {
+        Ok(())
+    }
+}

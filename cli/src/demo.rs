@@ -317,6 +317,16 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
         gbps(size, t),
         if ok_read { "==" } else { "!=" }
     );
+    // Transports that pick their own NICs (rdma) say where the bytes went.
+    if route.nic.is_none() {
+        if let Some(detail) = engine
+            .route(seg, src, remote, block)
+            .ok()
+            .and_then(|r| r.peer_detail)
+        {
+            println!("  carried by {detail}");
+        }
+    }
     if device.is_some() {
         for b in [src, dst] {
             let _ = engine.unregister_memory(b);

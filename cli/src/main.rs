@@ -175,6 +175,13 @@ enum BenchMode {
         #[arg(long, value_parser = parse_location, default_value = "cuda:0")]
         device: Location,
     },
+    /// GPU memory through the rdma plugin: DMA-BUF export and
+    /// ibv_reg_dmabuf_mr on its NICs (emulated ones on hosts without RDMA).
+    #[command(hide = true)]
+    RdmaCheck {
+        #[arg(long, value_parser = parse_location, default_value = "cuda:0")]
+        device: Location,
+    },
     #[command(hide = true)]
     TcpSink {
         #[arg(long)]
@@ -272,6 +279,7 @@ fn main() -> ExitCode {
                 json,
             } => bench::device_limit(device, block, duration, json),
             BenchMode::DeviceCheck { device } => bench::device_check(device),
+            BenchMode::RdmaCheck { device } => bench::rdma_check(device),
         },
     };
     match result {

@@ -37,6 +37,10 @@ pub enum MsgType {
     /// Copy between a staging buffer and device memory.
     StageCopy = 6,
     StageDone = 7,
+    /// A transport plugin's message to the same-named transport here
+    /// (plugin messaging: handshakes such as RDMA queue pair numbers).
+    PluginRequest = 8,
+    PluginReply = 9,
 }
 
 impl MsgType {
@@ -49,6 +53,8 @@ impl MsgType {
             5 => Some(MsgType::StageOpened),
             6 => Some(MsgType::StageCopy),
             7 => Some(MsgType::StageDone),
+            8 => Some(MsgType::PluginRequest),
+            9 => Some(MsgType::PluginReply),
             _ => None,
         }
     }
@@ -56,7 +62,10 @@ impl MsgType {
     fn is_request(self) -> bool {
         matches!(
             self,
-            MsgType::GetDescriptor | MsgType::StageOpen | MsgType::StageCopy
+            MsgType::GetDescriptor
+                | MsgType::StageOpen
+                | MsgType::StageCopy
+                | MsgType::PluginRequest
         )
     }
 }
@@ -465,6 +474,97 @@ pub fn fetch_descriptor(
     }
 }
 
+/// Longest transport name and sender name in a plugin message.
+const MAX_PLUGIN_NAME: usize = 64;
+const MAX_SENDER_NAME: usize = 512;
+
+/// A plugin message as it travels: `u16 transport name length | name |
+/// u16 sender length | sender | payload` (little endian).
+pub fn encode_plugin_request(transport: &str, from: &str, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + transport.len() + from.len() + payload.len());
+    for part in [transport.as_bytes(), from.as_bytes()] {
+        out.extend_from_slice(&(part.len() as u16).to_le_bytes());
+        out.extend_from_slice(part);
+    }
+    out.extend_from_slice(payload);
+    out
+}
+
+/// The transport name, the sender and the payload of a plugin message;
+/// every length is checked.
+pub fn decode_plugin_request(body: &[u8]) -> Result<(String, String, &[u8])> {
+    let bad = |what: &str| {
+        Error::new(
+            ErrorCode::Protocol,
+            format!("malformed plugin message: {what}"),
+        )
+    };
+    let mut rest = body;
+    let mut take = |limit: usize, what: &str| -> Result<String> {
+        if rest.len() < 2 {
+            return Err(bad(what));
+        }
+        let n = u16::from_le_bytes([rest[0], rest[1]]) as usize;
+        if n > limit || rest.len() < 2 + n {
+            return Err(bad(what));
+        }
+        let s = std::str::from_utf8(&rest[2..2 + n])
+            .map_err(|_| bad(what))?
+            .to_string();
+        rest = &rest[2 + n..];
+        Ok(s)
+    };
+    let transport = take(MAX_PLUGIN_NAME, "transport name")?;
+    let from = take(MAX_SENDER_NAME, "sender name")?;
+    if transport.is_empty()
+        || !transport
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+    {
+        return Err(bad("transport name"));
+    }
+    if rest.len() > ferry_plugins_abi::sys::FERRY_PEER_MSG_MAX {
+        return Err(bad("payload over the plugin message limit"));
+    }
+    Ok((transport, from, rest))
+}
+
+/// Sends a plugin message to transport `transport` of the engine serving
+/// `peer` and returns the reply's payload (one connection per message:
+/// handshakes are rare).
+pub fn plugin_request(
+    peer: &str,
+    transport: &str,
+    from: &str,
+    payload: &[u8],
+    connect_timeout: Duration,
+    io_timeout: Duration,
+) -> Result<Vec<u8>> {
+    if payload.len() > ferry_plugins_abi::sys::FERRY_PEER_MSG_MAX {
+        return Err(Error::new(
+            ErrorCode::InvalidArgument,
+            "plugin message over the size limit",
+        ));
+    }
+    let mut client = ControlClient::connect(peer, connect_timeout, io_timeout)?;
+    let body = encode_plugin_request(transport, from, payload);
+    let (kind, reply) = client.call(MsgType::PluginRequest, &body)?;
+    let _ = client.stream.shutdown(Shutdown::Both);
+    if kind != MsgType::PluginReply {
+        return Err(Error::new(
+            ErrorCode::Protocol,
+            format!("{peer} answered a plugin message with an unexpected message"),
+        ));
+    }
+    if reply.len() > ferry_plugins_abi::sys::FERRY_PEER_MSG_MAX {
+        return Err(Error::new(
+            ErrorCode::Protocol,
+            format!("{peer} sent a plugin reply over the size limit"),
+        ));
+    }
+    Ok(reply)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -492,6 +592,29 @@ mod tests {
         let mut bad = h;
         bad[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(decode_header(&bad).unwrap_err().message.contains("limit"));
+    }
+
+    #[test]
+    fn plugin_messages_round_trip_and_reject_garbage() {
+        let body = encode_plugin_request("rdma", "10.0.0.1:7000", b"payload");
+        let (t, from, payload) = decode_plugin_request(&body).unwrap();
+        assert_eq!(
+            (t.as_str(), from.as_str(), payload),
+            ("rdma", "10.0.0.1:7000", &b"payload"[..])
+        );
+        for bad in [
+            &b""[..],
+            &[4, 0, b'r'][..],
+            &[255, 255, b'r', b'd'][..],
+            &encode_plugin_request("RDMA", "x", b"")[..],
+            &encode_plugin_request("", "x", b"")[..],
+            &encode_plugin_request("rdma", &"x".repeat(600), b"")[..],
+        ] {
+            assert_eq!(
+                decode_plugin_request(bad).unwrap_err().code,
+                ErrorCode::Protocol
+            );
+        }
     }
 
     #[test]

@@ -22,7 +22,7 @@ use crate::identity::Identity;
 use crate::location::{host_location, Location};
 use crate::memory::{LocalBuffer, MemoryRegistry, TransportRegistration, Visibility};
 use crate::topology::{PathClass, PciAddress, Topology};
-use crate::transport::{PeerHandle, Transport};
+use crate::transport::{PeerHandle, RegionSpec, Transport};
 use ferry_loader::{PluginKind, PluginSet};
 use ferry_plugins_abi::sys;
 use parking_lot::{Mutex, RwLock};
@@ -233,6 +233,16 @@ struct Shared {
     allocations: Mutex<HashMap<u64, Allocation>>,
     /// Device memory from allocate_device, by address: its device plugin.
     device_allocations: Mutex<HashMap<u64, usize>>,
+    /// How each device's memory ("cuda:0") would be registered for RDMA,
+    /// and the host facts and policy behind it.
+    gpu_direct: HashMap<String, crate::gpudirect::Decision>,
+    gpu_direct_host: crate::gpudirect::HostFacts,
+    gpu_direct_policy: crate::gpudirect::Policy,
+    /// (device, transport, method) whose trial registration failed: not
+    /// tried again.
+    direct_failures: Mutex<Vec<(String, usize, crate::gpudirect::Method)>>,
+    /// (device, transport, method) successes already logged.
+    direct_logged: Mutex<HashSet<(String, usize, crate::gpudirect::Method)>>,
 }
 
 /// A device as the engine knows it: its plugin's description and where the
@@ -271,6 +281,21 @@ impl ControlHandler for Shared {
         match kind {
             control::MsgType::StageOpen => self.stage_open(conn, body),
             control::MsgType::StageCopy => self.stage_copy(conn, body),
+            control::MsgType::PluginRequest => {
+                let (name, from, payload) = control::decode_plugin_request(body)?;
+                let t = self
+                    .transports
+                    .iter()
+                    .find(|t| t.name == name)
+                    .ok_or_else(|| {
+                        Error::new(
+                            ErrorCode::NotFound,
+                            format!("engine {} runs no transport {name}", self.name),
+                        )
+                    })?;
+                let reply = t.peer_request(&from, payload)?;
+                Ok((control::MsgType::PluginReply, reply))
+            }
             _ => Err(Error::new(ErrorCode::Protocol, "unexpected request")),
         }
     }
@@ -355,7 +380,11 @@ impl Engine {
         for w in topology.warnings() {
             log::warn!("topology: {w}");
         }
-        let host = CoreHost::new(settings, Some(topology.clone()));
+        let host = CoreHost::new(settings, Some(topology.clone())).for_engine(
+            &name,
+            config.connect_timeout,
+            config.timeout,
+        );
         let aliases = host.aliases();
         let plugins = crate::load_plugins(&config.loader, host);
 
@@ -417,7 +446,22 @@ impl Engine {
             );
         }
 
+        let (gpu_direct_policy, policy_warning) = crate::gpudirect::Policy::from_env();
+        if let Some(w) = policy_warning {
+            log::warn!("{w}");
+        }
+        let gpu_direct_host = crate::gpudirect::HostFacts::detect(
+            topology.sysfs_root(),
+            crate::gpudirect::no_direct_transport(&plugins),
+        );
+        let gpu_direct =
+            gpu_direct_decisions(&gpus, &topology, gpu_direct_policy, &gpu_direct_host);
         let shared = Arc::new(Shared {
+            gpu_direct,
+            gpu_direct_host,
+            gpu_direct_policy,
+            direct_failures: Mutex::new(Vec::new()),
+            direct_logged: Mutex::new(HashSet::new()),
             topology,
             devices,
             gpus,
@@ -630,6 +674,32 @@ impl Engine {
     /// (host memory: the NUMA node of its first page).
     pub fn register_memory(&self, addr: u64, len: u64, location: Option<Location>) -> Result<()> {
         self.shared.register_memory(addr, len, location)
+    }
+
+    /// How memory of `location` (a GPU) would be registered for RDMA and
+    /// why better methods were skipped (DESIGN.md's tiers), if it is a GPU
+    /// this engine knows.
+    pub fn gpu_direct(&self, location: Location) -> Option<String> {
+        self.shared
+            .gpu_direct
+            .get(&location.to_string())
+            .map(|d| d.explain())
+    }
+
+    /// How the buffer registered at `addr` is registered: each transport's
+    /// name with the `FERRY_MEM_*` bit it registered it as (for device
+    /// memory, DMA-BUF or nvidia-peermem; none at all means staged).
+    pub fn registrations(&self, addr: u64) -> Result<Vec<(String, u64)>> {
+        let b = self.shared.memory.find(addr, 1).ok_or_else(|| {
+            Error::new(
+                ErrorCode::NotFound,
+                format!("no buffer registered at {addr:#x}"),
+            )
+        })?;
+        Ok(b.registrations
+            .iter()
+            .map(|r| (self.shared.transports[r.transport].name.clone(), r.mem_kind))
+            .collect())
     }
 
     /// Allocates `len` bytes of host memory (near NUMA node `numa_node` when
@@ -1043,17 +1113,47 @@ impl Shared {
             _ => None,
         };
         let location_s = location.to_string();
+        let local_only = visibility == Visibility::LocalOnly;
         let mut registrations = Vec::new();
         for (i, t) in self.transports.iter().enumerate() {
+            if let Some(plugin) = device {
+                let spec = RegionSpec {
+                    addr,
+                    len,
+                    mem_kind: 0,
+                    location: &location_s,
+                    numa_node: None,
+                    device_ordinal: match location {
+                        Location::Cuda(o) | Location::Rocm(o) => Some(o),
+                        Location::Cpu(_) => None,
+                    },
+                    dmabuf: None,
+                    local_only,
+                };
+                if let Some(r) = self.register_device(i, t, plugin, &spec) {
+                    registrations.push(r);
+                }
+                continue;
+            }
             if t.mem_kinds & mem_kind == 0 {
                 continue;
             }
-            let local_only = visibility == Visibility::LocalOnly;
-            match t.register(addr, len, mem_kind, &location_s, numa, local_only) {
+            let spec = RegionSpec {
+                addr,
+                len,
+                mem_kind,
+                location: &location_s,
+                numa_node: numa,
+                device_ordinal: None,
+                dmabuf: None,
+                local_only,
+            };
+            match t.register(&spec) {
                 Ok((handle, key)) => registrations.push(TransportRegistration {
                     transport: i,
                     handle,
                     key,
+                    mem_kind,
                 }),
                 Err(e) => log::warn!(
                     "{}: cannot register [{addr:#x}, +{len}) ({location_s}): {e}",
@@ -1086,6 +1186,170 @@ impl Shared {
             self.publish();
         }
         Ok(buffer)
+    }
+
+    /// Registers device memory directly with transport `t` (an RDMA NIC
+    /// reading and writing GPU memory), by the methods the GPU-direct
+    /// decision allows, best first: DMA-BUF, then nvidia-peermem. The trial
+    /// registration is the ground truth: a method that fails falls back one
+    /// step (and is not tried again for this device), and `None` means the
+    /// memory is staged through host memory for this transport.
+    fn register_device(
+        &self,
+        i: usize,
+        t: &Transport,
+        plugin: usize,
+        spec: &RegionSpec<'_>,
+    ) -> Option<TransportRegistration> {
+        use crate::gpudirect::Method;
+        let direct = sys::FERRY_MEM_CUDA_DMABUF | sys::FERRY_MEM_CUDA_PEERMEM;
+        if t.mem_kinds & direct == 0 {
+            return None;
+        }
+        let ladder = self.direct_methods(spec.location);
+        let failed_before: Vec<Method> = self
+            .direct_failures
+            .lock()
+            .iter()
+            .filter(|(loc, ti, _)| loc == spec.location && *ti == i)
+            .map(|(_, _, m)| *m)
+            .collect();
+        let mut first_try = true;
+        for (n, method) in ladder.iter().enumerate() {
+            let bit = match method {
+                Method::DmaBuf => sys::FERRY_MEM_CUDA_DMABUF,
+                Method::PeerMem => sys::FERRY_MEM_CUDA_PEERMEM,
+                Method::Staged => continue,
+            };
+            let next = ladder
+                .get(n + 1..)
+                .unwrap_or_default()
+                .iter()
+                .find(|m| !failed_before.contains(m))
+                .copied()
+                .unwrap_or(Method::Staged);
+            if failed_before.contains(method) {
+                continue;
+            }
+            if t.mem_kinds & bit == 0 {
+                first_try = false;
+                let key = (spec.location.to_string(), i, *method);
+                if self.direct_logged.lock().insert(key) {
+                    log::info!(
+                        "{}: does not register {} memory by {} on this host (`ferry info` says \
+                         why); trying {}",
+                        t.name,
+                        spec.location,
+                        method.as_str(),
+                        next.as_str()
+                    );
+                }
+                continue;
+            }
+            let exported = if *method == Method::DmaBuf {
+                let why = match self.devices[plugin].export_dmabuf(spec.addr, spec.len) {
+                    Ok((fd, offset)) if fd >= 0 => {
+                        use std::os::fd::FromRawFd;
+                        // SAFETY: the device plugin hands us a fresh fd we own.
+                        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+                        Ok((fd, offset))
+                    }
+                    Ok(_) => Err("the device plugin exported no fd".to_string()),
+                    Err(e) => Err(e.message),
+                };
+                match why {
+                    Ok(pair) => Some(pair),
+                    Err(why) => {
+                        first_try = false;
+                        log::info!(
+                            "{}: cannot export {} memory at {:#x} as DMA-BUF ({why}); falling \
+                             back to {}",
+                            t.name,
+                            spec.location,
+                            spec.addr,
+                            next.as_str()
+                        );
+                        continue;
+                    }
+                }
+            } else {
+                None
+            };
+            let attempt = RegionSpec {
+                mem_kind: bit,
+                dmabuf: exported.as_ref().map(|(fd, off)| {
+                    use std::os::fd::AsRawFd;
+                    (fd.as_raw_fd(), *off)
+                }),
+                ..*spec
+            };
+            // The fd is closed when `exported` drops: the NIC's registration
+            // holds its own reference to the buffer.
+            match t.register(&attempt) {
+                Ok((handle, key)) => {
+                    let newly =
+                        self.direct_logged
+                            .lock()
+                            .insert((spec.location.to_string(), i, *method));
+                    if newly {
+                        log::info!(
+                            "{}: {} memory is registered by {} (trial registration succeeded{})",
+                            t.name,
+                            spec.location,
+                            method.as_str(),
+                            if first_try {
+                                String::new()
+                            } else {
+                                "; better methods failed, see above".to_string()
+                            }
+                        );
+                    }
+                    return Some(TransportRegistration {
+                        transport: i,
+                        handle,
+                        key,
+                        mem_kind: bit,
+                    });
+                }
+                Err(e) => {
+                    first_try = false;
+                    log::info!(
+                        "{}: registering {} memory by {} failed ({}); falling back to {}",
+                        t.name,
+                        spec.location,
+                        method.as_str(),
+                        e.message,
+                        next.as_str()
+                    );
+                    self.direct_failures
+                        .lock()
+                        .push((spec.location.to_string(), i, *method));
+                }
+            }
+        }
+        None
+    }
+
+    /// The direct registration methods the GPU-direct decision allows for
+    /// device memory at `location`, best first.
+    fn direct_methods(&self, location: &str) -> Vec<crate::gpudirect::Method> {
+        use crate::gpudirect::{Method, Policy};
+        let Some(d) = self.gpu_direct.get(location) else {
+            return Vec::new();
+        };
+        match d.method {
+            Method::DmaBuf => {
+                let mut m = vec![Method::DmaBuf];
+                if self.gpu_direct_host.peermem.is_some()
+                    && self.gpu_direct_policy != Policy::DmaBuf
+                {
+                    m.push(Method::PeerMem);
+                }
+                m
+            }
+            Method::PeerMem => vec![Method::PeerMem],
+            Method::Staged => Vec::new(),
+        }
     }
 
     fn allocate_memory(&self, len: u64, numa_node: Option<u32>) -> Result<u64> {
@@ -1336,7 +1600,12 @@ impl Shared {
             if hint.is_some_and(|h| h != t.name) {
                 continue;
             }
-            let verdict = if t.mem_kinds & local.mem_kind == 0 {
+            let verdict = if local.device.is_some() && local.registration(i).is_none() {
+                Some(format!(
+                    "{} did not register this {} memory directly",
+                    t.name, local.location
+                ))
+            } else if local.device.is_none() && t.mem_kinds & local.mem_kind == 0 {
                 Some(format!("{} cannot move {} memory", t.name, local.location))
             } else if !crate::transport::scope_served(t.scopes, seg.scope.raw()) {
                 Some(format!(
@@ -1418,6 +1687,13 @@ impl Shared {
             seg.scope.as_str(),
             rank_reason(t, seg.scope)
         );
+        if let Some(r) = local.registration(best).filter(|_| local.device.is_some()) {
+            let how = ferry_plugins_abi::caps::mem_kind_names(r.mem_kind).join(", ");
+            reason.push_str(&format!(
+                " (local {} memory registered as {how})",
+                local.location
+            ));
+        }
         let others: Vec<&str> = candidates
             .iter()
             .map(|(i, _)| *i)
@@ -1787,6 +2063,46 @@ pub(crate) fn discover_gpus(devices: &[Arc<Device>], topology: &Topology) -> Vec
         }
     }
     gpus
+}
+
+/// How each GPU's memory would be registered for RDMA (DESIGN.md's tiers,
+/// judged against the GPU's closest RDMA NIC), logged once per GPU.
+fn gpu_direct_decisions(
+    gpus: &[Gpu],
+    topology: &Topology,
+    policy: crate::gpudirect::Policy,
+    host: &crate::gpudirect::HostFacts,
+) -> HashMap<String, crate::gpudirect::Decision> {
+    use crate::gpudirect::{decide, GpuFacts, PairFacts};
+    let mut out = HashMap::new();
+    for g in gpus {
+        let location = g.location.to_string();
+        let topo_name = g.topology_name.clone().unwrap_or_else(|| location.clone());
+        let pair = topology
+            .preferred_nics(&topo_name)
+            .unwrap_or_default()
+            .iter()
+            .find(|r| {
+                r.usable
+                    && topology
+                        .nic(&r.name)
+                        .is_some_and(|n| n.kind == crate::topology::NicKind::Rdma)
+            })
+            .map(|r| PairFacts {
+                nic: r.name.clone(),
+                class: r.class,
+                nic_dmabuf: None,
+            });
+        let facts = GpuFacts {
+            gpu_direct_rdma: g.info.gpu_direct_rdma,
+            dmabuf: g.info.dmabuf,
+            dmabuf_export: g.info.dmabuf_export,
+        };
+        let d = decide(policy, &facts, host, pair.as_ref());
+        log::info!("{location} memory for RDMA: {}", d.explain());
+        out.insert(location, d);
+    }
+    out
 }
 
 /// A private anonymous mapping of `len` bytes.

@@ -63,7 +63,7 @@ impl Policy {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Method {
     DmaBuf,
     PeerMem,
@@ -98,6 +98,60 @@ pub struct HostFacts {
     pub peermem: Option<String>,
     /// libibverbs: Err(why not) or Ok(whether it exports ibv_reg_dmabuf_mr).
     pub verbs: Result<bool, String>,
+    /// Why no enabled transport registers GPU memory directly (the rdma
+    /// plugin is disabled, or none is installed); `None` when one does.
+    pub no_transport: Option<String>,
+}
+
+impl HostFacts {
+    /// What this host offers, found under `sysfs_root`; `no_transport` from
+    /// the plugins (see [`no_direct_transport`]).
+    pub fn detect(sysfs_root: &Path, no_transport: Option<String>) -> HostFacts {
+        HostFacts {
+            peermem: detect_peermem(sysfs_root),
+            verbs: detect_verbs(),
+            no_transport,
+        }
+    }
+}
+
+/// Why none of these plugins registers GPU memory directly, or `None` when
+/// an enabled transport offers DMA-BUF or nvidia-peermem registration.
+pub fn no_direct_transport(set: &ferry_loader::PluginSet) -> Option<String> {
+    use ferry_loader::{PluginKind, PluginState};
+    use ferry_plugins_abi::sys;
+    let direct = sys::FERRY_MEM_CUDA_DMABUF | sys::FERRY_MEM_CUDA_PEERMEM;
+    let transports: Vec<_> = set
+        .plugins
+        .iter()
+        .filter(|p| p.report.kind == PluginKind::Transport)
+        .collect();
+    if transports.iter().any(|p| {
+        p.report.state == PluginState::Enabled && p.report.capabilities.mem_bits & direct != 0
+    }) {
+        return None;
+    }
+    let rdma = transports
+        .iter()
+        .find(|p| p.report.name.starts_with("rdma") && p.report.state != PluginState::Shadowed);
+    Some(match rdma {
+        Some(p) if p.report.state == PluginState::Enabled => format!(
+            "the {} transport registers no GPU memory here ({})",
+            p.report.name,
+            p.report
+                .missing
+                .iter()
+                .filter(|m| m.capability.starts_with("cuda") || m.capability.starts_with("rdma+"))
+                .map(|m| m.reason.as_str())
+                .collect::<Vec<_>>()
+                .join("; ")
+        ),
+        Some(p) => format!(
+            "the {} transport is disabled: {}",
+            p.report.name, p.report.reason
+        ),
+        None => "no RDMA transport plugin is installed".to_string(),
+    })
 }
 
 /// A GPU/NIC pair, once a NIC is known.
@@ -162,6 +216,10 @@ pub fn decide(
             return staged(skipped);
         }
     };
+    if let Some(why) = &host.no_transport {
+        both(&mut skipped, why.clone());
+        return staged(skipped);
+    }
     if let Some(p) = pair {
         if p.class > PathClass::Pxb {
             both(
@@ -267,6 +325,7 @@ mod tests {
         HostFacts {
             peermem: peermem.then(|| "/sys/module/nvidia_peermem".into()),
             verbs,
+            no_transport: None,
         }
     }
 
@@ -353,6 +412,15 @@ mod tests {
         );
         assert_eq!(d.method, Method::Staged);
         assert!(d.explain().contains("no RDMA stack"));
+        let no_rdma = HostFacts {
+            no_transport: Some("the rdma transport is disabled: no RDMA device".into()),
+            ..host(true, Ok(true))
+        };
+        let d = decide(Policy::Auto, &gpu(), &no_rdma, None);
+        assert_eq!(d.method, Method::Staged);
+        assert!(d
+            .explain()
+            .contains("not DMA-BUF: the rdma transport is disabled"));
         let far = pair(PathClass::Sys, Some(Ok(())));
         let d = decide(Policy::Auto, &gpu(), &host(true, Ok(true)), Some(&far));
         assert_eq!(d.method, Method::Staged);

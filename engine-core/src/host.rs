@@ -19,6 +19,16 @@ pub struct CoreHost {
     /// topology's name for the same PCI function. Filled once device plugins
     /// report their devices.
     aliases: Arc<RwLock<HashMap<String, String>>>,
+    /// The engine these services belong to (for plugin messaging).
+    engine: Option<EngineLink>,
+}
+
+/// What plugin messaging needs to know about its engine.
+#[derive(Clone, Debug)]
+struct EngineLink {
+    name: String,
+    connect_timeout: std::time::Duration,
+    timeout: std::time::Duration,
 }
 
 impl CoreHost {
@@ -29,7 +39,24 @@ impl CoreHost {
             settings,
             topology,
             aliases: Arc::default(),
+            engine: None,
         }
+    }
+
+    /// Services of engine `name`: plugin messages go out under that name,
+    /// with these deadlines.
+    pub fn for_engine(
+        mut self,
+        name: &str,
+        connect_timeout: std::time::Duration,
+        timeout: std::time::Duration,
+    ) -> CoreHost {
+        self.engine = Some(EngineLink {
+            name: name.to_string(),
+            connect_timeout,
+            timeout,
+        });
+        self
     }
 
     /// Where to record the driver's device numbering (see `aliases`).
@@ -72,6 +99,29 @@ impl HostServices for CoreHost {
             .get(key)
             .cloned()
             .or_else(|| std::env::var(config_env_var(key)).ok())
+    }
+
+    fn peer_request(
+        &self,
+        plugin: &str,
+        peer: &str,
+        body: &[u8],
+    ) -> Result<Vec<u8>, (ErrorCode, String)> {
+        let Some(engine) = &self.engine else {
+            return Err((
+                ErrorCode::Unsupported,
+                "plugin messaging needs an engine (this host has none)".into(),
+            ));
+        };
+        crate::control::plugin_request(
+            peer,
+            plugin,
+            &engine.name,
+            body,
+            engine.connect_timeout,
+            engine.timeout,
+        )
+        .map_err(|e| (e.code, e.message))
     }
 
     fn nics(&self, location: Option<&str>) -> Result<Vec<Nic>, ErrorCode> {

@@ -210,6 +210,8 @@ pub struct GpuDirectReport {
     pub policy_warning: Option<String>,
     pub peermem: Option<String>,
     pub libibverbs: String,
+    /// Which enabled transport registers GPU memory directly, or why none.
+    pub transport: String,
 }
 
 impl InfoReport {
@@ -222,10 +224,7 @@ impl InfoReport {
         let sysfs = topology
             .map(|t| t.sysfs_root().to_path_buf())
             .unwrap_or_else(|| std::path::PathBuf::from("/sys"));
-        let host = HostFacts {
-            peermem: gpudirect::detect_peermem(&sysfs),
-            verbs: gpudirect::detect_verbs(),
-        };
+        let host = HostFacts::detect(&sysfs, gpudirect::no_direct_transport(set));
         self.gpu_direct = Some(GpuDirectReport {
             policy: policy.as_str().to_string(),
             policy_warning,
@@ -234,6 +233,33 @@ impl InfoReport {
                 Ok(true) => "loads, exports ibv_reg_dmabuf_mr".into(),
                 Ok(false) => "loads, lacks ibv_reg_dmabuf_mr".into(),
                 Err(e) => e.clone(),
+            },
+            transport: match &host.no_transport {
+                None => set
+                    .enabled(PluginKind::Transport)
+                    .filter(|p| {
+                        p.report.capabilities.mem_bits
+                            & (ferry_plugins_abi::sys::FERRY_MEM_CUDA_DMABUF
+                                | ferry_plugins_abi::sys::FERRY_MEM_CUDA_PEERMEM)
+                            != 0
+                    })
+                    .map(|p| {
+                        format!(
+                            "{} ({})",
+                            p.report.name,
+                            p.report
+                                .capabilities
+                                .memory
+                                .iter()
+                                .filter(|m| *m == "cuda-dmabuf" || *m == "cuda-peermem")
+                                .cloned()
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                Some(why) => format!("none: {why}"),
             },
         });
         let devices: Vec<std::sync::Arc<Device>> = set
@@ -375,6 +401,7 @@ fn render_gpus(out: &mut String, report: &InfoReport) {
                 .map_or("not loaded".to_string(), |p| format!("loaded ({p})")),
             g.libibverbs
         );
+        let _ = writeln!(out, "  transport for GPU memory: {}", g.transport);
         if let Some(w) = &g.policy_warning {
             let _ = writeln!(out, "  warning: {w}");
         }

@@ -15,6 +15,9 @@ pub struct TransportRegistration {
     pub transport: usize,
     pub handle: u64,
     pub key: Vec<u8>,
+    /// How the transport registered it: one `FERRY_MEM_*` bit (for device
+    /// memory, DMA-BUF or nvidia-peermem).
+    pub mem_kind: u64,
 }
 
 /// Who may see a registered buffer.

@@ -9,6 +9,22 @@ use ferry_plugins_abi::sys;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::sync::Arc;
 
+/// A buffer to register with a transport.
+#[derive(Clone, Copy, Debug)]
+pub struct RegionSpec<'a> {
+    pub addr: u64,
+    pub len: u64,
+    /// One `FERRY_MEM_*` bit: how the transport should register it.
+    pub mem_kind: u64,
+    pub location: &'a str,
+    pub numa_node: Option<u32>,
+    pub device_ordinal: Option<u32>,
+    /// For `FERRY_MEM_CUDA_DMABUF`: the fd (borrowed for the call) and
+    /// `addr`'s offset inside the exported buffer.
+    pub dmabuf: Option<(i32, u64)>,
+    pub local_only: bool,
+}
+
 /// Receives completions from plugins; implemented by the batch table.
 pub trait CompletionSink: Send + Sync + 'static {
     fn complete(&self, token: u64, result: std::result::Result<(), Error>);
@@ -281,35 +297,34 @@ impl Transport {
     }
 
     /// Registers a buffer; returns the plugin's handle and the key for peers.
-    pub fn register(
-        &self,
-        addr: u64,
-        len: u64,
-        mem_kind: u64,
-        location: &str,
-        numa_node: Option<u32>,
-        local_only: bool,
-    ) -> Result<(u64, Vec<u8>)> {
+    pub fn register(&self, r: &RegionSpec<'_>) -> Result<(u64, Vec<u8>)> {
         let f = self
             .table()
             .register_memory
             .ok_or_else(|| missing(&self.name, "register_memory"))?;
-        let location = to_cstring_lossy(location);
+        let location = to_cstring_lossy(r.location);
         let region = sys::ferry_mem_region_t {
             struct_size: std::mem::size_of::<sys::ferry_mem_region_t>() as u32,
-            numa_node: numa_node.and_then(|n| i32::try_from(n).ok()).unwrap_or(-1),
-            addr,
-            len,
-            mem_kind,
+            numa_node: r
+                .numa_node
+                .and_then(|n| i32::try_from(n).ok())
+                .unwrap_or(-1),
+            addr: r.addr,
+            len: r.len,
+            mem_kind: r.mem_kind,
             location: location.as_ptr(),
-            device_ordinal: -1,
-            dmabuf_fd: -1,
-            flags: if local_only {
+            device_ordinal: r
+                .device_ordinal
+                .and_then(|n| i32::try_from(n).ok())
+                .unwrap_or(-1),
+            dmabuf_fd: r.dmabuf.map_or(-1, |(fd, _)| fd),
+            flags: if r.local_only {
                 sys::FERRY_REGION_LOCAL_ONLY
             } else {
                 0
             },
             reserved: 0,
+            dmabuf_offset: r.dmabuf.map_or(0, |(_, off)| off),
         };
         let mut handle = 0u64;
         let key = sized_output(|buf, cap, out_len| {
@@ -516,6 +531,57 @@ impl Transport {
         } else {
             Err(err.error(&self.name, "accepts", status))
         }
+    }
+
+    /// Hands a plugin message from the same-named transport of engine
+    /// `from` to this instance and returns its reply.
+    pub fn peer_request(&self, from: &str, body: &[u8]) -> Result<Vec<u8>> {
+        let table = self.table();
+        let f = if ferry_plugins_abi::has_field!(
+            table,
+            sys::ferry_transport_plugin_v1_t,
+            on_peer_request
+        ) {
+            table.on_peer_request
+        } else {
+            None
+        };
+        let f = f.ok_or_else(|| {
+            Error::new(
+                ErrorCode::Unsupported,
+                format!("transport {} answers no plugin messages", self.name),
+            )
+        })?;
+        let from = to_cstring_lossy(from);
+        let mut reply = vec![0u8; sys::FERRY_PEER_MSG_MAX];
+        let mut len = 0usize;
+        let mut err = ErrBuf::new();
+        let mut raw = err.raw();
+        // SAFETY: from is NUL-terminated, body readable for its length, reply
+        // writable for its capacity; len and raw are live out-parameters.
+        let status = unsafe {
+            f(
+                self.instance,
+                from.as_ptr(),
+                body.as_ptr(),
+                body.len(),
+                reply.as_mut_ptr(),
+                reply.len(),
+                &mut len,
+                &mut raw,
+            )
+        };
+        if status != sys::FERRY_OK {
+            return Err(err.error(&self.name, "on_peer_request", status));
+        }
+        if len > reply.len() {
+            return Err(Error::new(
+                ErrorCode::Plugin,
+                format!("{}: a plugin reply over the size limit", self.name),
+            ));
+        }
+        reply.truncate(len);
+        Ok(reply)
     }
 
     /// Lets the plugin complete what has arrived, on this thread.

@@ -2,14 +2,15 @@
  * A Ferry transport plugin written in C, from ferry/plugin.h alone.
  *
  * It moves host memory between engines of the same process with memcpy: the
- * smallest real transport, and the template for a vendor's own. Build:
+ * smallest real transport, and the template for a vendor's own. Build with
+ * `make` (the Makefile beside it), or by hand:
  *
  *   cc -shared -fPIC -O2 -I <ferry>/include -o libferry_transport_memcpy.so \
  *      memcpy_transport.c -lpthread
  *
- * and put the .so in a directory named by FERRY_PLUGIN_PATH (or in
- * <prefix>/lib/ferry/plugins). `ferry info` then lists it, and two engines in
- * one process use it for each other.
+ * and put the .so in <prefix>/lib/ferry/plugins (`make install`) or in a
+ * directory named by FERRY_PLUGIN_PATH. `ferry info` then lists it, and two
+ * engines in one process use it for each other.
  *
  * Every engine that loads the plugin gets an instance; the instances of one
  * process share this file's globals (the dynamic loader maps the library
@@ -249,6 +250,7 @@ static const ferry_transport_plugin_v1_t memcpy_plugin = {
     NULL, /* allocate_memory: plain host memory is all it needs */
     NULL, /* free_memory */
     NULL, /* accepts: connect already refuses peers outside this process */
+    NULL, /* on_peer_request (ABI 1.1): no handshake with peers */
 };
 
 __attribute__((visibility("default"))) const ferry_transport_plugin_v1_t *

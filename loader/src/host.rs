@@ -32,6 +32,22 @@ pub trait HostServices: Send + Sync {
 
     /// NICs ranked from `location`, best first; all NICs for `None`.
     fn nics(&self, location: Option<&str>) -> Result<Vec<Nic>, ErrorCode>;
+
+    /// Plugin messaging: `body` to the transport named `plugin` in the engine
+    /// serving segment `peer`; its reply, or the error code and message.
+    /// The default (no engine) cannot send.
+    fn peer_request(
+        &self,
+        plugin: &str,
+        peer: &str,
+        body: &[u8],
+    ) -> Result<Vec<u8>, (ErrorCode, String)> {
+        let _ = (plugin, peer, body);
+        Err((
+            ErrorCode::Unsupported,
+            "plugin messaging needs an engine (this host has none)".into(),
+        ))
+    }
 }
 
 /// The environment variable a config key maps to: `tcp.connections` ->
@@ -97,6 +113,7 @@ impl ServicesTable {
             log_enabled: Some(svc_log_enabled),
             config_get: Some(svc_config_get),
             topo_nics: Some(svc_topo_nics),
+            peer_request: Some(svc_peer_request),
         });
         ServicesTable { table, _ctx: ctx }
     }
@@ -257,6 +274,87 @@ unsafe extern "C" fn svc_topo_nics(
             }
         }
         sys::FERRY_OK
+    }))
+    .unwrap_or(sys::FERRY_ERR_INTERNAL)
+}
+
+/// Writes `msg` into an error buffer (NUL-terminated, truncated).
+///
+/// # Safety
+/// `err` must be null or a valid error buffer.
+unsafe fn write_err(err: *mut sys::ferry_errbuf_t, msg: &str) {
+    // SAFETY: forwarded contract.
+    unsafe { ferry_plugins_abi::sdk::write_errbuf(err, msg) }
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn svc_peer_request(
+    ctx: *mut c_void,
+    peer: *const c_char,
+    body: *const u8,
+    body_len: usize,
+    reply: *mut u8,
+    reply_cap: usize,
+    reply_len: *mut usize,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: ctx comes from our table; peer is a C string per the ABI.
+        let (Some(ctx), Some(peer)) = (unsafe { ctx_ref(ctx) }, unsafe { str_arg(peer) }) else {
+            // SAFETY: err is null or valid per the ABI.
+            unsafe { write_err(err, "peer_request: null context or peer name") };
+            return sys::FERRY_ERR_INVALID_ARGUMENT;
+        };
+        if body_len > sys::FERRY_PEER_MSG_MAX || (body.is_null() && body_len > 0) {
+            // SAFETY: as above.
+            unsafe {
+                write_err(
+                    err,
+                    &format!(
+                        "a plugin message of {body_len} bytes exceeds the {}-byte limit",
+                        sys::FERRY_PEER_MSG_MAX
+                    ),
+                )
+            };
+            return sys::FERRY_ERR_INVALID_ARGUMENT;
+        }
+        let body = if body_len == 0 {
+            &[][..]
+        } else {
+            // SAFETY: the plugin promised body is readable for body_len bytes.
+            unsafe { std::slice::from_raw_parts(body, body_len) }
+        };
+        match ctx.host.peer_request(&ctx.plugin, &peer, body) {
+            Ok(data) => {
+                if !reply_len.is_null() {
+                    // SAFETY: reply_len is a valid out-pointer per the ABI.
+                    unsafe { *reply_len = data.len() };
+                }
+                if data.len() > reply_cap || (reply.is_null() && !data.is_empty()) {
+                    // SAFETY: as above.
+                    unsafe {
+                        write_err(
+                            err,
+                            &format!(
+                                "the reply of {} bytes does not fit the {reply_cap}-byte buffer",
+                                data.len()
+                            ),
+                        )
+                    };
+                    return sys::FERRY_ERR_PROTOCOL;
+                }
+                if !data.is_empty() {
+                    // SAFETY: reply is writable for reply_cap >= data.len() bytes.
+                    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), reply, data.len()) };
+                }
+                sys::FERRY_OK
+            }
+            Err((code, msg)) => {
+                // SAFETY: as above.
+                unsafe { write_err(err, &msg) };
+                code.as_raw()
+            }
+        }
     }))
     .unwrap_or(sys::FERRY_ERR_INTERNAL)
 }

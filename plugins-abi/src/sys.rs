@@ -10,7 +10,7 @@ use std::ffi::c_char;
 use std::ffi::c_void;
 
 pub const FERRY_PLUGIN_ABI_MAJOR: u16 = 1;
-pub const FERRY_PLUGIN_ABI_MINOR: u16 = 0;
+pub const FERRY_PLUGIN_ABI_MINOR: u16 = 1;
 
 pub type ferry_status_t = i32;
 
@@ -131,7 +131,23 @@ pub struct ferry_host_services_t {
             count: *mut u32,
         ) -> ferry_status_t,
     >,
+    // ABI 1.1
+    pub peer_request: Option<
+        unsafe extern "C" fn(
+            ctx: *mut c_void,
+            peer: *const c_char,
+            body: *const u8,
+            body_len: usize,
+            reply: *mut u8,
+            reply_cap: usize,
+            reply_len: *mut usize,
+            err: *mut ferry_errbuf_t,
+        ) -> ferry_status_t,
+    >,
 }
+
+/// The largest plugin message, request or reply.
+pub const FERRY_PEER_MSG_MAX: usize = 65536;
 
 #[repr(C)]
 pub struct ferry_probe_device_t {
@@ -196,6 +212,8 @@ pub struct ferry_mem_region_t {
     pub dmabuf_fd: i32,
     pub flags: u32,
     pub reserved: u32,
+    // ABI 1.1
+    pub dmabuf_offset: u64,
 }
 
 pub const FERRY_REGION_LOCAL_ONLY: u32 = 1 << 0;
@@ -318,6 +336,19 @@ pub struct ferry_transport_plugin_v1_t {
             peer_handle: *mut c_void,
             remote_key: *const u8,
             key_len: usize,
+            err: *mut ferry_errbuf_t,
+        ) -> ferry_status_t,
+    >,
+    // ABI 1.1
+    pub on_peer_request: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            from: *const c_char,
+            body: *const u8,
+            body_len: usize,
+            reply: *mut u8,
+            reply_cap: usize,
+            reply_len: *mut usize,
             err: *mut ferry_errbuf_t,
         ) -> ferry_status_t,
     >,

@@ -44,7 +44,15 @@ fn rust_layouts() -> Vec<Layout> {
         layout!(
             "ferry_host_services_t",
             ferry_host_services_t,
-            [hdr, ctx, log, log_enabled, config_get, topo_nics]
+            [
+                hdr,
+                ctx,
+                log,
+                log_enabled,
+                config_get,
+                topo_nics,
+                peer_request
+            ]
         ),
         layout!(
             "ferry_probe_device_t",
@@ -81,7 +89,8 @@ fn rust_layouts() -> Vec<Layout> {
                 device_ordinal,
                 dmabuf_fd,
                 flags,
-                reserved
+                reserved,
+                dmabuf_offset
             ]
         ),
         layout!(
@@ -125,7 +134,8 @@ fn rust_layouts() -> Vec<Layout> {
                 progress,
                 allocate_memory,
                 free_memory,
-                accepts
+                accepts,
+                on_peer_request
             ]
         ),
         layout!(
@@ -238,6 +248,7 @@ fn rust_constants() -> Vec<(&'static str, i128)> {
         FERRY_PTR_HOST_PINNED,
         FERRY_PTR_MANAGED,
         FERRY_REGION_LOCAL_ONLY,
+        FERRY_PEER_MSG_MAX,
     ]
 }
 

@@ -52,11 +52,55 @@ ensure_rust_components() {
 }
 
 # The base every script needs: a C compiler and linker (cargo links with cc,
-# tests compile C plugins and examples), pkg-config, and protoc (the etcd
-# client compiles its protocol at build time).
+# tests compile C plugins, examples and the verbs emulator), pkg-config, and
+# what the RDMA plugin's sideway needs to build (rdma-mummy-sys runs cmake
+# and bindgen, which loads libclang). libibverbs itself is never needed to
+# build: it is loaded at run time. protoc: the etcd client compiles its
+# protocol at build time.
 ensure_base() {
-    ensure_commands cc:gcc pkg-config:pkg-config make:make protoc:protobuf-compiler
+    ensure_commands cc:gcc pkg-config:pkg-config make:make cmake:cmake readelf:binutils \
+        protoc:protobuf-compiler
     ensure_files /usr/include/stdio.h:libc6-dev
+    if ! compgen -G '/usr/lib/llvm-*/lib/libclang*.so*' >/dev/null \
+        && ! compgen -G '/usr/lib/*/libclang*.so*' >/dev/null; then
+        apt_install libclang-dev
+    fi
+}
+
+# The build tools of the release artifact (packaging/build.sh), from PyPI,
+# pinned to the versions packaging was verified with: cargo-zigbuild links
+# through zig, whose bundled glibc stubs let one build run on glibc 2.28.
+FERRY_ZIGBUILD_VERSION=0.24.1
+FERRY_ZIGLANG_VERSION=0.17.1
+
+# ensure_zigbuild puts cargo-zigbuild and zig on PATH, installing them into a
+# virtual environment under target/tools (FERRY_TOOLS_DIR) when missing.
+# Returns 3 when they cannot be installed (no Python venv, no PyPI), so a
+# caller can tell "cannot build here" from a broken build.
+ensure_zigbuild() {
+    local venv=${FERRY_TOOLS_DIR:-$PWD/target/tools}/zigbuild
+    local want="cargo-zigbuild==$FERRY_ZIGBUILD_VERSION ziglang==$FERRY_ZIGLANG_VERSION"
+    if [ "$(cat "$venv/.ferry-pins" 2>/dev/null)" != "$want" ]; then
+        ensure_commands python3:python3
+        rm -rf "$venv"
+        if ! python3 -m venv "$venv" >/dev/null 2>&1; then
+            apt_install python3-venv python3-pip || true
+            python3 -m venv "$venv" >/dev/null 2>&1 || {
+                echo "error: cannot create a Python virtual environment at $venv (python3 -m venv)" >&2
+                return 3
+            }
+        fi
+        echo "==> installing $want (pip, into $venv)" >&2
+        # shellcheck disable=SC2086 # $want is two requirement words
+        if ! "$venv/bin/python3" -m pip install -q $want >&2; then
+            echo "error: cannot install $want from PyPI" >&2
+            rm -rf "$venv"
+            return 3
+        fi
+        echo "$want" > "$venv/.ferry-pins"
+    fi
+    # cargo-zigbuild finds zig as `python3 -m ziglang`: the venv's python3.
+    export PATH="$venv/bin:$PATH"
 }
 
 # python3 able to make a virtual environment with pip (ensurepip; Debian

@@ -6,17 +6,22 @@
 # tests/gpu/run.sh uses it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-exclude=$(git rev-parse --git-path info/exclude)  # also right in a worktree
+# Keep .gpu/ out of git (works in a linked worktree too, where .git is a file).
+exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 cargo build --release --workspace --locked -q
 cargo build --release --locked -q -p ferry-device-cuda --example cuda_check
+# The verbs emulator (test-only libibverbs.so.1): run.sh points the rdma
+# plugin at emulated NICs with it to register real GPU memory by DMA-BUF.
+make -s -C tests/verbs-emulator
 rm -rf .gpu
-mkdir -p .gpu/bin .gpu/lib/ferry/plugins
+mkdir -p .gpu/bin .gpu/lib/ferry/plugins .gpu/lib/verbs-emulator
 cp target/release/ferry target/release/examples/cuda_check .gpu/bin/
 for so in target/release/libferry_transport_*.so target/release/libferry_device_*.so; do
     [ -e "$so" ] && cp "$so" .gpu/lib/ferry/plugins/
 done
+cp tests/verbs-emulator/build/libibverbs.so.1 tests/verbs-emulator/dgx-h100.conf .gpu/lib/verbs-emulator/
 # The Python wheel (plugins inside); run.sh installs it beside torch.
 packaging/wheel.sh --out .gpu/wheels >/dev/null
-ls -l .gpu/bin .gpu/lib/ferry/plugins .gpu/wheels
+ls -l .gpu/bin .gpu/lib/ferry/plugins .gpu/lib/verbs-emulator .gpu/wheels

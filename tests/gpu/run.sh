@@ -5,11 +5,22 @@
 #   bash tests/gpu/run.sh .gpu
 #
 # Prints everything; copies the JSON it gathers to $OUT when that is set.
+# Runs with the fake GPU too (a prefix whose plugins hold the test plugin
+# fakegpu as libferry_device_cuda.so): the cuda-only checks then fail, the
+# rest show the flow.
 # Each check runs even if an earlier one failed; the exit status says
 # whether all passed.
+#
+# The release tarball: with FERRY_TARBALL=ferry-<version>-linux-<arch>.tar.gz
+# (packaging/build.sh's output, carried here unchanged), it is first unpacked
+# into a fresh temporary directory and its bin/ferry info runs with a clean
+# environment (env -i PATH=/usr/bin:/bin): the cuda plugin must be enabled,
+# found beside the binary. When the prefix argument does not exist, the other
+# checks then use the tarball's binaries (cuda_check, not shipped, is skipped):
+#
+#   FERRY_TARBALL=dist/ferry-0.1.0-linux-x86_64.tar.gz bash tests/gpu/run.sh
 set -uo pipefail
 P=${1:-.gpu}
-B=$P/bin/ferry
 OUT=${OUT:-$(mktemp -d)}
 DUR=${DURATION:-3}
 failures=0
@@ -20,6 +31,30 @@ check() { # name command...
 }
 field() { sed -n "s/.*\"$1\":\([0-9.eE+-]*\).*/\1/p"; }
 
+# cuda_enabled INFO_JSON: the cuda plugin's state is "enabled".
+cuda_enabled() {
+    awk '/"name": "cuda"/ { found = 1 } found && /"state":/ { print; exit }' "$1" | grep -q '"enabled"'
+}
+
+if [ -n "${FERRY_TARBALL:-}" ]; then
+    section "release tarball $FERRY_TARBALL: unpacked into a fresh directory, clean environment"
+    unpacked=$(mktemp -d)
+    trap 'rm -rf "$unpacked"' EXIT
+    if tar -xzf "$FERRY_TARBALL" -C "$unpacked"; then
+        T=$(find "$unpacked" -mindepth 1 -maxdepth 1 -type d | head -n 1)
+        echo "unpacked into $T"
+        env -i PATH=/usr/bin:/bin "$T/bin/ferry" info | tee "$OUT/tarball-info.txt"
+        env -i PATH=/usr/bin:/bin "$T/bin/ferry" info --json > "$OUT/tarball-info.json"
+        cp "$T/manifest.json" "$OUT/tarball-manifest.json" 2>/dev/null
+        check "tarball: plugins found beside its binary" grep -q '"origin": "beside-library"' "$OUT/tarball-info.json"
+        check "tarball: cuda plugin enabled" cuda_enabled "$OUT/tarball-info.json"
+        [ -x "$P/bin/ferry" ] || P=$T
+    else
+        check "tarball unpacks" false
+    fi
+fi
+B=$P/bin/ferry
+
 section "machine"
 nvidia-smi --query-gpu=name,pci.bus_id,driver_version,memory.total --format=csv,noheader || true
 uname -r
@@ -29,11 +64,38 @@ ls /sys/class/infiniband 2>/dev/null || echo "no /sys/class/infiniband: no RDMA 
 section "ferry info"
 $B info | tee "$OUT/info.txt"
 $B info --json > "$OUT/info.json"
-check "cuda plugin enabled" grep -q '"name": "cuda"' "$OUT/info.json"
+check "cuda plugin enabled" cuda_enabled "$OUT/info.json"
 check "GPU decision shown" grep -q 'registration:' "$OUT/info.txt"
 
+section "RDMA: the rdma plugin with this host's libibverbs (no RDMA NIC here)"
+sed -n '/^  rdma /,/^$/p' "$OUT/info.txt" | tee "$OUT/rdma-info.txt"
+check "rdma disabled: libibverbs loads, no RDMA device" \
+    grep -q 'why not: libibverbs loads, but' "$OUT/rdma-info.txt"
+
+section "RDMA: GPU memory registered by DMA-BUF through the rdma plugin, on emulated NICs"
+# The verbs emulator stands in for libibverbs (LD_LIBRARY_PATH) with the eight
+# NICs of a DGX H100 (fake sysfs tree): the rdma plugin's real code exports
+# cuda:0 memory as DMA-BUF and calls ibv_reg_dmabuf_mr with it. A write from
+# that memory then needs a NIC that can reach GPU memory, which the emulator
+# is not: it fails cleanly (reported, not a failure of the check).
+emu=$P/lib/verbs-emulator
+sysfs=$(mktemp -d); fabric=$(mktemp -d)
+$B topology --write-fixture dgx-h100 "$sysfs"
+emu_env=(env LD_LIBRARY_PATH="$emu" FERRY_VERBS_EMU_CONFIG="$emu/dgx-h100.conf" FERRY_VERBS_EMU_DIR="$fabric"
+         FERRY_SYSFS_ROOT="$sysfs" FERRY_TRANSPORTS=rdma)
+"${emu_env[@]}" $B info | tee "$OUT/info-emulated.txt" | sed -n '/^  rdma /,/^$/p'
+check "rdma enabled on emulated NICs, DMA-BUF on" grep -q 'rdma+dmabuf: enabled' "$OUT/info-emulated.txt"
+"${emu_env[@]}" FERRY_LOG=info $B bench rdma-check --device cuda:0 2>&1 | tee "$OUT/rdma-check.txt"
+check "cuda:0 memory registered by DMA-BUF through rdma (emulated NICs)" \
+    grep -q 'rdma as cuda-dmabuf' "$OUT/rdma-check.txt"
+rm -rf "$sysfs" "$fabric"
+
 section "cuda plugin through its C ABI (every pointer kind, DMA-BUF ranges, contexts)"
-check "cuda_check" $P/bin/cuda_check $P/lib/ferry/plugins/libferry_device_cuda.so
+if [ -x "$P/bin/cuda_check" ]; then
+    check "cuda_check" "$P/bin/cuda_check" "$P/lib/ferry/plugins/libferry_device_cuda.so"
+else
+    echo "SKIP cuda_check: not in $P (tests/gpu/prepare.sh builds it)"
+fi
 
 section "device check (allocation, classification, DMA-BUF export, copies)"
 check "device check" $B bench device-check --device cuda:0

@@ -4,7 +4,7 @@
 //! These tests use what `cargo build --workspace` produced (the `ferry`
 //! binary, plugin .so files); `scripts/test` builds it first.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
@@ -119,4 +119,141 @@ impl Drop for TargetProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// rdma-core's headers for building the verbs emulator: the system's
+/// (libibverbs-dev), else the copy rdma-mummy-sys vendors in the cargo
+/// registry.
+pub fn verbs_include_dir() -> Option<PathBuf> {
+    if Path::new("/usr/include/infiniband/verbs.h").exists() {
+        return Some(PathBuf::from("/usr/include"));
+    }
+    let home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))?;
+    let mut found: Vec<PathBuf> = std::fs::read_dir(home.join("registry/src"))
+        .ok()?
+        .flatten()
+        .flat_map(|d| std::fs::read_dir(d.path()).into_iter().flatten().flatten())
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("rdma-mummy-sys-"))
+        })
+        .map(|p| p.join("rdma-core-mummy/include"))
+        .filter(|p| p.join("infiniband/verbs.h").exists())
+        .collect();
+    found.sort();
+    found.pop()
+}
+
+/// Builds tests/verbs-emulator (a test-only libibverbs.so.1) into `out`
+/// with the C compiler, as its README shows; returns the library's path.
+pub fn build_verbs_emulator(out: &Path) -> PathBuf {
+    let src = repo_root().join("tests/verbs-emulator");
+    let include = verbs_include_dir()
+        .expect("no infiniband/verbs.h: apt-get install libibverbs-dev (scripts/test does)");
+    let mut sources: Vec<PathBuf> = std::fs::read_dir(src.join("src"))
+        .expect("tests/verbs-emulator/src")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "c"))
+        .collect();
+    sources.sort();
+    let lib = out.join("libibverbs.so.1");
+    let output = Command::new(c_compiler())
+        .args([
+            "-std=gnu11",
+            "-O1",
+            "-fPIC",
+            "-shared",
+            "-fvisibility=hidden",
+        ])
+        .arg(format!("-I{}", include.display()))
+        .args(["-Wl,-soname,libibverbs.so.1"])
+        .arg(format!(
+            "-Wl,--version-script={}",
+            src.join("libibverbs.map").display()
+        ))
+        .arg("-o")
+        .arg(&lib)
+        .args(&sources)
+        .arg("-lpthread")
+        .output()
+        .expect("run the C compiler (is cc installed?)");
+    assert!(
+        output.status.success(),
+        "building the verbs emulator failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    lib
+}
+
+/// Writes one of Ferry's fake sysfs trees (`ferry topology --write-fixture`).
+pub fn write_fixture(name: &str, dir: &Path) {
+    let out = Command::new(ferry_bin())
+        .args(["topology", "--write-fixture", name])
+        .arg(dir)
+        .output()
+        .expect("run ferry topology --write-fixture");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A real two-process transfer between the C examples (examples/c): starts
+/// `target` (a command for target.c's binary, environment already set), runs
+/// `initiator` (initiator.c's) against the segment it prints, and checks the
+/// initiator's write, refused out-of-bounds request and read-back, and the
+/// data at the target. Panics with both programs' output on any failure.
+pub fn run_c_transfer(target: &mut Command, initiator: &mut Command) {
+    let mut t = target
+        .arg("8388608")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start the C target");
+    let mut lines = BufReader::new(t.stdout.take().expect("stdout")).lines();
+    let first = lines
+        .next()
+        .expect("the target prints its segment")
+        .expect("read the target's output");
+    let parts: Vec<&str> = first.split_whitespace().collect();
+    assert!(
+        parts.len() == 4 && parts[0] == "SEGMENT",
+        "target said {first:?}"
+    );
+    let out = initiator
+        .args([parts[1], parts[2], parts[3]])
+        .output()
+        .expect("run the C initiator");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "initiator failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("WROTE 8 requests"), "{stdout}");
+    assert!(
+        stdout.contains("OUT_OF_BOUNDS FERRY_ERR_OUT_OF_BOUNDS: "),
+        "{stdout}"
+    );
+    assert!(stdout.trim_end().ends_with("OK"), "{stdout}");
+    let local = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("LOCAL "))
+        .expect("the initiator prints its checksum")
+        .to_string();
+    let stdin = t.stdin.as_mut().expect("stdin");
+    writeln!(stdin, "checksum").expect("ask the target for its checksum");
+    stdin.flush().expect("flush");
+    let at_target = lines
+        .next()
+        .expect("the target answers")
+        .expect("read the target's answer");
+    assert_eq!(at_target, format!("CHECKSUM {local}"), "data at the target");
+    drop(t.stdin.take());
+    assert!(t.wait().expect("wait for the target").success());
 }

@@ -83,6 +83,7 @@ fn host() -> &'static sys::ferry_host_services_t {
         log_enabled: Some(host_log_enabled),
         config_get: Some(host_config),
         topo_nics: None,
+        peer_request: None,
     }))
 }
 

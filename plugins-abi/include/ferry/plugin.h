@@ -53,7 +53,7 @@ extern "C" {
 #endif
 
 #define FERRY_PLUGIN_ABI_MAJOR 1
-#define FERRY_PLUGIN_ABI_MINOR 0
+#define FERRY_PLUGIN_ABI_MINOR 1
 
 /* ------------------------------------------------------------------------ */
 /* Status codes (shared with the public C API in ferry.h)                    */
@@ -216,7 +216,28 @@ typedef struct ferry_host_services {
      * cap. FERRY_ERR_NOT_FOUND for an unknown location. */
     ferry_status_t (*topo_nics)(void *ctx, const char *location, ferry_nic_desc_t *out,
                                 size_t elem_size, uint32_t cap, uint32_t *count);
+
+    /* --- ABI 1.1 (check with FERRY_HAS_FIELD) --- */
+
+    /* Plugin messaging: sends `body` to the transport of the same name in the
+     * engine serving segment `peer` ("host:port"), over Ferry's control
+     * plane, and waits (up to the engine's timeout) for its reply, which
+     * that transport's on_peer_request produced. For handshakes such as
+     * exchanging queue pair numbers. body_len and the reply are at most
+     * FERRY_PEER_MSG_MAX bytes: pass a reply buffer of that size. Writes at
+     * most reply_cap bytes and sets *reply_len to the reply's full length
+     * (a longer reply is an error: FERRY_ERR_PROTOCOL). Errors: the peer is
+     * unreachable (FERRY_ERR_CONNECTION, FERRY_ERR_TIMEOUT), runs no such
+     * transport (FERRY_ERR_NOT_FOUND), or the peer's transport refused (its
+     * code and message). May block; never call it while holding a lock the
+     * plugin's own on_peer_request needs. */
+    ferry_status_t (*peer_request)(void *ctx, const char *peer, const uint8_t *body,
+                                   size_t body_len, uint8_t *reply, size_t reply_cap,
+                                   size_t *reply_len, ferry_errbuf_t *err);
 } ferry_host_services_t;
+
+/* The largest plugin message, request or reply (see peer_request). */
+#define FERRY_PEER_MSG_MAX 65536
 
 /* ------------------------------------------------------------------------ */
 /* Probe: what a plugin could do on this host                                */
@@ -278,7 +299,13 @@ typedef struct ferry_transport_init_params {
     ferry_complete_fn complete;
 } ferry_transport_init_params_t;
 
-/* A buffer the engine registers with a transport. */
+/* A buffer the engine registers with a transport. mem_kind says how the
+ * engine wants device memory registered: FERRY_MEM_CUDA_DMABUF (dmabuf_fd and
+ * dmabuf_offset are set), or FERRY_MEM_CUDA_PEERMEM (addr is the device
+ * pointer, for ibv_reg_mr through nvidia-peermem). A transport that cannot
+ * register it that way fails with FERRY_ERR_UNAVAILABLE and the reason; the
+ * engine then tries the next method down (DMA-BUF, nvidia-peermem, staging
+ * through host memory). */
 typedef struct ferry_mem_region {
     uint32_t struct_size;
     int32_t numa_node;    /* NUMA node of host memory, -1 when unknown */
@@ -290,6 +317,10 @@ typedef struct ferry_mem_region {
     int32_t dmabuf_fd;      /* for FERRY_MEM_CUDA_DMABUF, else -1; owned by the engine */
     uint32_t flags;         /* FERRY_REGION_* */
     uint32_t reserved;
+    /* --- ABI 1.1 (check struct_size) --- */
+    uint64_t dmabuf_offset; /* addr's offset inside the dmabuf_fd's buffer: register with
+                             * ibv_reg_dmabuf_mr(pd, dmabuf_offset, len, iova = addr,
+                             * dmabuf_fd, access) */
 } ferry_mem_region_t;
 
 /* The engine uses the region only as a local buffer (e.g. a staging buffer):
@@ -386,6 +417,18 @@ typedef struct ferry_transport_plugin_v1 {
      * FERRY_ERR_UNAVAILABLE. */
     ferry_status_t (*accepts)(void *instance, void *peer_handle, const uint8_t *remote_key,
                               size_t key_len, ferry_errbuf_t *err);
+
+    /* --- ABI 1.1 (the host checks struct_size) --- */
+
+    /* Optional: answers a message the same-named transport of the engine
+     * `from` sent with the host's peer_request. `from` is the segment name
+     * the sender claims (not authenticated); every byte of body is untrusted
+     * input (at most FERRY_PEER_MSG_MAX bytes). Writes the reply into
+     * reply (reply_cap is FERRY_PEER_MSG_MAX) and sets *reply_len; an error
+     * is returned to the sender as its code and message. */
+    ferry_status_t (*on_peer_request)(void *instance, const char *from, const uint8_t *body,
+                                      size_t body_len, uint8_t *reply, size_t reply_cap,
+                                      size_t *reply_len, ferry_errbuf_t *err);
 } ferry_transport_plugin_v1_t;
 
 #define FERRY_TRANSPORT_PLUGIN_V1_SYMBOL "ferry_transport_plugin_v1"

@@ -27,6 +27,7 @@ use std::ffi::{c_char, CString};
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Once;
 
+pub mod auth;
 mod device;
 pub mod net;
 mod transport;
@@ -274,6 +275,82 @@ impl<'a> Host<'a> {
             unsafe { out.set_len(count as usize) };
             return Ok(out.iter().map(nic_from_raw).collect());
         }
+    }
+}
+
+impl Host<'_> {
+    /// Plugin messaging: sends `body` to the transport of the same name in
+    /// the engine serving segment `peer` and returns its reply (both at most
+    /// [`sys::FERRY_PEER_MSG_MAX`] bytes). Blocks up to the engine's timeout.
+    pub fn peer_request(&self, peer: &str, body: &[u8]) -> PluginResult<Vec<u8>> {
+        let unsupported = || {
+            PluginError::new(
+                ErrorCode::Unsupported,
+                "the host offers no plugin messaging (Ferry older than plugin ABI 1.1)",
+            )
+        };
+        if !has_field!(self.raw, sys::ferry_host_services_t, peer_request) {
+            return Err(unsupported());
+        }
+        let request = self.raw.peer_request.ok_or_else(unsupported)?;
+        if body.len() > sys::FERRY_PEER_MSG_MAX {
+            return Err(PluginError::new(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "a plugin message of {} bytes exceeds the {}-byte limit",
+                    body.len(),
+                    sys::FERRY_PEER_MSG_MAX
+                ),
+            ));
+        }
+        let peer = CString::new(peer).map_err(|_| {
+            PluginError::new(ErrorCode::InvalidArgument, "peer name contains a NUL byte")
+        })?;
+        let mut reply = vec![0u8; sys::FERRY_PEER_MSG_MAX];
+        let mut reply_len = 0usize;
+        let mut msg = [0 as c_char; 512];
+        let mut err = sys::ferry_errbuf_t {
+            msg: msg.as_mut_ptr(),
+            cap: msg.len(),
+        };
+        // SAFETY: every pointer is valid for the call: peer is NUL-terminated,
+        // body is readable for its length, reply writable for its capacity,
+        // reply_len and err are live out-parameters.
+        let status = unsafe {
+            request(
+                self.raw.ctx,
+                peer.as_ptr(),
+                body.as_ptr(),
+                body.len(),
+                reply.as_mut_ptr(),
+                reply.len(),
+                &mut reply_len,
+                &mut err,
+            )
+        };
+        if status != sys::FERRY_OK {
+            let code = ErrorCode::from_raw(status).unwrap_or(ErrorCode::Plugin);
+            let text = fixed_str(&msg);
+            return Err(PluginError::new(
+                code,
+                if text.is_empty() {
+                    format!(
+                        "plugin message to {} failed ({code})",
+                        peer.to_string_lossy()
+                    )
+                } else {
+                    text
+                },
+            ));
+        }
+        if reply_len > reply.len() {
+            return Err(PluginError::new(
+                ErrorCode::Protocol,
+                "the peer's reply exceeds the plugin message limit",
+            ));
+        }
+        reply.truncate(reply_len);
+        Ok(reply)
     }
 }
 

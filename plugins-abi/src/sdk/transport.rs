@@ -51,6 +51,8 @@ pub struct MemRegion {
     pub numa_node: Option<u32>,
     pub device_ordinal: Option<u32>,
     pub dmabuf_fd: Option<i32>,
+    /// `addr`'s offset inside the DMA-BUF (with `dmabuf_fd`).
+    pub dmabuf_offset: u64,
     /// Only a local buffer: peers must not reach it.
     pub local_only: bool,
 }
@@ -171,6 +173,16 @@ pub trait TransportInstance: Send + Sync + 'static {
         Err(PluginError::new(
             ErrorCode::NotFound,
             "this transport allocated no memory",
+        ))
+    }
+    /// Answers a message the same-named transport of engine `from` sent
+    /// with [`Host::peer_request`]: the reply (at most
+    /// [`sys::FERRY_PEER_MSG_MAX`] bytes) or an error for the sender. `from`
+    /// is what the sender claims; every byte of `body` is untrusted.
+    fn on_peer_request(&self, _from: &str, _body: &[u8]) -> PluginResult<Vec<u8>> {
+        Err(PluginError::new(
+            ErrorCode::Unsupported,
+            "this transport answers no plugin messages",
         ))
     }
 }
@@ -354,6 +366,13 @@ pub unsafe extern "C" fn register_trampoline<P: TransportPlugin>(
                 numa_node: u32::try_from(r.numa_node).ok(),
                 device_ordinal: u32::try_from(r.device_ordinal).ok(),
                 dmabuf_fd: (r.dmabuf_fd >= 0).then_some(r.dmabuf_fd),
+                dmabuf_offset: if r.struct_size as usize
+                    >= std::mem::offset_of!(sys::ferry_mem_region_t, dmabuf_offset) + 8
+                {
+                    r.dmabuf_offset
+                } else {
+                    0
+                },
                 local_only: r.flags & sys::FERRY_REGION_LOCAL_ONLY != 0,
             };
             let reg = instance::<P>(inst)?.register_memory(&region)?;
@@ -580,6 +599,39 @@ pub unsafe extern "C" fn accepts_trampoline<P: TransportPlugin>(
     }
 }
 
+/// # Safety
+/// As [`transport_probe_trampoline`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn on_peer_request_trampoline<P: TransportPlugin>(
+    inst: *mut c_void,
+    from: *const c_char,
+    body: *const u8,
+    body_len: usize,
+    reply: *mut u8,
+    reply_cap: usize,
+    reply_len: *mut usize,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe {
+        boundary(err, || {
+            let from = owned_str(from);
+            let data = instance::<P>(inst)?.on_peer_request(&from, bytes(body, body_len))?;
+            if data.len() > reply_cap.min(sys::FERRY_PEER_MSG_MAX) {
+                return Err(PluginError::new(
+                    ErrorCode::Internal,
+                    format!(
+                        "a reply of {} bytes exceeds the plugin message limit",
+                        data.len()
+                    ),
+                ));
+            }
+            copy_out(&data, reply, reply_cap, reply_len);
+            Ok(())
+        })
+    }
+}
+
 /// The v1 table for a Rust transport plugin with a data path.
 pub const fn transport_table_v1<P: TransportPlugin>() -> sys::ferry_transport_plugin_v1_t {
     sys::ferry_transport_plugin_v1_t {
@@ -601,6 +653,7 @@ pub const fn transport_table_v1<P: TransportPlugin>() -> sys::ferry_transport_pl
         allocate_memory: Some(allocate_trampoline::<P>),
         free_memory: Some(free_trampoline::<P>),
         accepts: Some(accepts_trampoline::<P>),
+        on_peer_request: Some(on_peer_request_trampoline::<P>),
     }
 }
 
@@ -621,6 +674,7 @@ pub const fn transport_table_v1_probe_only<P: TransportPlugin>() -> sys::ferry_t
         allocate_memory: None,
         free_memory: None,
         accepts: None,
+        on_peer_request: None,
         ..transport_table_v1::<P>()
     }
 }

@@ -9,7 +9,9 @@
 //! Behaviour is steered by FERRY_FAKEGPU_DEVICES (default 1), and
 //! FERRY_FAKEGPU_PCI (comma list of PCI bus ids, default 0000:1b:00.0,...);
 //! FERRY_FAKEGPU_GDR=0 and FERRY_FAKEGPU_DMABUF=0 make the GPUs report no
-//! GPUDirect RDMA (attribute 116) or no DMA-BUF (attribute 124).
+//! GPUDirect RDMA (attribute 116) or no DMA-BUF (attribute 124);
+//! FERRY_FAKEGPU_DMABUF_FD=pipe exports a pipe instead of a dma-buf (which
+//! an RDMA NIC refuses).
 
 use ferry_plugins_abi::sdk::{
     DeviceInfo, DeviceInstance, DevicePlugin, Host, PluginError, PluginResult, PointerInfo,
@@ -174,6 +176,19 @@ impl DeviceInstance for Instance {
             .next_back()
             .filter(|(b, a)| addr + len <= *b + a.len);
         Some(match found {
+            // An fd that is no dma-buf, for tests of a refused registration.
+            Some((base, _))
+                if std::env::var("FERRY_FAKEGPU_DMABUF_FD").is_ok_and(|v| v == "pipe") =>
+            {
+                let mut fds = [0i32; 2];
+                // SAFETY: fds has room for the two descriptors pipe writes.
+                if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+                    return Some(Err(err("pipe2 failed")));
+                }
+                // SAFETY: closing the write end we own; the read end goes out.
+                unsafe { libc::close(fds[1]) };
+                Ok((fds[0], addr - base))
+            }
             // SAFETY: dup of our own valid fd; the caller owns the copy.
             Some((base, a)) => Ok((unsafe { libc::dup(a.fd.as_raw_fd()) }, addr - base)),
             None => Err(PluginError::new(

@@ -1,0 +1,1018 @@
+//! The initiator's data path: peers, their queue pairs (one per NIC pair,
+//! created on demand through plugin messaging and cached), requests cut
+//! into slices over the rails, completions, and what happens when a slice
+//! fails: access errors fail the request (another NIC would be refused
+//! too); path errors move the slice to another NIC pair and count against
+//! the NICs, which are paused with a back-off when they keep failing.
+
+use crate::err;
+use crate::health::{Health, Verdict};
+use crate::instance::{Inner, Region, LOCAL_PAUSE_AFTER, REMOTE_PAUSE_AFTER};
+use crate::rails::{self, Pair};
+use crate::verbs::{self, Link, Qp, QpAddress, RdmaOp, Wc};
+use crate::wire::{self, BufferKey, ConnectReply, Endpoint, Message, QpReply, QpRequest};
+use ferry_plugins_abi::sdk::{Op, PeerInfo, PluginError, PluginResult, TransferRequest};
+use ferry_plugins_abi::ErrorCode;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Most NIC pairs one slice tries before its request fails.
+const MAX_ATTEMPTS: usize = 8;
+/// Keys remembered per peer (decoded once).
+const MAX_CACHED_KEYS: usize = 65536;
+const MAX_PAUSE: Duration = Duration::from_secs(60);
+
+/// A NIC of the peer, from its endpoint.
+struct RemoteNic {
+    name: String,
+    link: Link,
+}
+
+/// One RC queue pair to the peer, between two of the NICs.
+pub struct Channel {
+    qp: Mutex<Qp>,
+    outstanding: AtomicUsize,
+    broken: AtomicBool,
+    depth: usize,
+}
+
+impl Channel {
+    fn usable(&self) -> bool {
+        !self.broken.load(Ordering::Acquire)
+    }
+
+    fn break_it(&self) {
+        if !self.broken.swap(true, Ordering::AcqRel) {
+            self.qp.lock().set_error();
+        }
+    }
+}
+
+/// A peer this instance sends to.
+pub struct Peer {
+    pub name: String,
+    remote: Vec<RemoteNic>,
+    channels: Mutex<HashMap<Pair, Arc<Channel>>>,
+    connect_lock: Mutex<()>,
+    keys: Mutex<HashMap<Vec<u8>, Arc<BufferKey>>>,
+    remote_health: Vec<Health>,
+    /// Bytes and slices completed per local NIC.
+    sent: Vec<AtomicU64>,
+    slices: Vec<AtomicU64>,
+    retried: AtomicU64,
+    cursor: AtomicUsize,
+    closed: AtomicBool,
+}
+
+/// One request as the engine gave it.
+pub struct Req {
+    token: u64,
+    remaining: AtomicUsize,
+    error: Mutex<Option<PluginError>>,
+}
+
+impl Req {
+    fn failed(&self) -> bool {
+        self.error.lock().is_some()
+    }
+}
+
+/// A piece of a request on one NIC pair: one work request.
+pub struct Slice {
+    req: Arc<Req>,
+    peer: Arc<Peer>,
+    op: RdmaOp,
+    local: Arc<Region>,
+    local_addr: u64,
+    key: Arc<BufferKey>,
+    remote_addr: u64,
+    len: u32,
+    rails: Arc<Vec<Pair>>,
+    pair: Pair,
+    tried: Vec<Pair>,
+    channel: Option<Arc<Channel>>,
+    posted: Option<Instant>,
+    last_error: Option<String>,
+}
+
+impl Peer {
+    pub fn new(inner: &Arc<Inner>, info: &PeerInfo) -> PluginResult<Arc<Peer>> {
+        let endpoint = Endpoint::decode(&info.endpoint)
+            .map_err(|e| err(e.code, format!("{}: {}", info.name, e.message)))?;
+        let remote: Vec<RemoteNic> = endpoint
+            .nics
+            .iter()
+            .map(|n| RemoteNic {
+                name: n.name.clone(),
+                link: if n.link == "eth" {
+                    Link::Ethernet
+                } else {
+                    Link::InfiniBand
+                },
+            })
+            .collect();
+        if !inner
+            .nics
+            .iter()
+            .any(|l| remote.iter().any(|r| r.link == l.link()))
+        {
+            return Err(err(
+                ErrorCode::Unavailable,
+                format!(
+                    "{}: no NIC here shares a link layer with the peer's ({})",
+                    info.name,
+                    remote
+                        .iter()
+                        .map(|r| format!("{} {}", r.name, r.link.as_str()))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ));
+        }
+        let n = inner.nics.len();
+        let peer = Arc::new(Peer {
+            name: info.name.clone(),
+            remote_health: (0..remote.len()).map(|_| Health::default()).collect(),
+            remote,
+            channels: Mutex::new(HashMap::new()),
+            connect_lock: Mutex::new(()),
+            keys: Mutex::new(HashMap::new()),
+            sent: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            slices: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            retried: AtomicU64::new(0),
+            cursor: AtomicUsize::new(0),
+            closed: AtomicBool::new(false),
+        });
+        let mut peers = inner.peers.lock();
+        peers.retain(|p| p.strong_count() > 0);
+        peers.push(Arc::downgrade(&peer));
+        Ok(peer)
+    }
+
+    fn compatible(&self, inner: &Inner) -> impl Fn(usize, u8) -> bool + '_ {
+        let links: Vec<Link> = inner.nics.iter().map(|n| n.link()).collect();
+        move |l: usize, r: u8| {
+            links
+                .get(l)
+                .is_some_and(|ll| self.remote.get(r as usize).is_some_and(|rr| rr.link == *ll))
+        }
+    }
+
+    fn key(&self, bytes: &[u8]) -> PluginResult<Arc<BufferKey>> {
+        if let Some(k) = self.keys.lock().get(bytes) {
+            return Ok(k.clone());
+        }
+        let k = Arc::new(
+            BufferKey::decode(bytes, self.remote.len())
+                .map_err(|e| err(e.code, format!("{}: {}", self.name, e.message)))?,
+        );
+        let mut keys = self.keys.lock();
+        if keys.len() >= MAX_CACHED_KEYS {
+            keys.clear();
+        }
+        keys.insert(bytes.to_vec(), k.clone());
+        Ok(k)
+    }
+
+    /// Whether this peer's buffer with `key` can be reached from here.
+    pub fn accepts(&self, inner: &Inner, key: &[u8]) -> PluginResult<()> {
+        let k = self.key(key)?;
+        let compatible = self.compatible(inner);
+        let reachable = k
+            .rkeys
+            .iter()
+            .any(|(r, _)| (0..inner.nics.len()).any(|l| compatible(l, *r)));
+        if reachable {
+            Ok(())
+        } else {
+            Err(err(
+                ErrorCode::Unavailable,
+                "none of this engine's NICs shares a link layer with the NICs that registered the \
+                 peer's buffer",
+            ))
+        }
+    }
+
+    /// The rails for local memory `region` and the peer's buffer `key`.
+    fn rails_for(&self, inner: &Inner, region: &Region, key: &BufferKey) -> Vec<Pair> {
+        let compatible = self.compatible(inner);
+        let remote_best = &key.ranked[..(key.best as usize).min(key.ranked.len())];
+        let remote_all: Vec<u8> = if key.ranked.is_empty() {
+            key.rkeys.iter().map(|(n, _)| *n).collect()
+        } else {
+            key.ranked.clone()
+        };
+        let remote_best = if remote_best.is_empty() {
+            &remote_all[..]
+        } else {
+            remote_best
+        };
+        rails::rails(
+            &region.ranked[..region.best.min(region.ranked.len())],
+            remote_best,
+            &remote_all,
+            &compatible,
+            inner.settings.rails,
+        )
+    }
+
+    fn pair_paused(&self, inner: &Inner, p: Pair, now: Instant) -> bool {
+        inner.nics[p.0].health.paused(now)
+            || self
+                .remote_health
+                .get(p.1 as usize)
+                .is_some_and(|h| h.paused(now))
+    }
+
+    fn pair_name(&self, inner: &Inner, p: Pair) -> String {
+        format!(
+            "{}->{}",
+            inner.nics[p.0].name,
+            self.remote
+                .get(p.1 as usize)
+                .map_or("?", |r| r.name.as_str())
+        )
+    }
+
+    /// Queue pairs for `pairs`, created and connected with one plugin
+    /// message for all that are missing. The outer error means the peer's
+    /// transport could not be reached at all.
+    fn channels(
+        &self,
+        inner: &Inner,
+        pairs: &[Pair],
+    ) -> PluginResult<HashMap<Pair, Result<Arc<Channel>, String>>> {
+        let mut out = HashMap::new();
+        let mut need = Vec::new();
+        {
+            let chans = self.channels.lock();
+            for p in pairs {
+                match chans.get(p) {
+                    Some(c) if c.usable() => {
+                        out.insert(*p, Ok(c.clone()));
+                    }
+                    _ => {
+                        if !need.contains(p) {
+                            need.push(*p)
+                        }
+                    }
+                }
+            }
+        }
+        if need.is_empty() {
+            return Ok(out);
+        }
+        let _connecting = self.connect_lock.lock();
+        // Another thread may have connected them meanwhile.
+        {
+            let chans = self.channels.lock();
+            need.retain(|p| match chans.get(p) {
+                Some(c) if c.usable() => {
+                    out.insert(*p, Ok(c.clone()));
+                    false
+                }
+                _ => true,
+            });
+        }
+        for chunk in need.chunks(wire::MAX_QPS_PER_MESSAGE) {
+            let mut created = Vec::new();
+            let mut asks = Vec::new();
+            for p in chunk {
+                let nic = &inner.nics[p.0];
+                let Some(remote) = self.remote.get(p.1 as usize) else {
+                    out.insert(*p, Err("no such NIC at the peer".to_string()));
+                    continue;
+                };
+                match Qp::create(
+                    &nic.dev.pd,
+                    &nic.dev.cq,
+                    &nic.port,
+                    inner.settings.queue_depth,
+                ) {
+                    Ok(qp) => {
+                        asks.push(QpRequest {
+                            nic: nic.name.clone(),
+                            qpn: qp.qpn,
+                            lid: nic.lid,
+                            gid: wire::gid_hex(&nic.gid),
+                            mtu: nic.port.mtu,
+                            to: remote.name.clone(),
+                        });
+                        created.push((*p, qp));
+                    }
+                    Err(e) => {
+                        out.insert(*p, Err(format!("{}: {e}", nic.name)));
+                    }
+                }
+            }
+            if asks.is_empty() {
+                continue;
+            }
+            let body = serde_json::to_vec(&Message::Connect {
+                engine: inner.engine_id.clone(),
+                qps: asks,
+            })
+            .map_err(|e| {
+                err(
+                    ErrorCode::Internal,
+                    format!("encoding a connect message: {e}"),
+                )
+            })?;
+            let reply = inner.host.peer_request(&self.name, &body).map_err(|e| {
+                err(
+                    e.code,
+                    format!(
+                        "cannot set up RDMA queue pairs with {}: {}",
+                        self.name, e.message
+                    ),
+                )
+            })?;
+            let reply = ConnectReply::decode(&reply, created.len())
+                .map_err(|e| err(e.code, format!("{}: {}", self.name, e.message)))?;
+            for ((p, mut qp), answer) in created.into_iter().zip(reply.qps) {
+                let nic = &inner.nics[p.0];
+                let result = match answer {
+                    QpReply::Ok { qpn, lid, gid, mtu } => wire::parse_gid(&gid)
+                        .map_err(|e| e.message)
+                        .and_then(|gid| qp.connect(&nic.port, &QpAddress { qpn, lid, gid, mtu })),
+                    QpReply::Err { message } => Err(format!("the peer refused: {message}")),
+                };
+                match result {
+                    Ok(()) => {
+                        let ch = Arc::new(Channel {
+                            qp: Mutex::new(qp),
+                            outstanding: AtomicUsize::new(0),
+                            broken: AtomicBool::new(false),
+                            depth: inner.settings.queue_depth as usize,
+                        });
+                        inner.host.debug(&format!(
+                            "rdma: queue pair {} connected to {} ({})",
+                            self.pair_name(inner, p),
+                            self.name,
+                            ch.qp.lock().qpn
+                        ));
+                        self.channels.lock().insert(p, ch.clone());
+                        out.insert(p, Ok(ch));
+                    }
+                    Err(e) => {
+                        out.insert(p, Err(e));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Fails what is in flight to this peer (its queue pairs go to ERR and
+    /// flush) and refuses new requests.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        let chans: Vec<Arc<Channel>> = self.channels.lock().drain().map(|(_, c)| c).collect();
+        for c in chans {
+            c.break_it();
+        }
+    }
+
+    pub fn describe(&self, inner: &Inner) -> String {
+        let now = Instant::now();
+        let mut parts = vec![format!(
+            "rdma to {}: {} queue pairs",
+            self.name,
+            self.channels.lock().len()
+        )];
+        let sent: Vec<String> = inner
+            .nics
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| self.slices[*i].load(Ordering::Relaxed) > 0)
+            .map(|(i, n)| {
+                format!(
+                    "{} {} B in {} slices",
+                    n.name,
+                    self.sent[i].load(Ordering::Relaxed),
+                    self.slices[i].load(Ordering::Relaxed)
+                )
+            })
+            .collect();
+        parts.push(format!(
+            "sent through {}",
+            if sent.is_empty() {
+                "no NIC yet".to_string()
+            } else {
+                sent.join(", ")
+            }
+        ));
+        let retried = self.retried.load(Ordering::Relaxed);
+        if retried > 0 {
+            parts.push(format!("{retried} slices retried on another NIC pair"));
+        }
+        for n in &inner.nics {
+            if let Some(d) = n.health.describe(now) {
+                parts.push(format!("{} {d}", n.name));
+            }
+        }
+        for (i, h) in self.remote_health.iter().enumerate() {
+            if let Some(d) = h.describe(now) {
+                parts.push(format!("peer's {} {d}", self.remote[i].name));
+            }
+        }
+        parts.join("; ")
+    }
+}
+
+/// Accepts requests: every one completes through the completer, unless
+/// this returns an error (then none was accepted).
+pub fn submit(
+    inner: &Arc<Inner>,
+    peer: &Arc<Peer>,
+    requests: &[TransferRequest<'_>],
+) -> PluginResult<()> {
+    if peer.closed.load(Ordering::SeqCst) {
+        return Err(err(
+            ErrorCode::Connection,
+            format!("{}: disconnected", peer.name),
+        ));
+    }
+    let now = Instant::now();
+    let slice_bytes = inner.settings.slice_bytes;
+    let mut plan: Vec<Slice> = Vec::new();
+    let mut reqs: Vec<(Arc<Req>, usize)> = Vec::with_capacity(requests.len());
+    for (i, r) in requests.iter().enumerate() {
+        let region = inner.region(r.local_mem).ok_or_else(|| {
+            err(
+                ErrorCode::InvalidArgument,
+                format!("request {i}: its local buffer is not registered with rdma"),
+            )
+        })?;
+        if r.length == 0 || !region.covers(r.local_addr, r.length) {
+            return Err(err(
+                ErrorCode::OutOfBounds,
+                format!(
+                    "request {i}: local range [{:#x}, +{}) is outside its registered buffer",
+                    r.local_addr, r.length
+                ),
+            ));
+        }
+        let key = peer.key(r.remote_key)?;
+        if !key.covers(r.remote_addr, r.length) {
+            return Err(err(
+                ErrorCode::OutOfBounds,
+                format!(
+                    "request {i}: remote range [{:#x}, +{}) is outside the buffer {} registered \
+                     [{:#x}, +{})",
+                    r.remote_addr, r.length, peer.name, key.addr, key.len
+                ),
+            ));
+        }
+        let rails = peer.rails_for(inner, &region, &key);
+        if rails.is_empty() {
+            return Err(err(
+                ErrorCode::Unavailable,
+                format!("request {i}: no NIC pair links this buffer to the peer's"),
+            ));
+        }
+        inner.info_once(
+            format!("route:{}:{}:{:?}", peer.name, region.location, rails),
+            || {
+                format!(
+                    "rdma: {} memory to {}: NIC pairs {} ({} slices)",
+                    region.location,
+                    peer.name,
+                    rails
+                        .iter()
+                        .map(|p| peer.pair_name(inner, *p))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    human(slice_bytes)
+                )
+            },
+        );
+        // Paused pairs are left out while others work.
+        let healthy: Vec<Pair> = rails
+            .iter()
+            .copied()
+            .filter(|p| !peer.pair_paused(inner, *p, now))
+            .collect();
+        let usable = if healthy.is_empty() {
+            rails.clone()
+        } else {
+            healthy
+        };
+        let rails = Arc::new(rails);
+        let n = r.length.div_ceil(slice_bytes) as usize;
+        let start = peer.cursor.fetch_add(n, Ordering::Relaxed);
+        let req = Arc::new(Req {
+            token: r.token,
+            remaining: AtomicUsize::new(n),
+            error: Mutex::new(None),
+        });
+        reqs.push((req.clone(), n));
+        let op = match r.op {
+            Op::Write => RdmaOp::Write,
+            Op::Read => RdmaOp::Read,
+        };
+        for k in 0..n {
+            let off = k as u64 * slice_bytes;
+            let len = (r.length - off).min(slice_bytes) as u32;
+            plan.push(Slice {
+                req: req.clone(),
+                peer: peer.clone(),
+                op,
+                local: region.clone(),
+                local_addr: r.local_addr + off,
+                key: key.clone(),
+                remote_addr: r.remote_addr + off,
+                len,
+                rails: rails.clone(),
+                pair: usable[(start + k) % usable.len()],
+                tried: Vec::new(),
+                channel: None,
+                posted: None,
+                last_error: None,
+            });
+        }
+    }
+    let mut pairs: Vec<Pair> = plan.iter().map(|s| s.pair).collect();
+    pairs.sort_unstable();
+    pairs.dedup();
+    // The peer's transport unreachable: nothing is accepted.
+    let channels = peer.channels(inner, &pairs)?;
+    for mut s in plan {
+        match channels.get(&s.pair) {
+            Some(Ok(c)) => {
+                s.channel = Some(c.clone());
+                post_or_queue(inner, s);
+            }
+            Some(Err(why)) => {
+                let why = format!("{}: {why}", peer.pair_name(inner, s.pair));
+                record_failure(inner, &peer.clone(), s.pair, &why, false);
+                s.tried.push(s.pair);
+                s.last_error = Some(why);
+                inner.retries.lock().push_back(s);
+            }
+            None => {
+                s.last_error = Some("no queue pair".into());
+                inner.retries.lock().push_back(s);
+            }
+        }
+    }
+    if !inner.retries.lock().is_empty() {
+        inner.wake_poller();
+    }
+    Ok(())
+}
+
+fn human(bytes: u64) -> String {
+    if bytes >= 1 << 20 && bytes % (1 << 20) == 0 {
+        format!("{} MiB", bytes >> 20)
+    } else if bytes >= 1 << 10 && bytes % (1 << 10) == 0 {
+        format!("{} KiB", bytes >> 10)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+/// Posts a slice on its channel, or queues it on its NIC when the queue
+/// pair or the NIC's completion queue is full.
+fn post_or_queue(inner: &Inner, mut s: Slice) {
+    if s.req.failed() || inner.stopping() {
+        finish(inner, s, None);
+        return;
+    }
+    let Some(ch) = s.channel.clone().filter(|c| c.usable()) else {
+        inner.retries.lock().push_back(s);
+        inner.wake_poller();
+        return;
+    };
+    let nic = &inner.nics[s.pair.0];
+    let has_room = ch.outstanding.load(Ordering::Acquire) < ch.depth
+        && nic.outstanding.load(Ordering::Acquire) < nic.cq_budget;
+    if !has_room {
+        nic.backlog.lock().push_back(s);
+        return;
+    }
+    let (Some(lkey), Some(rkey)) = (s.local.lkey(s.pair.0), s.key.rkey(s.pair.1)) else {
+        // Not registered on this pair's NICs: try another pair.
+        s.tried.push(s.pair);
+        s.last_error = Some(format!(
+            "{} lacks a registration",
+            s.peer.pair_name(inner, s.pair)
+        ));
+        inner.retries.lock().push_back(s);
+        inner.wake_poller();
+        return;
+    };
+    let wr_id = inner.next_wr.fetch_add(1, Ordering::Relaxed);
+    let (op, laddr, len, raddr) = (s.op, s.local_addr, s.len, s.remote_addr);
+    s.posted = Some(Instant::now());
+    ch.outstanding.fetch_add(1, Ordering::AcqRel);
+    nic.outstanding.fetch_add(1, Ordering::AcqRel);
+    // In the table before posting: the completion may be polled by another
+    // thread before post returns.
+    inner.inflight.lock().insert(wr_id, s);
+    // SAFETY: [laddr, +len) lies in the local region (checked in submit)
+    // registered under lkey; the slice in `inflight` keeps the region, and
+    // so its MR, alive until the completion is polled.
+    let posted = unsafe { ch.qp.lock().post(wr_id, op, laddr, lkey, len, raddr, rkey) };
+    if let Err(e) = posted {
+        let Some(mut s) = inner.inflight.lock().remove(&wr_id) else {
+            return;
+        };
+        ch.outstanding.fetch_sub(1, Ordering::AcqRel);
+        nic.outstanding.fetch_sub(1, Ordering::AcqRel);
+        let why = format!("posting on {}: {e}", s.peer.pair_name(inner, s.pair));
+        ch.break_it();
+        s.tried.push(s.pair);
+        s.last_error = Some(why);
+        inner.retries.lock().push_back(s);
+        inner.wake_poller();
+    }
+}
+
+/// Posts what waited on NIC `nic` while there is room; returns how many.
+pub fn drain_backlog(inner: &Inner, nic: usize) -> usize {
+    let n = &inner.nics[nic];
+    let mut posted = 0;
+    loop {
+        let Some(s) = n.backlog.lock().pop_front() else {
+            break;
+        };
+        let room = s
+            .channel
+            .as_ref()
+            .is_none_or(|c| !c.usable() || c.outstanding.load(Ordering::Acquire) < c.depth)
+            && n.outstanding.load(Ordering::Acquire) < n.cq_budget;
+        if !room && !s.req.failed() && !inner.stopping() {
+            n.backlog.lock().push_front(s);
+            break;
+        }
+        post_or_queue(inner, s);
+        posted += 1;
+    }
+    posted
+}
+
+/// One work completion from NIC `nic`'s completion queue.
+pub fn on_completion(inner: &Inner, nic: usize, wc: Wc) {
+    let Some(mut s) = inner.inflight.lock().remove(&wc.wr_id) else {
+        return;
+    };
+    let ch = s.channel.clone();
+    if let Some(c) = &ch {
+        c.outstanding.fetch_sub(1, Ordering::AcqRel);
+    }
+    inner.nics[nic].outstanding.fetch_sub(1, Ordering::AcqRel);
+    let peer = s.peer.clone();
+    let pair = s.pair;
+    if wc.status == verbs::WC_SUCCESS {
+        peer.sent[pair.0].fetch_add(u64::from(s.len), Ordering::Relaxed);
+        peer.slices[pair.0].fetch_add(1, Ordering::Relaxed);
+        if inner.nics[pair.0].health.success() {
+            inner.host.info(&format!(
+                "rdma: {} works again; it carries slices again",
+                inner.nics[pair.0].name
+            ));
+        }
+        if let Some(h) = peer.remote_health.get(pair.1 as usize) {
+            h.success();
+        }
+        finish(inner, s, None);
+        return;
+    }
+    if let Some(c) = &ch {
+        c.break_it();
+    }
+    if inner.stopping() || peer.closed.load(Ordering::SeqCst) {
+        let e = err(
+            ErrorCode::Cancelled,
+            format!(
+                "{}: the request was cancelled (disconnect or shutdown)",
+                peer.name
+            ),
+        );
+        finish(inner, s, Some(e));
+        return;
+    }
+    if wc.status == verbs::WC_WR_FLUSH_ERR {
+        // Flushed because its queue pair broke: not this slice's fault.
+        inner.retries.lock().push_back(s);
+        inner.wake_poller();
+        return;
+    }
+    let why = format!(
+        "{} on {}, vendor error {:#x}",
+        verbs::wc_status_name(wc.status),
+        peer.pair_name(inner, pair),
+        wc.vendor_err
+    );
+    match wc.status {
+        // The peer's NIC refused the access itself: every NIC would.
+        verbs::WC_REM_ACCESS_ERR | verbs::WC_REM_INV_REQ_ERR | verbs::WC_REM_OP_ERR => {
+            let e = err(
+                ErrorCode::OutOfBounds,
+                format!(
+                    "{} refused [{:#x}, +{}) of its buffer: {why} (the buffer was unregistered or \
+                     re-registered since its key was read, or the range is outside it; the \
+                     target's memory is untouched)",
+                    peer.name, s.remote_addr, s.len
+                ),
+            );
+            finish(inner, s, Some(e));
+        }
+        // Local protection/length errors: a bug or unmappable memory here.
+        verbs::WC_LOC_LEN_ERR
+        | verbs::WC_LOC_QP_OP_ERR
+        | verbs::WC_LOC_PROT_ERR
+        | verbs::WC_LOC_ACCESS_ERR => {
+            let e = err(
+                ErrorCode::Io,
+                format!(
+                    "the local NIC refused [{:#x}, +{}): {why} (local memory not accessible to \
+                     the NIC, e.g. GPU memory it cannot map)",
+                    s.local_addr, s.len
+                ),
+            );
+            finish(inner, s, Some(e));
+        }
+        _ => {
+            record_failure(inner, &peer, pair, &why, true);
+            s.tried.push(pair);
+            s.last_error = Some(why);
+            inner.retries.lock().push_back(s);
+            inner.wake_poller();
+        }
+    }
+}
+
+/// A failure on a NIC pair: the local NIC when its port is down (or it
+/// keeps failing), else the peer's NIC, paused after failing repeatedly.
+fn record_failure(inner: &Inner, peer: &Arc<Peer>, pair: Pair, why: &str, data: bool) {
+    let nic = &inner.nics[pair.0];
+    let base = inner.settings.pause;
+    let port_down = data && verbs::port_active(&nic.dev.ctx, nic.port.port) == Some(false);
+
+    if port_down {
+        if let Verdict::Paused(d) = nic.health.failure(why, 1, base, MAX_PAUSE) {
+            inner.host.warn(&format!(
+                "rdma: {} port {} is down ({why}); pausing {} for {:.1} s (back-off doubles while \
+                 it keeps failing, up to 60 s); its slices move to the other NICs",
+                nic.name,
+                nic.port.port,
+                nic.name,
+                d.as_secs_f64(),
+            ));
+        }
+        return;
+    }
+    if let Some(h) = peer.remote_health.get(pair.1 as usize) {
+        if let Verdict::Paused(d) = h.failure(why, REMOTE_PAUSE_AFTER, base, MAX_PAUSE) {
+            inner.host.warn(&format!(
+                "rdma: {}'s NIC {} failed {REMOTE_PAUSE_AFTER} times in a row from here (last: \
+                 {why}); not using it for {:.1} s (back-off doubles while it keeps failing)",
+                peer.name,
+                peer.remote[pair.1 as usize].name,
+                d.as_secs_f64()
+            ));
+        }
+    }
+    if let Verdict::Paused(d) = nic.health.failure(why, LOCAL_PAUSE_AFTER, base, MAX_PAUSE) {
+        inner.host.warn(&format!(
+            "rdma: {} failed {LOCAL_PAUSE_AFTER} times in a row (last: {why}); pausing it for \
+             {:.1} s (back-off doubles while it keeps failing); its slices move to the other NICs",
+            nic.name,
+            d.as_secs_f64(),
+        ));
+    }
+}
+
+/// Moves slices that failed (or whose queue pair broke) to another NIC
+/// pair. Runs on the poller thread: it may have to connect.
+pub fn run_retries(inner: &Inner) -> usize {
+    let batch: Vec<Slice> = inner.retries.lock().drain(..).collect();
+    let n = batch.len();
+    for s in batch {
+        retry(inner, s);
+    }
+    n
+}
+
+fn retry(inner: &Inner, mut s: Slice) {
+    loop {
+        if s.req.failed() || inner.stopping() {
+            finish(inner, s, None);
+            return;
+        }
+        let peer = s.peer.clone();
+        if peer.closed.load(Ordering::SeqCst) {
+            let e = err(ErrorCode::Cancelled, format!("{}: disconnected", peer.name));
+            finish(inner, s, Some(e));
+            return;
+        }
+        if s.tried.len() >= MAX_ATTEMPTS {
+            let e = give_up(&s);
+            finish(inner, s, Some(e));
+            return;
+        }
+        // The same pair again when only its queue pair broke (a flush),
+        // else the next untried pair, healthy ones first.
+        let compatible = peer.compatible(inner);
+        let remote_all: Vec<u8> = if s.key.ranked.is_empty() {
+            s.key.rkeys.iter().map(|(n, _)| *n).collect()
+        } else {
+            s.key.ranked.clone()
+        };
+        let candidates = rails::candidates(&s.rails, &s.local.ranked, &remote_all, &compatible);
+        let now = Instant::now();
+        let untried: Vec<Pair> = candidates
+            .into_iter()
+            .filter(|p| !s.tried.contains(p))
+            .collect();
+        let next = untried
+            .iter()
+            .copied()
+            .find(|p| !peer.pair_paused(inner, *p, now))
+            .or_else(|| untried.first().copied());
+        let Some(next) = next else {
+            let e = give_up(&s);
+            finish(inner, s, Some(e));
+            return;
+        };
+        if next != s.pair {
+            peer.retried.fetch_add(1, Ordering::Relaxed);
+            inner.info_once(
+                format!("moved:{}:{:?}:{:?}", peer.name, s.pair, next),
+                || {
+                    format!(
+                        "rdma: slices to {} that failed ({}) continue on {}",
+                        peer.name,
+                        s.last_error.clone().unwrap_or_else(|| format!(
+                            "{}: its queue pair broke",
+                            peer.pair_name(inner, s.pair)
+                        )),
+                        peer.pair_name(inner, next)
+                    )
+                },
+            );
+        }
+        s.pair = next;
+        match peer.channels(inner, &[next]) {
+            Err(e) => {
+                finish(inner, s, Some(e));
+                return;
+            }
+            Ok(mut m) => match m.remove(&next) {
+                Some(Ok(c)) => {
+                    s.channel = Some(c);
+                    post_or_queue(inner, s);
+                    return;
+                }
+                other => {
+                    let why = match other {
+                        Some(Err(w)) => w,
+                        _ => "no queue pair".to_string(),
+                    };
+                    let why = format!("{}: {why}", peer.pair_name(inner, next));
+                    record_failure(inner, &peer, next, &why, false);
+                    s.tried.push(next);
+                    s.last_error = Some(why);
+                }
+            },
+        }
+    }
+}
+
+fn give_up(s: &Slice) -> PluginError {
+    err(
+        ErrorCode::Connection,
+        format!(
+            "{} could not be reached on any of {} NIC pairs tried (last: {})",
+            s.peer.name,
+            s.tried.len(),
+            s.last_error.as_deref().unwrap_or("no usable NIC pair")
+        ),
+    )
+}
+
+/// One slice is done (or given up): the request completes when its last
+/// slice is.
+fn finish(inner: &Inner, s: Slice, error: Option<PluginError>) {
+    let req = s.req.clone();
+    // The slice's hold on the region (and its MRs) ends before the engine
+    // hears of the completion and may unregister the memory.
+    drop(s);
+    if let Some(e) = error {
+        let mut g = req.error.lock();
+        if g.is_none() {
+            *g = Some(e);
+        }
+    }
+    if req.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+        let result = req.error.lock().clone();
+        inner
+            .completer
+            .complete(req.token, result.as_ref().map_or(Ok(()), Err));
+        inner.completed.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Fails requests whose slices saw no completion within the timeout: their
+/// queue pairs go to ERR, which flushes them.
+pub fn check_timeouts(inner: &Inner) {
+    let timeout = inner.settings.timeout;
+    let now = Instant::now();
+    struct Stale {
+        id: u64,
+        ch: Arc<Channel>,
+        req: Arc<Req>,
+        what: String,
+        force: bool,
+    }
+    let mut stale: Vec<Stale> = Vec::new();
+    for (id, s) in inner.inflight.lock().iter() {
+        let Some(t) = s.posted else { continue };
+        let age = now.saturating_duration_since(t);
+        if age > timeout {
+            if let Some(c) = &s.channel {
+                stale.push(Stale {
+                    id: *id,
+                    ch: c.clone(),
+                    req: s.req.clone(),
+                    what: s.peer.pair_name(inner, s.pair) + " to " + &s.peer.name,
+                    force: age > timeout * 2 + Duration::from_secs(1),
+                });
+            }
+        }
+    }
+    for Stale {
+        id,
+        ch,
+        req,
+        what,
+        force,
+    } in stale
+    {
+        {
+            let mut g = req.error.lock();
+            if g.is_none() {
+                *g = Some(err(
+                    ErrorCode::Timeout,
+                    format!(
+                        "no completion within {} ms on {what}: the peer or the fabric stopped \
+                         answering",
+                        timeout.as_millis()
+                    ),
+                ));
+            }
+        }
+        ch.break_it();
+        if force {
+            // The NIC never flushed it: give up on the work request.
+            let gone = inner.inflight.lock().remove(&id);
+            if let Some(s) = gone {
+                ch.outstanding.fetch_sub(1, Ordering::AcqRel);
+                inner.nics[s.pair.0]
+                    .outstanding
+                    .fetch_sub(1, Ordering::AcqRel);
+                finish(inner, s, None);
+            }
+        }
+    }
+}
+
+/// Shutdown: every queue pair to ERR, flushes collected for a moment, and
+/// whatever is left failed.
+pub fn fail_everything(inner: &Inner, why: &str) {
+    let peers: Vec<Arc<Peer>> = inner
+        .peers
+        .lock()
+        .iter()
+        .filter_map(|w| w.upgrade())
+        .collect();
+    for p in &peers {
+        p.close();
+    }
+    let deadline = Instant::now() + Duration::from_secs(1);
+    let mut wcs = Vec::new();
+    while !inner.inflight.lock().is_empty() && Instant::now() < deadline {
+        for (i, nic) in inner.nics.iter().enumerate() {
+            wcs.clear();
+            nic.dev.cq.poll(&mut wcs, 256, true);
+            for wc in &wcs {
+                on_completion(inner, i, *wc);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut left: Vec<Slice> = inner.inflight.lock().drain().map(|(_, s)| s).collect();
+    left.extend(inner.retries.lock().drain(..));
+    for n in &inner.nics {
+        left.extend(n.backlog.lock().drain(..));
+    }
+    for s in left {
+        let e = err(ErrorCode::Cancelled, why.to_string());
+        finish(inner, s, Some(e));
+    }
+}
