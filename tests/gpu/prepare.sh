@@ -21,4 +21,6 @@ for so in target/release/libferry_transport_*.so target/release/libferry_device_
     [ -e "$so" ] && cp "$so" .gpu/lib/ferry/plugins/
 done
 cp tests/verbs-emulator/build/libibverbs.so.1 tests/verbs-emulator/dgx-h100.conf .gpu/lib/verbs-emulator/
+# Line tables are for debugging here, not there: the folder must travel small.
+strip --strip-debug .gpu/bin/* .gpu/lib/ferry/plugins/*.so
 ls -l .gpu/bin .gpu/lib/ferry/plugins .gpu/lib/verbs-emulator
