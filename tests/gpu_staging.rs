@@ -158,7 +158,8 @@ fn hostile_staging_requests_are_refused_and_the_target_keeps_serving() {
     let unregistered = target.allocate_device(Location::Cuda(0), 1 << 20).unwrap();
     let name = target.segment_name().to_string();
     let t = Duration::from_secs(5);
-    let mut c = ControlClient::connect(&name, t, t).unwrap();
+    let link = ferry_core::control::Link::new(t, t, None);
+    let mut c = ControlClient::connect(&name, &link).unwrap();
     let refused = |c: &mut ControlClient, kind, body: &str| -> String {
         match c.call(kind, body.as_bytes()) {
             Ok(r) => panic!("{body}: accepted ({r:?})"),
@@ -219,7 +220,7 @@ fn hostile_staging_requests_are_refused_and_the_target_keeps_serving() {
     // Asking for more than the target lends in all is refused.
     let mut many = Vec::new();
     let e = loop {
-        let mut c = ControlClient::connect(&name, t, t).unwrap();
+        let mut c = ControlClient::connect(&name, &link).unwrap();
         match c.call(MsgType::StageOpen, br#"{"slots":16,"slot_len":67108864}"#) {
             Ok(_) => many.push(c),
             Err(e) => break e.to_string(),
