@@ -3,19 +3,9 @@
 //! path that dereferences a device pointer crashes this test.
 
 use ferry_core::{Engine, EngineConfig, Location, Op, Request};
-use ferry_tests::built;
+use ferry_tests::fake_gpu_dir;
 
 /// A plugin directory holding the fake GPU as the "cuda" device plugin.
-fn fake_gpu_dir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::copy(
-        built("libferry_test_device_fakegpu.so"),
-        dir.path().join("libferry_device_cuda.so"),
-    )
-    .unwrap();
-    dir
-}
-
 fn engine(plugins: &std::path::Path, transports: &str) -> Engine {
     let mut c = EngineConfig::default();
     c.set("plugin_path", plugins.to_str().unwrap()).unwrap();
