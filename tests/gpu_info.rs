@@ -4,7 +4,7 @@
 //! attributes replace the guess and drive the GPU-direct decision. Runs on
 //! the fake sysfs tree of an 8-GPU, 8-NIC DGX-class host.
 
-use ferry_tests::{built, ferry_bin};
+use ferry_tests::{fake_gpu_dir, ferry_bin};
 use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
@@ -33,16 +33,6 @@ fn info(sysfs: &Path, envs: &[(&str, &str)]) -> Value {
     let out = cmd.output().unwrap();
     assert!(out.status.success(), "{out:?}");
     serde_json::from_slice(&out.stdout).unwrap()
-}
-
-fn fake_gpu_dir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::copy(
-        built("libferry_test_device_fakegpu.so"),
-        dir.path().join("libferry_device_cuda.so"),
-    )
-    .unwrap();
-    dir
 }
 
 fn plugin<'a>(v: &'a Value, name: &str) -> &'a Value {

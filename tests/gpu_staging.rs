@@ -3,19 +3,9 @@
 //! path that dereferences a device pointer crashes this test.
 
 use ferry_core::{Engine, EngineConfig, Location, Op, Request};
-use ferry_tests::built;
+use ferry_tests::fake_gpu_dir;
 
 /// A plugin directory holding the fake GPU as the "cuda" device plugin.
-fn fake_gpu_dir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::copy(
-        built("libferry_test_device_fakegpu.so"),
-        dir.path().join("libferry_device_cuda.so"),
-    )
-    .unwrap();
-    dir
-}
-
 fn engine(plugins: &std::path::Path, transports: &str) -> Engine {
     let mut c = EngineConfig::default();
     c.set("plugin_path", plugins.to_str().unwrap()).unwrap();
@@ -158,7 +148,8 @@ fn hostile_staging_requests_are_refused_and_the_target_keeps_serving() {
     let unregistered = target.allocate_device(Location::Cuda(0), 1 << 20).unwrap();
     let name = target.segment_name().to_string();
     let t = Duration::from_secs(5);
-    let mut c = ControlClient::connect(&name, t, t).unwrap();
+    let link = ferry_core::control::Link::new(t, t, None);
+    let mut c = ControlClient::connect(&name, &link).unwrap();
     let refused = |c: &mut ControlClient, kind, body: &str| -> String {
         match c.call(kind, body.as_bytes()) {
             Ok(r) => panic!("{body}: accepted ({r:?})"),
@@ -219,7 +210,7 @@ fn hostile_staging_requests_are_refused_and_the_target_keeps_serving() {
     // Asking for more than the target lends in all is refused.
     let mut many = Vec::new();
     let e = loop {
-        let mut c = ControlClient::connect(&name, t, t).unwrap();
+        let mut c = ControlClient::connect(&name, &link).unwrap();
         match c.call(MsgType::StageOpen, br#"{"slots":16,"slot_len":67108864}"#) {
             Ok(_) => many.push(c),
             Err(e) => break e.to_string(),

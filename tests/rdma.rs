@@ -509,8 +509,8 @@ fn child_forged_keys() {
     );
     let host = ferry_core::host::CoreHost::new(Default::default(), Some(topology)).for_engine(
         "forger:1",
-        Duration::from_secs(5),
-        Duration::from_secs(10),
+        ferry_core::control::Link::new(Duration::from_secs(5), Duration::from_secs(10), None),
+        Default::default(),
     );
     let set = ferry_core::load_plugins(&ferry_core::loader::LoaderConfig::from_env(), host);
     let plugin = set
@@ -900,8 +900,7 @@ fn child_hostile_messages() {
             "rdma",
             "evil:1",
             body,
-            Duration::from_secs(5),
-            Duration::from_secs(10),
+            &ferry_core::control::Link::new(Duration::from_secs(5), Duration::from_secs(10), None),
         )
     };
     let gid = "fe80000000000000b83fd20300a10000";
@@ -958,8 +957,7 @@ fn child_hostile_messages() {
         "nope",
         "evil:1",
         b"{}",
-        Duration::from_secs(5),
-        Duration::from_secs(10),
+        &ferry_core::control::Link::new(Duration::from_secs(5), Duration::from_secs(10), None),
     )
     .unwrap_err();
     assert_eq!(e.code, ErrorCode::NotFound, "{e}");

@@ -307,7 +307,8 @@ fn info(json: bool) -> Result<(), String> {
         &LoaderConfig::from_env(),
         CoreHost::new(Default::default(), topology.clone()),
     );
-    let report = InfoReport::from_plugins(&set).with_gpus(&set, topology.as_deref());
+    let mut report = InfoReport::from_plugins(&set).with_gpus(&set, topology.as_deref());
+    report.warnings.extend(security_warnings());
     if json {
         let text = serde_json::to_string_pretty(&report)
             .map_err(|e| format!("cannot print the report: {e}"))?;
@@ -316,6 +317,37 @@ fn info(json: bool) -> Result<(), String> {
         print!("{}", report.render_text());
     }
     Ok(())
+}
+
+/// What the environment's engine settings would expose: a listener other
+/// hosts can reach without an auth token.
+fn security_warnings() -> Vec<String> {
+    let config = match ferry_core::EngineConfig::from_env() {
+        Ok(c) => c,
+        Err(e) => return vec![format!("engine settings: {e}")],
+    };
+    let host = config
+        .listen
+        .rsplit_once(':')
+        .map_or(config.listen.as_str(), |(h, _)| h)
+        .trim_matches(|c| c == '[' || c == ']');
+    let loopback = host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    match (loopback, config.auth_token.is_some(), config.auth_off) {
+        (false, false, true) => vec![format!(
+            "FERRY_LISTEN={} is reachable from other hosts and FERRY_AUTH=off: engines accept \
+             anyone who can reach the port (set FERRY_AUTH_TOKEN)",
+            config.listen
+        )],
+        (false, false, false) => vec![format!(
+            "FERRY_LISTEN={} is reachable from other hosts and no FERRY_AUTH_TOKEN is set: \
+             engines will refuse to start until one is (or FERRY_AUTH=off)",
+            config.listen
+        )],
+        _ => Vec::new(),
+    }
 }
 
 fn segments(json: bool) -> Result<(), String> {

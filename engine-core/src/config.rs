@@ -5,6 +5,7 @@ use crate::error::{Error, ErrorCode, Result};
 use crate::metadata::MetadataConfig;
 use crate::topology::TopologyConfig;
 use ferry_loader::{LoaderConfig, NameFilter};
+use ferry_plugins_abi::sdk::auth::Token;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -46,6 +47,13 @@ pub struct EngineConfig {
     /// The name this engine registers under in a metadata store
     /// (FERRY_NAME); by default its control address, "host:port".
     pub name: Option<String>,
+    /// The cluster's shared secret (FERRY_AUTH_TOKEN, or the first line of
+    /// FERRY_AUTH_TOKEN_FILE): every control and data connection proves it
+    /// knows it, both ways.
+    pub auth_token: Option<Token>,
+    /// FERRY_AUTH=off: accept peers without a token on a listener that is
+    /// not loopback (by default such a listener needs a token).
+    pub auth_off: bool,
 }
 
 impl Default for EngineConfig {
@@ -61,6 +69,8 @@ impl Default for EngineConfig {
             topology: TopologyConfig::default(),
             metadata: MetadataConfig::P2p,
             name: None,
+            auth_token: None,
+            auth_off: false,
         }
     }
 }
@@ -144,6 +154,9 @@ impl EngineConfig {
             ("FERRY_METADATA_PREFIX", "metadata_prefix"),
             ("FERRY_METADATA_TTL_S", "metadata_ttl_s"),
             ("FERRY_NAME", "name"),
+            ("FERRY_AUTH_TOKEN_FILE", "auth_token_file"),
+            ("FERRY_AUTH_TOKEN", "auth_token"),
+            ("FERRY_AUTH", "auth"),
         ] {
             if let Ok(v) = std::env::var(var) {
                 c.set(key, &v)?;
@@ -213,6 +226,35 @@ impl EngineConfig {
                     ));
                 }
             }
+            "auth_token" => self.auth_token = Token::new(value),
+            "auth_token_file" => {
+                let text = std::fs::read_to_string(value).map_err(|e| {
+                    Error::new(
+                        ErrorCode::InvalidArgument,
+                        format!("auth token file {value}: {e}"),
+                    )
+                })?;
+                self.auth_token = Some(
+                    Token::new(text.lines().next().unwrap_or("")).ok_or_else(|| {
+                        Error::new(
+                            ErrorCode::InvalidArgument,
+                            format!("auth token file {value} is empty"),
+                        )
+                    })?,
+                );
+            }
+            "auth" => {
+                self.auth_off = match value.trim() {
+                    "off" => true,
+                    "" | "on" | "required" => false,
+                    other => {
+                        return Err(Error::new(
+                            ErrorCode::InvalidArgument,
+                            format!("auth {other:?}: expected required or off"),
+                        ))
+                    }
+                }
+            }
             "name" => {
                 let v = value.trim();
                 if v.is_empty() || v.len() > 200 || v.chars().any(|c| c.is_control() || c == '/') {
@@ -245,7 +287,8 @@ impl EngineConfig {
                     format!(
                         "unknown option {key:?}: expected listen, hostname, timeout_ms, \
                          connect_timeout_ms, spin_us, plugin_path, transports, nics, sysfs_root, \
-                         topology_file, metadata, metadata_prefix, metadata_ttl_s, name, \
+                         topology_file, metadata, metadata_prefix, metadata_ttl_s, name, auth_token, \
+                         auth_token_file, auth, \
                          or a plugin setting such as tcp.connections"
                     ),
                 ))

@@ -8,6 +8,7 @@
 
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{Error, ErrorCode, Result};
+use ferry_plugins_abi::sdk::auth::{self, AuthError, Token};
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -23,6 +24,50 @@ pub const HEADER_LEN: usize = 16;
 pub const MAX_BODY: usize = 16 << 20;
 /// Control connections served at once; more are refused with BUSY.
 pub const MAX_CONNECTIONS: usize = 128;
+
+/// How this engine talks to peers' control planes: deadlines and the
+/// cluster's auth token (every connection proves it knows it, both ways).
+#[derive(Clone, Debug)]
+pub struct Link {
+    pub connect_timeout: Duration,
+    pub io_timeout: Duration,
+    pub token: Option<Token>,
+}
+
+impl Link {
+    pub fn new(connect_timeout: Duration, io_timeout: Duration, token: Option<Token>) -> Link {
+        Link {
+            connect_timeout,
+            io_timeout,
+            token,
+        }
+    }
+}
+
+/// Refused or failed authentications on control listeners, process-wide
+/// (for tests and reports).
+pub static AUTH_REFUSED: AtomicUsize = AtomicUsize::new(0);
+
+fn auth_error(peer: &str, e: AuthError) -> Error {
+    match e {
+        AuthError::Refused(m) => Error::new(ErrorCode::Permission, m),
+        AuthError::Protocol(m) => Error::new(ErrorCode::Protocol, format!("{peer}: {m}")),
+    }
+}
+
+/// Connects to a peer's control plane and authenticates both ways.
+fn open(name: &str, link: &Link) -> Result<TcpStream> {
+    let mut stream = connect(name, link.connect_timeout)?;
+    // The exchange must finish within the connect deadline.
+    let _ = stream.set_read_timeout(Some(link.connect_timeout));
+    let _ = stream.set_write_timeout(Some(link.connect_timeout));
+    let _ = stream.set_nodelay(true);
+    auth::connect(&mut stream, link.token.as_ref(), "control", name)
+        .map_err(|e| auth_error(name, e))?;
+    let _ = stream.set_read_timeout(Some(link.io_timeout));
+    let _ = stream.set_write_timeout(Some(link.io_timeout));
+    Ok(stream)
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u16)]
@@ -184,8 +229,9 @@ impl ControlServer {
     pub fn start(
         listener: TcpListener,
         handler: Weak<dyn ControlHandler>,
-        io_timeout: Duration,
+        link: &Link,
     ) -> Result<ControlServer> {
+        let link = link.clone();
         let addr = listener.local_addr().map_err(|e| {
             Error::new(ErrorCode::Io, format!("cannot read the bound address: {e}"))
         })?;
@@ -199,7 +245,7 @@ impl ControlServer {
         let stop2 = stop.clone();
         let thread = std::thread::Builder::new()
             .name("ferry-control".into())
-            .spawn(move || accept_loop(listener, handler, stop2, io_timeout))
+            .spawn(move || accept_loop(listener, handler, stop2, link))
             .map_err(|e| Error::new(ErrorCode::NoMemory, format!("cannot start a thread: {e}")))?;
         Ok(ControlServer {
             addr,
@@ -226,8 +272,9 @@ fn accept_loop(
     listener: TcpListener,
     handler: Weak<dyn ControlHandler>,
     stop: Arc<AtomicBool>,
-    io_timeout: Duration,
+    link: Link,
 ) {
+    let io_timeout = link.io_timeout;
     let active = Arc::new(AtomicUsize::new(0));
     let mut next_conn: u64 = 0;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&listener);
@@ -250,8 +297,9 @@ fn accept_loop(
             }
         };
         let _ = stream.set_nonblocking(false);
-        let _ = stream.set_read_timeout(Some(io_timeout));
-        let _ = stream.set_write_timeout(Some(io_timeout));
+        // The peer has the connect deadline to prove itself, then the I/O one.
+        let _ = stream.set_read_timeout(Some(link.connect_timeout));
+        let _ = stream.set_write_timeout(Some(link.connect_timeout));
         let _ = stream.set_nodelay(true);
         if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
             let mut s = stream;
@@ -268,10 +316,24 @@ fn accept_loop(
         let handler = handler.clone();
         let active2 = active.clone();
         let stop2 = stop.clone();
+        let token = link.token.clone();
         let spawned = std::thread::Builder::new()
             .name("ferry-control-conn".into())
             .spawn(move || {
-                serve_connection(stream, peer, conn, &handler, stop2);
+                let mut stream = stream;
+                // Nothing the peer sends is parsed before it proved itself.
+                match auth::accept(&mut stream, token.as_ref(), "control") {
+                    Ok(()) => {
+                        let _ = stream.set_read_timeout(Some(io_timeout));
+                        let _ = stream.set_write_timeout(Some(io_timeout));
+                        serve_connection(stream, peer, conn, &handler, stop2);
+                    }
+                    Err(e) => {
+                        AUTH_REFUSED.fetch_add(1, Ordering::SeqCst);
+                        log::warn!("control connection from {peer}: {e}");
+                        let _ = stream.shutdown(Shutdown::Both);
+                    }
+                }
                 if let Some(h) = handler.upgrade() {
                     h.connection_closed(conn);
                 }
@@ -378,15 +440,8 @@ pub struct ControlClient {
 }
 
 impl ControlClient {
-    pub fn connect(
-        name: &str,
-        connect_timeout: Duration,
-        io_timeout: Duration,
-    ) -> Result<ControlClient> {
-        let stream = connect(name, connect_timeout)?;
-        let _ = stream.set_read_timeout(Some(io_timeout));
-        let _ = stream.set_write_timeout(Some(io_timeout));
-        let _ = stream.set_nodelay(true);
+    pub fn connect(name: &str, link: &Link) -> Result<ControlClient> {
+        let stream = open(name, link)?;
         Ok(ControlClient {
             name: name.to_string(),
             stream,
@@ -450,15 +505,8 @@ fn decode_error(name: &str, body: &[u8]) -> Error {
 }
 
 /// Fetches a peer's segment descriptor.
-pub fn fetch_descriptor(
-    name: &str,
-    connect_timeout: Duration,
-    io_timeout: Duration,
-) -> Result<SegmentDescriptor> {
-    let mut stream = connect(name, connect_timeout)?;
-    let _ = stream.set_read_timeout(Some(io_timeout));
-    let _ = stream.set_write_timeout(Some(io_timeout));
-    let _ = stream.set_nodelay(true);
+pub fn fetch_descriptor(name: &str, link: &Link) -> Result<SegmentDescriptor> {
+    let mut stream = open(name, link)?;
     stream
         .write_all(&encode_frame(MsgType::GetDescriptor, b"{}"))
         .map_err(|e| io_error("writing to", name, &e))?;
@@ -537,8 +585,7 @@ pub fn plugin_request(
     transport: &str,
     from: &str,
     payload: &[u8],
-    connect_timeout: Duration,
-    io_timeout: Duration,
+    link: &Link,
 ) -> Result<Vec<u8>> {
     if payload.len() > ferry_plugins_abi::sys::FERRY_PEER_MSG_MAX {
         return Err(Error::new(
@@ -546,7 +593,7 @@ pub fn plugin_request(
             "plugin message over the size limit",
         ));
     }
-    let mut client = ControlClient::connect(peer, connect_timeout, io_timeout)?;
+    let mut client = ControlClient::connect(peer, link)?;
     let body = encode_plugin_request(transport, from, payload);
     let (kind, reply) = client.call(MsgType::PluginRequest, &body)?;
     let _ = client.stream.shutdown(Shutdown::Both);

@@ -9,18 +9,9 @@ use ferry_plugins_abi::sys;
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::Arc;
 
-/// A device as its plugin describes it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DeviceInfo {
-    pub ordinal: u32,
-    pub name: String,
-    pub pci_bus_id: String,
-    pub uuid: String,
-    pub total_memory: u64,
-    pub gpu_direct_rdma: Option<bool>,
-    pub dmabuf: Option<bool>,
-    pub dmabuf_export: bool,
-}
+/// A device as its plugin describes it (the SDK's type: one definition
+/// on both sides of the ABI).
+pub use ferry_plugins_abi::sdk::DeviceInfo;
 
 /// What a pointer is, according to a device plugin.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -37,6 +37,9 @@ mod staging;
 /// Identifies an open remote segment within one engine.
 pub type SegmentId = u64;
 
+/// Segment name -> control address ("host:port"), shared with host services.
+pub type PeerControls = Arc<RwLock<HashMap<String, String>>>;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Op {
     /// Remote -> local.
@@ -219,6 +222,11 @@ struct Shared {
     control_addr: String,
     /// The metadata store (etcd), when not peer to peer.
     metadata: Option<Arc<crate::metadata::EtcdStore>>,
+    /// Deadlines and the auth token of control connections.
+    link: control::Link,
+    /// Open segments' names -> their control addresses, for plugin
+    /// messages addressed by segment name.
+    peer_controls: PeerControls,
     plugins: PluginSet,
     transports: Vec<Arc<Transport>>,
     transport_failures: Vec<(String, Error)>,
@@ -346,6 +354,28 @@ impl Engine {
             )
         })?;
         let control_addr = format!("{}:{}", advertised_host(&config, bound), bound.port());
+        if !bound.ip().is_loopback() && config.auth_token.is_none() {
+            if !config.auth_off {
+                return Err(Error::new(
+                    ErrorCode::Permission,
+                    format!(
+                        "listening on {bound} (reachable from other hosts) without an auth token: \
+                         set FERRY_AUTH_TOKEN (or FERRY_AUTH_TOKEN_FILE) to a secret shared by \
+                         the cluster, or FERRY_AUTH=off to let anyone who can reach the port \
+                         read and write registered memory"
+                    ),
+                ));
+            }
+            log::warn!(
+                "listening on {bound} without an auth token (FERRY_AUTH=off): anyone who can \
+                 reach this port can read and write registered memory"
+            );
+        }
+        let link = control::Link::new(
+            config.connect_timeout,
+            config.timeout,
+            config.auth_token.clone(),
+        );
         let metadata = match &config.metadata {
             crate::metadata::MetadataConfig::P2p => {
                 if let Some(n) = &config.name {
@@ -373,6 +403,10 @@ impl Engine {
         settings
             .entry("connect_timeout_ms".into())
             .or_insert_with(|| config.connect_timeout.as_millis().to_string());
+        // Plugins authenticate their own connections with the same token.
+        if let Some(t) = &config.auth_token {
+            settings.insert("auth.token".into(), t.expose());
+        }
         let topology = Arc::new(
             Topology::discover(&config.topology)
                 .map_err(|e| Error::new(ErrorCode::InvalidArgument, format!("topology: {e}")))?,
@@ -380,10 +414,11 @@ impl Engine {
         for w in topology.warnings() {
             log::warn!("topology: {w}");
         }
+        let peer_controls: PeerControls = Arc::default();
         let host = CoreHost::new(settings, Some(topology.clone())).for_engine(
             &name,
-            config.connect_timeout,
-            config.timeout,
+            link.clone(),
+            peer_controls.clone(),
         );
         let aliases = host.aliases();
         let plugins = crate::load_plugins(&config.loader, host);
@@ -470,6 +505,8 @@ impl Engine {
             name,
             control_addr,
             metadata,
+            link,
+            peer_controls,
             plugins,
             transports,
             transport_failures,
@@ -484,7 +521,7 @@ impl Engine {
             config,
         });
         let weak: Weak<dyn ControlHandler> = Arc::downgrade(&shared) as Weak<dyn ControlHandler>;
-        let control = ControlServer::start(listener, weak, shared.config.timeout)?;
+        let control = ControlServer::start(listener, weak, &shared.link)?;
         if let Some(store) = &shared.metadata {
             if let Ok(Some(old)) = store.fetch(&shared.name) {
                 if let Ok(d) = SegmentDescriptor::from_json(&old) {
@@ -1473,11 +1510,7 @@ impl Shared {
     /// else from the peer itself (the name is its control address).
     fn fetch_descriptor(&self, name: &str) -> Result<SegmentDescriptor> {
         let Some(store) = &self.metadata else {
-            return control::fetch_descriptor(
-                name,
-                self.config.connect_timeout,
-                self.config.timeout,
-            );
+            return control::fetch_descriptor(name, &self.link);
         };
         match store.fetch(name)? {
             Some(bytes) => SegmentDescriptor::from_json(&bytes).map_err(|e| {
@@ -1526,6 +1559,9 @@ impl Shared {
             return Ok(seg.id);
         }
         let descriptor = self.fetch_descriptor(name)?;
+        self.peer_controls
+            .write()
+            .insert(name.to_string(), descriptor.control_addr().to_string());
         let scope = self.scope_of(&descriptor);
         let id = self.next_segment.fetch_add(1, Ordering::SeqCst);
         log::info!(
@@ -1562,6 +1598,9 @@ impl Shared {
     /// id) has lost every connection: drop ours.
     fn refresh(&self, seg: &RemoteSegment) -> Result<Arc<RemoteView>> {
         let descriptor = self.fetch_descriptor(&seg.name)?;
+        self.peer_controls
+            .write()
+            .insert(seg.name.clone(), descriptor.control_addr().to_string());
         let view = Arc::new(RemoteView::new(descriptor));
         let mut current = seg.view.write();
         if current.descriptor.engine_id != view.descriptor.engine_id {

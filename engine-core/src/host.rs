@@ -27,8 +27,9 @@ pub struct CoreHost {
 #[derive(Clone, Debug)]
 struct EngineLink {
     name: String,
-    connect_timeout: std::time::Duration,
-    timeout: std::time::Duration,
+    link: crate::control::Link,
+    /// Segment names -> control addresses, as the engine opened them.
+    peers: crate::engine::PeerControls,
 }
 
 impl CoreHost {
@@ -48,13 +49,13 @@ impl CoreHost {
     pub fn for_engine(
         mut self,
         name: &str,
-        connect_timeout: std::time::Duration,
-        timeout: std::time::Duration,
+        link: crate::control::Link,
+        peers: crate::engine::PeerControls,
     ) -> CoreHost {
         self.engine = Some(EngineLink {
             name: name.to_string(),
-            connect_timeout,
-            timeout,
+            link,
+            peers,
         });
         self
     }
@@ -113,13 +114,14 @@ impl HostServices for CoreHost {
                 "plugin messaging needs an engine (this host has none)".into(),
             ));
         };
+        // A segment name from a metadata store is not an address.
+        let control = engine.peers.read().get(peer).cloned();
         crate::control::plugin_request(
-            peer,
+            control.as_deref().unwrap_or(peer),
             plugin,
             &engine.name,
             body,
-            engine.connect_timeout,
-            engine.timeout,
+            &engine.link,
         )
         .map_err(|e| (e.code, e.message))
     }

@@ -22,6 +22,8 @@ for so in target/release/libferry_transport_*.so target/release/libferry_device_
     [ -e "$so" ] && cp "$so" .gpu/lib/ferry/plugins/
 done
 cp tests/verbs-emulator/build/libibverbs.so.1 tests/verbs-emulator/dgx-h100.conf .gpu/lib/verbs-emulator/
-# The Python wheel (plugins inside); run.sh installs it beside torch.
+# Line tables are for debugging here, not there: the folder must travel small.
+strip --strip-debug .gpu/bin/* .gpu/lib/ferry/plugins/*.so
+# The Python wheel (plugins inside, no debug info); run.sh installs it beside torch.
 packaging/wheel.sh --out .gpu/wheels >/dev/null
 ls -l .gpu/bin .gpu/lib/ferry/plugins .gpu/lib/verbs-emulator .gpu/wheels

@@ -257,3 +257,15 @@ pub fn run_c_transfer(target: &mut Command, initiator: &mut Command) {
     drop(t.stdin.take());
     assert!(t.wait().expect("wait for the target").success());
 }
+
+/// A plugin directory holding the fake GPU (tests/plugins/fakegpu) as the
+/// "cuda" device plugin, shadowing the real one when searched first.
+pub fn fake_gpu_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    std::fs::copy(
+        built("libferry_test_device_fakegpu.so"),
+        dir.path().join("libferry_device_cuda.so"),
+    )
+    .expect("copy the fake GPU plugin");
+    dir
+}

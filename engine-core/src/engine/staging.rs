@@ -582,8 +582,7 @@ impl Shared {
             });
         }
         let control = seg.view.read().descriptor.control_addr().to_string();
-        let mut client =
-            ControlClient::connect(&control, self.config.connect_timeout, self.config.timeout)?;
+        let mut client = ControlClient::connect(&control, &self.link)?;
         let body = serde_json::to_vec(&OpenRequest {
             slots: self.staging.depth,
             slot_len: slot_geometry(self.staging.chunk).1,

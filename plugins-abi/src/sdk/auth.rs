@@ -51,6 +51,12 @@ impl Token {
         let t = text.trim();
         (!t.is_empty()).then(|| Token(t.as_bytes().to_vec()))
     }
+
+    /// The secret's text, to hand to this process's plugins (setting
+    /// `auth.token`); never log it or send it.
+    pub fn expose(&self) -> String {
+        String::from_utf8_lossy(&self.0).into_owned()
+    }
 }
 
 /// Why authentication failed, in operator words.

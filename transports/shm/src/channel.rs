@@ -9,6 +9,7 @@
 //!
 //! Every message is 32 bytes: kind u32 | zero u32 | id u64 | a u64 | b u64.
 
+use ferry_plugins_abi::sdk::auth::{self, Token};
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -103,6 +104,68 @@ fn set_timeouts(fd: RawFd) {
                 std::mem::size_of::<libc::timeval>() as libc::socklen_t,
             )
         };
+    }
+}
+
+/// A connected socket as a byte stream for the authentication exchange:
+/// each write is one packet, each read takes one; the short socket timeouts
+/// are retried until `deadline`.
+struct Handshake {
+    fd: RawFd,
+    deadline: std::time::Instant,
+}
+
+impl Handshake {
+    fn again(&self, e: &io::Error) -> bool {
+        matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+        ) && std::time::Instant::now() < self.deadline
+    }
+}
+
+impl io::Read for Handshake {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            // SAFETY: recv into a buffer of buf.len() bytes we own.
+            let n = unsafe { libc::recv(self.fd, buf.as_mut_ptr().cast(), buf.len(), 0) };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = io::Error::last_os_error();
+            if !self.again(&e) {
+                return Err(e);
+            }
+        }
+    }
+}
+
+impl io::Write for Handshake {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        loop {
+            // SAFETY: send from a buffer of buf.len() bytes; MSG_NOSIGNAL: a
+            // closed peer is an error, not a signal.
+            let n =
+                unsafe { libc::send(self.fd, buf.as_ptr().cast(), buf.len(), libc::MSG_NOSIGNAL) };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = io::Error::last_os_error();
+            if !self.again(&e) {
+                return Err(e);
+            }
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn handshake(fd: RawFd, timeout: Duration) -> Handshake {
+    Handshake {
+        fd,
+        deadline: std::time::Instant::now() + timeout,
     }
 }
 
@@ -256,7 +319,12 @@ pub struct Server {
 }
 
 impl Server {
-    pub fn start(name: Vec<u8>, lookup: Arc<Lookup>) -> io::Result<Server> {
+    pub fn start(
+        name: Vec<u8>,
+        lookup: Arc<Lookup>,
+        token: Option<Token>,
+        auth_timeout: Duration,
+    ) -> io::Result<Server> {
         let listener = seqpacket()?;
         let (addr, len) = abstract_addr(&name)?;
         // SAFETY: bind/listen with a valid address of `len` bytes.
@@ -302,9 +370,17 @@ impl Server {
                         dead: AtomicBool::new(false),
                     });
                     let (c, lookup, stop3) = (conn.clone(), lookup.clone(), stop2.clone());
+                    let token = token.clone();
                     let t = std::thread::Builder::new()
                         .name("ferry-shm-serve".into())
-                        .spawn(move || serve(&c, &*lookup, &stop3));
+                        .spawn(move || {
+                            // Nothing is served before the peer proved itself.
+                            let mut h = handshake(c.fd.as_raw_fd(), auth_timeout);
+                            if auth::accept(&mut h, token.as_ref(), "shm").is_ok() {
+                                serve(&c, &*lookup, &stop3);
+                            }
+                            c.dead.store(true, Ordering::SeqCst);
+                        });
                     let mut list = conns2.lock().unwrap_or_else(|p| p.into_inner());
                     list.retain(|(c, _)| !c.dead.load(Ordering::SeqCst));
                     if let Ok(t) = t {
@@ -466,7 +542,13 @@ pub struct Client {
 impl Client {
     /// Connects to the owner's socket and checks that the process at the
     /// other end is `pid` (a recycled socket name cannot fool us).
-    pub fn connect(name: &[u8], pid: i32, events: Arc<dyn ClientEvents>) -> Result<Client, String> {
+    pub fn connect(
+        name: &[u8],
+        pid: i32,
+        events: Arc<dyn ClientEvents>,
+        token: Option<&Token>,
+        auth_timeout: Duration,
+    ) -> Result<Client, String> {
         let fd = seqpacket().map_err(|e| e.to_string())?;
         let (addr, len) = abstract_addr(name).map_err(|e| e.to_string())?;
         // SAFETY: connect with a valid address of `len` bytes.
@@ -493,6 +575,13 @@ impl Client {
             None => return Err("cannot identify the process behind its shm socket".into()),
         }
         set_timeouts(fd.as_raw_fd());
+        auth::connect(
+            &mut handshake(fd.as_raw_fd(), auth_timeout),
+            token,
+            "shm",
+            &format!("pid {pid}"),
+        )
+        .map_err(|e| e.to_string())?;
         let fd = Arc::new(fd);
         let replies: Arc<(Mutex<HashMap<u64, Reply>>, Condvar)> = Arc::default();
         let dead = Arc::new(AtomicBool::new(false));

@@ -187,6 +187,8 @@ impl Owned {
 
 pub struct ShmInstance {
     host: Host<'static>,
+    token: Option<ferry_plugins_abi::sdk::auth::Token>,
+    auth_timeout: Duration,
     completer: Completer,
     timeout: Duration,
     hugepages: bool,
@@ -227,12 +229,21 @@ impl ShmInstance {
                 .unwrap_or_else(|p| p.into_inner())
                 .shared_fd(token)
         });
-        let server = Server::start(name.clone(), lookup).map_err(|e| {
-            PluginError::new(
-                ErrorCode::Io,
-                format!("shm: cannot open its Unix socket: {e}"),
-            )
-        })?;
+        let token = host
+            .config("auth.token")
+            .and_then(|t| ferry_plugins_abi::sdk::auth::Token::new(&t));
+        let auth_timeout = Duration::from_millis(
+            host.config("connect_timeout_ms")
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(5_000),
+        );
+        let server =
+            Server::start(name.clone(), lookup, token.clone(), auth_timeout).map_err(|e| {
+                PluginError::new(
+                    ErrorCode::Io,
+                    format!("shm: cannot open its Unix socket: {e}"),
+                )
+            })?;
         let endpoint = Endpoint {
             pid,
             pidns: pid_namespace(),
@@ -248,6 +259,8 @@ impl ShmInstance {
         ));
         Ok(ShmInstance {
             host,
+            token,
+            auth_timeout,
             completer,
             timeout,
             hugepages,
@@ -488,6 +501,8 @@ impl TransportInstance for ShmInstance {
             &endpoint.socket,
             endpoint.pid,
             Arc::new(Events(Arc::downgrade(&state))),
+            self.token.as_ref(),
+            self.auth_timeout,
         )
         .map_err(|e| unavailable(format!("{} {e}", peer.name)))?;
         if let Err(why) = &state.cma {

@@ -40,6 +40,8 @@ pub struct Settings {
     pub stripe_bytes: u64,
     pub timeout: Duration,
     pub connect_timeout: Duration,
+    /// The cluster's token (`auth.token`), proven on every connection.
+    pub token: Option<ferry_plugins_abi::sdk::auth::Token>,
 }
 
 /// Completion of one request split into parts: the last part reports.
@@ -774,6 +776,21 @@ impl TcpPeer {
                     format!("tcp: cannot connect to {} at {}: {e}", self.name, self.addr),
                 )
             })?;
+        let _ = stream.set_read_timeout(Some(self.settings.connect_timeout));
+        let _ = stream.set_write_timeout(Some(self.settings.connect_timeout));
+        ferry_plugins_abi::sdk::auth::connect(
+            &mut &stream,
+            self.settings.token.as_ref(),
+            "tcp",
+            &format!("{} at {}", self.name, self.addr),
+        )
+        .map_err(|e| {
+            let code = match e {
+                ferry_plugins_abi::sdk::auth::AuthError::Refused(_) => ErrorCode::Permission,
+                ferry_plugins_abi::sdk::auth::AuthError::Protocol(_) => ErrorCode::Connection,
+            };
+            PluginError::new(code, format!("tcp: {e}"))
+        })?;
         sockio::configure(&stream).map_err(|e| {
             PluginError::new(ErrorCode::Io, format!("tcp: configuring a socket: {e}"))
         })?;

@@ -138,6 +138,9 @@ impl TcpInstance {
             stripe_bytes: setting(&host, "tcp.stripe_bytes", DEFAULT_STRIPE_BYTES)?.max(4096),
             timeout: ms("timeout_ms", 15_000)?,
             connect_timeout: ms("connect_timeout_ms", 5_000)?,
+            token: host
+                .config("auth.token")
+                .and_then(|t| ferry_plugins_abi::sdk::auth::Token::new(&t)),
         });
         let regions = Arc::new(Regions::default());
         let bind_ip: IpAddr = params
@@ -152,6 +155,8 @@ impl TcpInstance {
             regions.clone(),
             TargetConfig {
                 timeout: settings.timeout,
+                connect_timeout: settings.connect_timeout,
+                token: settings.token.clone(),
                 spin: Duration::from_micros(setting(&host, "tcp.spin_us", DEFAULT_SPIN_US)?),
             },
             log,

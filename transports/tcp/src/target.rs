@@ -11,6 +11,7 @@
 use crate::regions::{Pin, Regions};
 use crate::sockio::{self, Deadline, IoSlices, IoStop};
 use crate::wire::{self, Desc, Header, Kind};
+use ferry_plugins_abi::sdk::auth::{self, Token};
 use ferry_plugins_abi::sys;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
@@ -24,6 +25,11 @@ pub const MAX_CONNECTIONS: usize = 1024;
 
 pub struct TargetConfig {
     pub timeout: Duration,
+    /// Deadline of a new connection's authentication.
+    pub connect_timeout: Duration,
+    /// The cluster's token (`auth.token`): a connection that does not prove
+    /// it knows it is closed before any frame is read.
+    pub token: Option<Token>,
     /// How long a connection's thread polls for the next frame (tcp.spin_us).
     pub spin: Duration,
 }
@@ -114,17 +120,25 @@ fn accept_loop(
             ));
             continue;
         }
-        if stream.set_nonblocking(false).is_err() || sockio::configure(&stream).is_err() {
+        if stream.set_nonblocking(false).is_err() {
             continue;
         }
         let Ok(clone) = stream.try_clone() else {
             continue;
         };
         let (regions, stop, log) = (regions.clone(), stop.clone(), log.clone());
+        let (token, handshake) = (config.token.clone(), config.connect_timeout);
         let spawned = std::thread::Builder::new()
             .name("ferry-tcp-target".into())
             .spawn(move || {
                 let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    // Nothing the peer sends is parsed before it proved itself.
+                    stream
+                        .set_read_timeout(Some(handshake))
+                        .and_then(|()| stream.set_write_timeout(Some(handshake)))
+                        .map_err(|e| e.to_string())?;
+                    auth::accept(&mut &stream, token.as_ref(), "tcp").map_err(|e| e.to_string())?;
+                    sockio::configure(&stream).map_err(|e| e.to_string())?;
                     serve(&stream, &regions, &stop, timeout, spin)
                 }));
                 match served {
