@@ -316,7 +316,10 @@ class Segment:
         return f"<ferry.Segment {self.name!r}>"
 
 
-_OPTION_NAMES = ("listen", "hostname", "metadata", "metadata_prefix", "name", "transports", "nics", "timeout_ms", "plugin_path")
+_OPTION_NAMES = (
+    "listen", "hostname", "metadata", "metadata_prefix", "name", "transports", "nics",
+    "timeout_ms", "plugin_path", "auth_token",
+)
 
 
 class Engine:
@@ -324,7 +327,8 @@ class Engine:
     this host supports, and the memory registered with it.
 
     Options are the engine's settings (README, "Configuration"); FERRY_*
-    variables apply first and these override them. ``settings`` takes any
+    variables apply first and these override them. A listener other hosts
+    can reach needs ``auth_token`` (or FERRY_AUTH_TOKEN; docs/security.md). ``settings`` takes any
     other key, e.g. ``{"tcp.connections": 8}``. ``prefer`` names a transport
     to use whenever it can serve a request (else the engine's choice).
     """
@@ -341,6 +345,7 @@ class Engine:
         nics: Optional[str] = None,
         timeout_ms: Optional[int] = None,
         plugin_path: Optional[str] = None,
+        auth_token: Optional[str] = None,
         prefer: Optional[str] = None,
         settings: Optional[dict] = None,
     ):
@@ -354,6 +359,7 @@ class Engine:
             nics=nics,
             timeout_ms=timeout_ms,
             plugin_path=plugin_path,
+            auth_token=auth_token,
         )
         # metadata before metadata_prefix: the prefix needs a store.
         options = [(k, str(values[k])) for k in _OPTION_NAMES if values[k] is not None]

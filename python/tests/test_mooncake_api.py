@@ -170,3 +170,19 @@ def test_objects_are_accepted_where_addresses_are(pair):
     assert te.transfer_sync_write(name, local, remote.ctypes.data, MiB) == 0
     assert (remote[:MiB] == 5).all()
     assert te.unregister_memory(local) == 0
+
+
+def test_a_listener_other_hosts_reach_needs_the_cluster_token(monkeypatch):
+    # A host name listens on every interface: without FERRY_AUTH_TOKEN the
+    # engine refuses to start, and says why. (Only binds; nothing is sent.)
+    monkeypatch.delenv("FERRY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("FERRY_AUTH_TOKEN_FILE", raising=False)
+    monkeypatch.delenv("FERRY_AUTH", raising=False)
+    te = TransferEngine()
+    assert te.initialize("ferry-node-a", "P2PHANDSHAKE", "tcp", "") < 0
+    assert "token" in te.last_error.lower(), te.last_error
+    monkeypatch.setenv("FERRY_AUTH_TOKEN", "a shared secret")
+    te = TransferEngine()
+    assert te.initialize("ferry-node-a", "P2PHANDSHAKE", "tcp", "") == 0, te.last_error
+    assert te.get_session_id() == f"ferry-node-a:{te.get_rpc_port()}"
+    te.close()
