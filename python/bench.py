@@ -163,8 +163,13 @@ def main():
     rows = []
     print(f"ferry {ferry.__version__}; {ferry_bin}; {args.duration:g} s per run, {args.repeat} run(s) each"
           + (f"; local buffers on {args.device}" if args.device else ""), flush=True)
+    # Both initiators and the target load the same plugin files: the wheel's
+    # (the ferry binary would otherwise use those beside it or in its build
+    # directory, possibly from another build).
+    plugin_path = os.environ.get("FERRY_PLUGIN_PATH") or ferry.plugin_dir()
+    print(f"plugins: {plugin_path}", flush=True)
     for transport in args.transports.split(","):
-        env = dict(os.environ, FERRY_TRANSPORTS=transport)
+        env = dict(os.environ, FERRY_TRANSPORTS=transport, FERRY_PLUGIN_PATH=plugin_path)
         os.environ["FERRY_TRANSPORTS"] = transport  # this process's engine too
         target = Target(ferry_bin, parse_size(args.target_size), env, transport == "shm")
         try:

@@ -144,8 +144,12 @@ class TransferEngine:
 
     def get_rpc_port(self) -> int:
         """The port of this engine's control listener: with P2PHANDSHAKE,
-        peers name this engine "<local_hostname>:<rpc port>"."""
-        return self._native().control_port()
+        peers name this engine "<local_hostname>:<rpc port>". A negative
+        code before initialize()."""
+        try:
+            return self._native().control_port()
+        except BaseException as e:
+            return self._fail(e, "get_rpc_port")
 
     def get_engine(self) -> Engine:
         """The underlying ``ferry.Engine`` (Ferry's own API)."""

@@ -114,6 +114,7 @@ def test_failures_return_negative_codes_with_ferry_messages(pair, caplog):
 
 def test_initialize_errors():
     te = TransferEngine()
+    assert te.get_rpc_port() == CODES["INVALID_ARGUMENT"]
     assert te.register_memory(4096, 4096) == CODES["INVALID_ARGUMENT"]
     assert "initialize" in te.last_error
     assert te.initialize("127.0.0.1", "http://127.0.0.1:8080/metadata", "tcp", "") == CODES["UNSUPPORTED"]
