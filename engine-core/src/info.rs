@@ -297,7 +297,14 @@ impl InfoReport {
                     nic_dmabuf: None,
                 })
             });
-            let d = gpudirect::decide(policy, facts, &host, pair.as_ref());
+            // The method this GPU gets once a transport can register GPU
+            // memory (an RDMA NIC); what applies today goes in the note.
+            let able = HostFacts {
+                no_transport: None,
+                ..host.clone()
+            };
+            let d = gpudirect::decide(policy, facts, &able, pair.as_ref());
+            let today = gpudirect::decide(policy, facts, &host, pair.as_ref());
             let reason = match d.method {
                 gpudirect::Method::DmaBuf => "the GPU supports DMA-BUF (attribute 124), the driver \
                     exports it (cuMemGetHandleForAddressRange) and libibverbs has ibv_reg_dmabuf_mr"
@@ -310,11 +317,28 @@ impl InfoReport {
                     "every transport can move it through pinned host memory".to_string()
                 }
             };
-            let note = (d.method != gpudirect::Method::Staged && pair.is_none()).then(|| {
-                "no RDMA NIC on this host yet: until one is present, transfers of this GPU's \
-                 memory are staged through pinned host memory"
-                    .to_string()
-            });
+            let note = if d.method == gpudirect::Method::Staged {
+                None
+            } else if today.method == gpudirect::Method::Staged {
+                let why = host.no_transport.clone().unwrap_or_else(|| {
+                    today
+                        .skipped
+                        .first()
+                        .map_or_else(String::new, |(_, w)| w.clone())
+                });
+                Some(format!(
+                    "staged through pinned host memory until a transport can register GPU \
+                     memory ({why})"
+                ))
+            } else if pair.is_none() {
+                Some(
+                    "no RDMA NIC on this host yet: until one is present, transfers of this \
+                     GPU's memory are staged through pinned host memory"
+                        .to_string(),
+                )
+            } else {
+                None
+            };
             Registration {
                 method: d.method.as_str().to_string(),
                 reason,

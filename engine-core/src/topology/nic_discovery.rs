@@ -106,19 +106,25 @@ impl Discovery<'_> {
         }
     }
 
-    fn discover_rdma_devices(&mut self) -> Vec<RawRdma> {
-        let base = Path::new("class/infiniband");
-        let mut devices = Vec::new();
+    /// The entries of a sysfs class directory that resolve inside the
+    /// tree (an escaping link is warned about and skipped).
+    fn class_entries(&mut self, base: &Path) -> Vec<(String, std::path::PathBuf)> {
+        let mut out = Vec::new();
         for name in self.sysfs.list(base) {
             let class_dir = base.join(&name);
             match self.sysfs.resolve(&class_dir) {
-                Resolved::Inside(_) => {}
-                Resolved::Outside(target) => {
-                    self.warn_escape(&class_dir, &target);
-                    continue;
-                }
-                Resolved::Missing => continue,
+                Resolved::Inside(_) => out.push((name, class_dir)),
+                Resolved::Outside(target) => self.warn_escape(&class_dir, &target),
+                Resolved::Missing => {}
             }
+        }
+        out
+    }
+
+    fn discover_rdma_devices(&mut self) -> Vec<RawRdma> {
+        let base = Path::new("class/infiniband");
+        let mut devices = Vec::new();
+        for (name, class_dir) in self.class_entries(base) {
             let device_link = class_dir.join("device");
             let (device_dir, function, parent_netdev) = match self.sysfs.resolve(&device_link) {
                 Resolved::Inside(target) => {
@@ -198,16 +204,7 @@ impl Discovery<'_> {
     fn discover_netdevs(&mut self) -> Vec<RawNetdev> {
         let base = Path::new("class/net");
         let mut netdevs = Vec::new();
-        for name in self.sysfs.list(base) {
-            let class_dir = base.join(&name);
-            match self.sysfs.resolve(&class_dir) {
-                Resolved::Inside(_) => {}
-                Resolved::Outside(target) => {
-                    self.warn_escape(&class_dir, &target);
-                    continue;
-                }
-                Resolved::Missing => continue,
-            }
+        for (name, class_dir) in self.class_entries(base) {
             let device_link = class_dir.join("device");
             let device_dir = match self.sysfs.resolve(&device_link) {
                 Resolved::Inside(target) => target,
