@@ -26,8 +26,9 @@
 
 mod channel;
 mod cma;
-mod endpoint;
+pub mod endpoint;
 mod memory;
+pub mod wire;
 
 use channel::{Client, ClientEvents, Server};
 use endpoint::{Endpoint, Key};
