@@ -26,9 +26,9 @@
 
 mod channel;
 mod cma;
-pub mod endpoint;
+mod endpoint;
 mod memory;
-pub mod wire;
+mod wire;
 
 use channel::{Client, ClientEvents, Server};
 use endpoint::{Endpoint, Key};
