@@ -120,7 +120,9 @@ fn garbage_on_the_control_and_data_ports_is_refused_and_the_target_keeps_serving
         .unwrap();
     let seg = e.open_segment(&target.segment).unwrap();
     let descriptor = e.descriptor_of(seg).unwrap();
-    let data_port = String::from_utf8(descriptor.endpoint("tcp").unwrap()).unwrap();
+    // "host:port instance"
+    let endpoint = String::from_utf8(descriptor.endpoint("tcp").unwrap()).unwrap();
+    let data_port = endpoint.split(' ').next().unwrap().to_string();
 
     let mut rng = 0x9e3779b97f4a7c15u64;
     let mut junk = |n: usize| -> Vec<u8> {

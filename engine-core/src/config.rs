@@ -15,6 +15,9 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:0";
 pub const DEFAULT_TIMEOUT_MS: u64 = 15_000;
 /// Default for FERRY_CONNECT_TIMEOUT_MS.
 pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 5_000;
+/// Default for FERRY_IDLE_TIMEOUT_S: a control or data connection with no
+/// request for this long is closed (clients reconnect when they need it).
+pub const DEFAULT_IDLE_TIMEOUT_S: u64 = 120;
 /// Default for FERRY_SPIN_US: how long a waiting thread polls before sleeping.
 pub const DEFAULT_SPIN_US: u64 = 100;
 
@@ -31,6 +34,10 @@ pub struct EngineConfig {
     pub timeout: Duration,
     /// Deadline of a connection attempt (FERRY_CONNECT_TIMEOUT_MS).
     pub connect_timeout: Duration,
+    /// A connection this engine serves (control, TCP data) that carries no
+    /// request for this long is closed (FERRY_IDLE_TIMEOUT_S); connections
+    /// this engine opens are dropped after half of it and remade on demand.
+    pub idle_timeout: Duration,
     /// How long a thread waiting for a batch polls (completing what arrives
     /// itself) before it sleeps (FERRY_SPIN_US; 0 sleeps at once).
     pub spin: Duration,
@@ -63,6 +70,7 @@ impl Default for EngineConfig {
             hostname: None,
             timeout: Duration::from_millis(DEFAULT_TIMEOUT_MS),
             connect_timeout: Duration::from_millis(DEFAULT_CONNECT_TIMEOUT_MS),
+            idle_timeout: Duration::from_secs(DEFAULT_IDLE_TIMEOUT_S),
             spin: Duration::from_micros(DEFAULT_SPIN_US),
             settings: BTreeMap::new(),
             loader: LoaderConfig::default(),
@@ -104,6 +112,21 @@ pub fn parse_size_text(text: &str) -> Option<u64> {
         _ => return None,
     };
     n.checked_mul(mult)
+}
+
+fn parse_seconds(var: &str, value: &str) -> Result<Duration> {
+    value
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .filter(|v| (1..=86_400).contains(v))
+        .map(Duration::from_secs)
+        .ok_or_else(|| {
+            Error::new(
+                ErrorCode::InvalidArgument,
+                format!("{var}={value:?} is not a number of seconds (1 to 86400)"),
+            )
+        })
 }
 
 fn parse_us(var: &str, value: &str) -> Result<Duration> {
@@ -151,6 +174,7 @@ impl EngineConfig {
             c.set("metadata", &v)?;
         }
         for (var, key) in [
+            ("FERRY_IDLE_TIMEOUT_S", "idle_timeout_s"),
             ("FERRY_METADATA_PREFIX", "metadata_prefix"),
             ("FERRY_METADATA_TTL_S", "metadata_ttl_s"),
             ("FERRY_NAME", "name"),
@@ -175,6 +199,7 @@ impl EngineConfig {
             "hostname" => self.hostname = Some(value.to_string()).filter(|v| !v.is_empty()),
             "timeout_ms" => self.timeout = parse_ms("timeout_ms", value)?,
             "connect_timeout_ms" => self.connect_timeout = parse_ms("connect_timeout_ms", value)?,
+            "idle_timeout_s" => self.idle_timeout = parse_seconds("idle_timeout_s", value)?,
             "spin_us" => self.spin = parse_us("spin_us", value)?,
             "metadata" => {
                 // Keep a prefix or TTL set before the store.
@@ -286,7 +311,7 @@ impl EngineConfig {
                     ErrorCode::InvalidArgument,
                     format!(
                         "unknown option {key:?}: expected listen, hostname, timeout_ms, \
-                         connect_timeout_ms, spin_us, plugin_path, transports, nics, sysfs_root, \
+                         connect_timeout_ms, idle_timeout_s, spin_us, plugin_path, transports, nics, sysfs_root, \
                          topology_file, metadata, metadata_prefix, metadata_ttl_s, name, auth_token, \
                          auth_token_file, auth, \
                          or a plugin setting such as tcp.connections"
@@ -313,6 +338,9 @@ mod tests {
         assert!(!c.loader.transports.as_ref().unwrap().allows("rdma"));
         assert!(c.set("timeout_ms", "soon").is_err());
         assert!(c.set("timeout_ms", "0").is_err());
+        c.set("idle_timeout_s", "30").unwrap();
+        assert_eq!(c.idle_timeout, Duration::from_secs(30));
+        assert!(c.set("idle_timeout_s", "0").is_err());
         assert!(c
             .set("colour", "blue")
             .unwrap_err()

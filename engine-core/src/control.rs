@@ -3,12 +3,14 @@
 //!
 //! Every frame is `magic "FRYC" | version u16 | type u16 | body length u32 |
 //! reserved u32` (little endian) followed by a JSON body. Frames are bounded
-//! in size, every read and write has a deadline, and anything malformed
-//! closes the connection without touching engine state.
+//! in size, a whole frame (not each read) must arrive or leave within the
+//! I/O deadline, a connection idle for the idle timeout is closed, and
+//! anything malformed closes the connection without touching engine state.
 
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{Error, ErrorCode, Result};
 use ferry_plugins_abi::sdk::auth::{self, AuthError, Token};
+use ferry_plugins_abi::sdk::deadline::{self, DeadlineStream};
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -24,13 +26,21 @@ pub const HEADER_LEN: usize = 16;
 pub const MAX_BODY: usize = 16 << 20;
 /// Control connections served at once; more are refused with BUSY.
 pub const MAX_CONNECTIONS: usize = 128;
+/// Body bytes allocated before they arrive: a frame claiming 16 MiB costs
+/// memory only as its bytes come in.
+const BODY_CHUNK: usize = 64 << 10;
 
 /// How this engine talks to peers' control planes: deadlines and the
 /// cluster's auth token (every connection proves it knows it, both ways).
 #[derive(Clone, Debug)]
 pub struct Link {
     pub connect_timeout: Duration,
+    /// A whole frame must be sent or received within this.
     pub io_timeout: Duration,
+    /// A served connection with no request for this long is closed
+    /// (FERRY_IDLE_TIMEOUT_S); a client drops a cached connection idle for
+    /// half of it, so it never reuses one the server is about to close.
+    pub idle_timeout: Duration,
     pub token: Option<Token>,
 }
 
@@ -39,8 +49,14 @@ impl Link {
         Link {
             connect_timeout,
             io_timeout,
+            idle_timeout: Duration::from_secs(crate::config::DEFAULT_IDLE_TIMEOUT_S),
             token,
         }
+    }
+
+    pub fn with_idle_timeout(mut self, idle: Duration) -> Link {
+        self.idle_timeout = idle;
+        self
     }
 }
 
@@ -57,15 +73,16 @@ fn auth_error(peer: &str, e: AuthError) -> Error {
 
 /// Connects to a peer's control plane and authenticates both ways.
 fn open(name: &str, link: &Link) -> Result<TcpStream> {
-    let mut stream = connect(name, link.connect_timeout)?;
-    // The exchange must finish within the connect deadline.
-    let _ = stream.set_read_timeout(Some(link.connect_timeout));
-    let _ = stream.set_write_timeout(Some(link.connect_timeout));
+    let stream = connect(name, link.connect_timeout)?;
     let _ = stream.set_nodelay(true);
-    auth::connect(&mut stream, link.token.as_ref(), "control", name)
-        .map_err(|e| auth_error(name, e))?;
-    let _ = stream.set_read_timeout(Some(link.io_timeout));
-    let _ = stream.set_write_timeout(Some(link.io_timeout));
+    // The whole exchange must finish within the connect deadline.
+    auth::connect(
+        &mut DeadlineStream::new(&stream, link.connect_timeout),
+        link.token.as_ref(),
+        "control",
+        name,
+    )
+    .map_err(|e| auth_error(name, e))?;
     Ok(stream)
 }
 
@@ -177,18 +194,44 @@ fn io_error(what: &str, peer: &str, e: &io::Error) -> Error {
     Error::new(code, format!("{what} {peer}: {detail}"))
 }
 
-/// Reads one whole frame.
+/// Reads one whole frame. The body's memory grows as its bytes arrive, so
+/// a frame that only claims a large size costs nothing.
 pub fn read_frame(stream: &mut impl Read, peer: &str) -> Result<(MsgType, Vec<u8>)> {
     let mut header = [0u8; HEADER_LEN];
     stream
         .read_exact(&mut header)
         .map_err(|e| io_error("reading from", peer, &e))?;
     let (kind, len) = decode_header(&header)?;
-    let mut body = vec![0u8; len];
+    let mut body = Vec::with_capacity(len.min(BODY_CHUNK));
     stream
-        .read_exact(&mut body)
+        .take(len as u64)
+        .read_to_end(&mut body)
         .map_err(|e| io_error("reading from", peer, &e))?;
+    if body.len() != len {
+        return Err(Error::new(
+            ErrorCode::Connection,
+            format!("reading from {peer}: the connection closed in the middle of a frame"),
+        ));
+    }
     Ok((kind, body))
+}
+
+/// Reads one frame that must arrive whole within `timeout`.
+fn read_frame_by(stream: &TcpStream, peer: &str, timeout: Duration) -> Result<(MsgType, Vec<u8>)> {
+    read_frame(&mut DeadlineStream::new(stream, timeout), peer)
+}
+
+/// Writes one frame within `timeout`.
+fn write_frame_by(
+    stream: &TcpStream,
+    peer: &str,
+    timeout: Duration,
+    kind: MsgType,
+    body: &[u8],
+) -> Result<()> {
+    DeadlineStream::new(stream, timeout)
+        .write_all(&encode_frame(kind, body))
+        .map_err(|e| io_error("writing to", peer, &e))
 }
 
 /// What the control server serves; the engine implements it.
@@ -274,7 +317,6 @@ fn accept_loop(
     stop: Arc<AtomicBool>,
     link: Link,
 ) {
-    let io_timeout = link.io_timeout;
     let active = Arc::new(AtomicUsize::new(0));
     let mut next_conn: u64 = 0;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&listener);
@@ -297,14 +339,11 @@ fn accept_loop(
             }
         };
         let _ = stream.set_nonblocking(false);
-        // The peer has the connect deadline to prove itself, then the I/O one.
-        let _ = stream.set_read_timeout(Some(link.connect_timeout));
-        let _ = stream.set_write_timeout(Some(link.connect_timeout));
         let _ = stream.set_nodelay(true);
         if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
-            let mut s = stream;
             let _ = reply_error(
-                &mut s,
+                &stream,
+                link.connect_timeout,
                 ErrorCode::Busy,
                 "too many control connections; try again",
             );
@@ -316,17 +355,16 @@ fn accept_loop(
         let handler = handler.clone();
         let active2 = active.clone();
         let stop2 = stop.clone();
-        let token = link.token.clone();
+        let link = link.clone();
         let spawned = std::thread::Builder::new()
             .name("ferry-control-conn".into())
             .spawn(move || {
-                let mut stream = stream;
-                // Nothing the peer sends is parsed before it proved itself.
-                match auth::accept(&mut stream, token.as_ref(), "control") {
+                // Nothing the peer sends is parsed before it proved itself,
+                // and the whole exchange has the connect deadline.
+                let mut proving = DeadlineStream::new(&stream, link.connect_timeout);
+                match auth::accept(&mut proving, link.token.as_ref(), "control") {
                     Ok(()) => {
-                        let _ = stream.set_read_timeout(Some(io_timeout));
-                        let _ = stream.set_write_timeout(Some(io_timeout));
-                        serve_connection(stream, peer, conn, &handler, stop2);
+                        serve_connection(stream, peer, conn, &handler, stop2, &link);
                     }
                     Err(e) => {
                         AUTH_REFUSED.fetch_add(1, Ordering::SeqCst);
@@ -345,30 +383,53 @@ fn accept_loop(
     }
 }
 
-fn reply_error(stream: &mut TcpStream, code: ErrorCode, message: &str) -> io::Result<()> {
+fn reply_error(
+    stream: &TcpStream,
+    timeout: Duration,
+    code: ErrorCode,
+    message: &str,
+) -> io::Result<()> {
     let body = serde_json::to_vec(&ErrorBody {
         code: code.as_raw(),
         message: message.to_string(),
     })
     .unwrap_or_default();
-    stream.write_all(&encode_frame(MsgType::Error, &body))
+    DeadlineStream::new(stream, timeout).write_all(&encode_frame(MsgType::Error, &body))
 }
 
+/// Serves requests until the peer leaves, breaks the protocol, stays
+/// silent for the idle timeout, or takes longer than the I/O deadline to
+/// send a frame or to read a reply.
 fn serve_connection(
-    mut stream: TcpStream,
+    stream: TcpStream,
     peer: SocketAddr,
     conn: u64,
     handler: &Weak<dyn ControlHandler>,
     stop: Arc<AtomicBool>,
+    link: &Link,
 ) {
+    use std::os::fd::AsRawFd;
     let peer_s = peer.to_string();
+    let io_timeout = link.io_timeout;
+    let mut idle_since = std::time::Instant::now();
     while !stop.load(Ordering::SeqCst) {
-        let (kind, body) = match read_frame(&mut stream, &peer_s) {
+        // Wait for the next request a tick at a time (to see `stop`).
+        if !deadline::wait_readable(stream.as_raw_fd(), Duration::from_millis(100)) {
+            if idle_since.elapsed() >= link.idle_timeout {
+                log::debug!(
+                    "control connection from {peer}: idle for {} s; closing it",
+                    link.idle_timeout.as_secs()
+                );
+                break;
+            }
+            continue;
+        }
+        let (kind, body) = match read_frame_by(&stream, &peer_s, io_timeout) {
             Ok(f) => f,
             Err(e) => {
                 if e.code == ErrorCode::Protocol {
                     log::debug!("control connection from {peer}: {}", e.message);
-                    let _ = reply_error(&mut stream, ErrorCode::Protocol, &e.message);
+                    let _ = reply_error(&stream, io_timeout, ErrorCode::Protocol, &e.message);
                 }
                 break;
             }
@@ -379,21 +440,33 @@ fn serve_connection(
         let result = match kind {
             MsgType::GetDescriptor => {
                 let d = handler.descriptor();
-                stream.write_all(&encode_frame(MsgType::Descriptor, &d.to_json()))
+                write_frame_by(
+                    &stream,
+                    &peer_s,
+                    io_timeout,
+                    MsgType::Descriptor,
+                    &d.to_json(),
+                )
+                .map_err(|_| ())
             }
             k if k.is_request() => match handler.request(conn, k, &body) {
-                Ok((reply, body)) => stream.write_all(&encode_frame(reply, &body)),
-                Err(e) => reply_error(&mut stream, e.code, &e.message),
+                Ok((reply, body)) => {
+                    write_frame_by(&stream, &peer_s, io_timeout, reply, &body).map_err(|_| ())
+                }
+                Err(e) => reply_error(&stream, io_timeout, e.code, &e.message).map_err(|_| ()),
             },
             _ => reply_error(
-                &mut stream,
+                &stream,
+                io_timeout,
                 ErrorCode::Protocol,
                 "unexpected message type for a request",
-            ),
+            )
+            .map_err(|_| ()),
         };
         if result.is_err() {
             break;
         }
+        idle_since = std::time::Instant::now();
     }
     let _ = stream.shutdown(Shutdown::Both);
 }
@@ -437,6 +510,10 @@ pub fn connect(name: &str, timeout: Duration) -> Result<TcpStream> {
 pub struct ControlClient {
     name: String,
     stream: TcpStream,
+    io_timeout: Duration,
+    idle_timeout: Duration,
+    /// When the last reply arrived (or the connection was made).
+    last_used: std::time::Instant,
 }
 
 impl ControlClient {
@@ -445,7 +522,18 @@ impl ControlClient {
         Ok(ControlClient {
             name: name.to_string(),
             stream,
+            io_timeout: link.io_timeout,
+            idle_timeout: link.idle_timeout,
+            last_used: std::time::Instant::now(),
         })
+    }
+
+    /// Whether a connection with nothing outstanding can be used again: the
+    /// peer has not closed it, and it has been idle for less than half the
+    /// idle timeout (the server closes it after the whole).
+    pub fn reusable(&self) -> bool {
+        self.last_used.elapsed() < self.idle_timeout / 2
+            && !deadline::idle_connection_is_dead(&self.stream)
     }
 
     /// Sends a request and reads its reply; an Error frame becomes the error.
@@ -456,9 +544,7 @@ impl ControlClient {
 
     /// Sends a request without waiting; replies come back in order.
     pub fn send(&mut self, kind: MsgType, body: &[u8]) -> Result<()> {
-        self.stream
-            .write_all(&encode_frame(kind, body))
-            .map_err(|e| io_error("writing to", &self.name, &e))
+        write_frame_by(&self.stream, &self.name, self.io_timeout, kind, body)
     }
 
     /// Whether a reply (or the end of the connection) is waiting to be read.
@@ -482,7 +568,8 @@ impl ControlClient {
     /// the connection failed (and is out of step); the inner one is the
     /// peer refusing the request, after which the connection is still good.
     pub fn recv_reply(&mut self) -> Result<Result<(MsgType, Vec<u8>)>> {
-        let (reply, body) = read_frame(&mut self.stream, &self.name)?;
+        let (reply, body) = read_frame_by(&self.stream, &self.name, self.io_timeout)?;
+        self.last_used = std::time::Instant::now();
         if reply == MsgType::Error {
             return Ok(Err(decode_error(&self.name, &body)));
         }
@@ -490,7 +577,9 @@ impl ControlClient {
     }
 }
 
-fn decode_error(name: &str, body: &[u8]) -> Error {
+/// The error a peer's Error frame carries (its message cut to 1 KiB); a
+/// malformed body is a protocol error.
+pub fn decode_error(name: &str, body: &[u8]) -> Error {
     match serde_json::from_slice::<ErrorBody>(body) {
         Ok(e) => {
             let code = ErrorCode::from_raw(e.code).unwrap_or(ErrorCode::Plugin);
@@ -506,11 +595,15 @@ fn decode_error(name: &str, body: &[u8]) -> Error {
 
 /// Fetches a peer's segment descriptor.
 pub fn fetch_descriptor(name: &str, link: &Link) -> Result<SegmentDescriptor> {
-    let mut stream = open(name, link)?;
-    stream
-        .write_all(&encode_frame(MsgType::GetDescriptor, b"{}"))
-        .map_err(|e| io_error("writing to", name, &e))?;
-    let (kind, body) = read_frame(&mut stream, name)?;
+    let stream = open(name, link)?;
+    write_frame_by(
+        &stream,
+        name,
+        link.io_timeout,
+        MsgType::GetDescriptor,
+        b"{}",
+    )?;
+    let (kind, body) = read_frame_by(&stream, name, link.io_timeout)?;
     let _ = stream.shutdown(Shutdown::Both);
     match kind {
         MsgType::Descriptor => SegmentDescriptor::from_json(&body),

@@ -33,6 +33,12 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 mod staging;
+/// The staging requests peers send on the control plane, and their
+/// decoders (exercised by the fuzz targets).
+pub use staging::{
+    decode_copy_request, decode_open_reply, decode_open_request, CopyRequest, OpenReply,
+    OpenRequest,
+};
 
 /// Identifies an open remote segment within one engine.
 pub type SegmentId = u64;
@@ -375,7 +381,8 @@ impl Engine {
             config.connect_timeout,
             config.timeout,
             config.auth_token.clone(),
-        );
+        )
+        .with_idle_timeout(config.idle_timeout);
         let metadata = match &config.metadata {
             crate::metadata::MetadataConfig::P2p => {
                 if let Some(n) = &config.name {
@@ -403,6 +410,9 @@ impl Engine {
         settings
             .entry("connect_timeout_ms".into())
             .or_insert_with(|| config.connect_timeout.as_millis().to_string());
+        settings
+            .entry("idle_timeout_s".into())
+            .or_insert_with(|| config.idle_timeout.as_secs().to_string());
         // Plugins authenticate their own connections with the same token.
         if let Some(t) = &config.auth_token {
             settings.insert("auth.token".into(), t.expose());

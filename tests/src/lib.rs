@@ -4,6 +4,8 @@
 //! These tests use what `cargo build --workspace` produced (the `ferry`
 //! binary, plugin .so files); `scripts/test` builds it first.
 
+pub mod fuzz;
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -55,25 +55,76 @@ struct Session {
     streams: HashMap<usize, Stream>,
 }
 
-#[derive(Serialize, Deserialize)]
-struct OpenRequest {
-    slots: usize,
-    slot_len: u64,
+/// A peer asks for a staging session: `slots` slots of `slot_len` bytes.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct OpenRequest {
+    pub slots: usize,
+    pub slot_len: u64,
 }
 
-#[derive(Serialize, Deserialize)]
-struct OpenReply {
-    slots: Vec<BufferDescriptor>,
+/// The lent slots, as buffers of a segment descriptor.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct OpenReply {
+    pub slots: Vec<BufferDescriptor>,
 }
 
-#[derive(Serialize, Deserialize)]
-struct CopyRequest {
+/// A peer asks for a copy between one of its lent slots and device memory.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct CopyRequest {
     /// Slot to device memory when true, device memory to slot otherwise.
-    to_device: bool,
-    slot: usize,
-    offset: u64,
-    len: u64,
-    device_addr: u64,
+    pub to_device: bool,
+    pub slot: usize,
+    pub offset: u64,
+    pub len: u64,
+    pub device_addr: u64,
+}
+
+/// Decodes a peer's StageOpen body and checks its bounds.
+pub fn decode_open_request(body: &[u8]) -> Result<OpenRequest> {
+    let req: OpenRequest =
+        serde_json::from_slice(body).map_err(|e| bad(&format!("not the expected JSON ({e})")))?;
+    if req.slots == 0 || req.slots > MAX_SLOTS || req.slot_len == 0 || req.slot_len > MAX_SLOT_LEN {
+        return Err(bad("slot count or size out of range"));
+    }
+    Ok(req)
+}
+
+/// Decodes a peer's StageCopy body: a non-empty range that does not wrap
+/// (the caller checks it against the slot).
+pub fn decode_copy_request(body: &[u8]) -> Result<CopyRequest> {
+    let req: CopyRequest =
+        serde_json::from_slice(body).map_err(|e| bad(&format!("not the expected JSON ({e})")))?;
+    if req.len == 0
+        || req.offset.checked_add(req.len).is_none()
+        || req.device_addr.checked_add(req.len).is_none()
+    {
+        return Err(bad("empty or wrapping range"));
+    }
+    Ok(req)
+}
+
+/// Decodes the slots a peer lent (StageOpened): 1 to 16 of at least
+/// `slot_len` bytes each (the caller validates them as a descriptor).
+pub fn decode_open_reply(body: &[u8], slot_len: u64) -> Result<OpenReply> {
+    let reply: OpenReply = serde_json::from_slice(body).map_err(|e| {
+        Error::new(
+            ErrorCode::Protocol,
+            format!("malformed staging slots ({e})"),
+        )
+    })?;
+    if reply.slots.is_empty() || reply.slots.len() > MAX_SLOTS {
+        return Err(Error::new(
+            ErrorCode::Protocol,
+            "the peer lent no usable staging slots",
+        ));
+    }
+    if reply.slots.iter().any(|b| b.len < slot_len) {
+        return Err(Error::new(
+            ErrorCode::Protocol,
+            "the peer lent staging slots smaller than asked",
+        ));
+    }
+    Ok(reply)
 }
 
 impl Staging {
@@ -319,15 +370,7 @@ impl Shared {
 
     /// Lends slots to the peer on control connection `conn`.
     pub(super) fn stage_open(&self, conn: u64, body: &[u8]) -> Result<(MsgType, Vec<u8>)> {
-        let req: OpenRequest = serde_json::from_slice(body)
-            .map_err(|e| bad(&format!("not the expected JSON ({e})")))?;
-        if req.slots == 0
-            || req.slots > MAX_SLOTS
-            || req.slot_len == 0
-            || req.slot_len > MAX_SLOT_LEN
-        {
-            return Err(bad("slot count or size out of range"));
-        }
+        let req = decode_open_request(body)?;
         if self.devices.is_empty() {
             return Err(Error::new(
                 ErrorCode::Unsupported,
@@ -418,8 +461,7 @@ impl Shared {
 
     /// Copies between a lent slot and device memory this engine registered.
     pub(super) fn stage_copy(&self, conn: u64, body: &[u8]) -> Result<(MsgType, Vec<u8>)> {
-        let req: CopyRequest = serde_json::from_slice(body)
-            .map_err(|e| bad(&format!("not the expected JSON ({e})")))?;
+        let req = decode_copy_request(body)?;
         let session = self
             .staging
             .sessions
@@ -574,12 +616,19 @@ impl Shared {
 
     /// A staging session with a peer: an idle one, or a new one.
     pub(super) fn remote_staging(&self, seg: &Arc<RemoteSegment>) -> Result<StagingLease> {
-        if let Some(s) = seg.staging.lock().pop() {
-            return Ok(StagingLease {
-                segment: seg.clone(),
-                session: Some(s),
-                broken: false,
-            });
+        // An idle session whose connection the peer closed (or is about to
+        // close: FERRY_IDLE_TIMEOUT_S) is dropped, and its slots with it.
+        loop {
+            let Some(s) = seg.staging.lock().pop() else {
+                break;
+            };
+            if s.client.lock().reusable() {
+                return Ok(StagingLease {
+                    segment: seg.clone(),
+                    session: Some(s),
+                    broken: false,
+                });
+            }
         }
         let control = seg.view.read().descriptor.control_addr().to_string();
         let mut client = ControlClient::connect(&control, &self.link)?;
@@ -595,25 +644,7 @@ impl Shared {
                 "unexpected reply to a staging session",
             ));
         }
-        let reply: OpenReply = serde_json::from_slice(&reply).map_err(|e| {
-            Error::new(
-                ErrorCode::Protocol,
-                format!("malformed staging slots ({e})"),
-            )
-        })?;
-        if reply.slots.is_empty() || reply.slots.len() > MAX_SLOTS {
-            return Err(Error::new(
-                ErrorCode::Protocol,
-                "the peer lent no usable staging slots",
-            ));
-        }
-        let (_, slot_len) = slot_geometry(self.staging.chunk);
-        if reply.slots.iter().any(|b| b.len < slot_len) {
-            return Err(Error::new(
-                ErrorCode::Protocol,
-                "the peer lent staging slots smaller than asked",
-            ));
-        }
+        let reply = decode_open_reply(&reply, slot_geometry(self.staging.chunk).1)?;
         let main = seg.view.read().clone();
         let mut descriptor = main.descriptor.clone();
         descriptor.buffers = reply.slots;

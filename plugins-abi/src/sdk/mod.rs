@@ -28,6 +28,7 @@ use std::panic::{self, AssertUnwindSafe};
 use std::sync::Once;
 
 pub mod auth;
+pub mod deadline;
 mod device;
 pub mod net;
 mod transport;

@@ -7,8 +7,9 @@
 //! that it no longer touches it (REVOKE_ACK). A peer that loses the socket
 //! knows the owner is gone.
 //!
-//! Every message is 32 bytes: kind u32 | zero u32 | id u64 | a u64 | b u64.
+//! Every message is 32 bytes (`wire::Msg`).
 
+use crate::wire::{Msg, MAP, MAP_ERR, MAP_OK, MSG_LEN, REVOKE, REVOKE_ACK};
 use ferry_plugins_abi::sdk::auth::{self, Token};
 use std::collections::HashMap;
 use std::io;
@@ -18,47 +19,11 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-const MSG_LEN: usize = 32;
-const MAP: u32 = 1;
-const MAP_OK: u32 = 2;
-const MAP_ERR: u32 = 3;
-const REVOKE: u32 = 4;
-const REVOKE_ACK: u32 = 5;
 /// How often blocked reads wake to check whether to stop.
 const TICK: Duration = Duration::from_millis(100);
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Msg {
-    kind: u32,
-    id: u64,
-    a: u64,
-    b: u64,
-}
-
-impl Msg {
-    fn encode(&self) -> [u8; MSG_LEN] {
-        let mut m = [0u8; MSG_LEN];
-        m[0..4].copy_from_slice(&self.kind.to_le_bytes());
-        m[8..16].copy_from_slice(&self.id.to_le_bytes());
-        m[16..24].copy_from_slice(&self.a.to_le_bytes());
-        m[24..32].copy_from_slice(&self.b.to_le_bytes());
-        m
-    }
-
-    fn decode(m: &[u8; MSG_LEN]) -> Msg {
-        let u64_at = |i: usize| {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(&m[i..i + 8]);
-            u64::from_le_bytes(b)
-        };
-        Msg {
-            kind: u32::from_le_bytes([m[0], m[1], m[2], m[3]]),
-            id: u64_at(8),
-            a: u64_at(16),
-            b: u64_at(24),
-        }
-    }
-}
+/// Peers connected to one instance's socket at once; more are closed at
+/// accept. Every peer process needs one (it carries revocations).
+pub const MAX_CONNECTIONS: usize = 1024;
 
 fn abstract_addr(name: &[u8]) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
     // SAFETY: a zeroed sockaddr_un is a valid value.
@@ -286,13 +251,15 @@ fn recv(fd: RawFd) -> io::Result<Option<(Msg, Option<OwnedFd>)>> {
             cmsg = libc::CMSG_NXTHDR(&hdr, cmsg);
         }
     }
-    if rc as usize != MSG_LEN {
+    if rc as usize != MSG_LEN || hdr.msg_flags & libc::MSG_TRUNC != 0 {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             "malformed message",
         ));
     }
-    Ok(Some((Msg::decode(&bytes), passed)))
+    let msg = Msg::decode(&bytes)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "malformed message"))?;
+    Ok(Some((msg, passed)))
 }
 
 /// What the owner side serves: the fd and length for a token, if the
@@ -362,6 +329,15 @@ impl Server {
                     }
                     // SAFETY: a fresh descriptor we own.
                     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+                    {
+                        let mut list = conns2.lock().unwrap_or_else(|p| p.into_inner());
+                        list.retain(|(c, _)| !c.dead.load(Ordering::SeqCst));
+                        if list.len() >= MAX_CONNECTIONS {
+                            // Dropping the socket closes it: the peer fails
+                            // to authenticate and says so.
+                            continue;
+                        }
+                    }
                     set_timeouts(fd.as_raw_fd());
                     let conn = Arc::new(ServerConn {
                         fd,
@@ -693,21 +669,5 @@ impl Drop for Client {
         if let Some(t) = self.reader.take() {
             let _ = t.join();
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn messages_round_trip() {
-        let m = Msg {
-            kind: REVOKE,
-            id: 9,
-            a: 0x1000,
-            b: 42,
-        };
-        assert_eq!(Msg::decode(&m.encode()), m);
     }
 }

@@ -28,6 +28,7 @@ mod channel;
 mod cma;
 mod endpoint;
 mod memory;
+mod wire;
 
 use channel::{Client, ClientEvents, Server};
 use endpoint::{Endpoint, Key};

@@ -17,10 +17,12 @@
 
 use crate::sockio::{self, Deadline, IoSlices};
 use crate::wire::{self, Desc, Header, Kind};
+use ferry_plugins_abi::sdk::deadline::DeadlineStream;
 use ferry_plugins_abi::sdk::{Completer, Op, PluginError, TransferRequest};
 use ferry_plugins_abi::sys;
 use ferry_plugins_abi::ErrorCode;
 use std::collections::VecDeque;
+use std::io::Read;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -40,6 +42,9 @@ pub struct Settings {
     pub stripe_bytes: u64,
     pub timeout: Duration,
     pub connect_timeout: Duration,
+    /// The target closes a connection idle this long; we drop ours after
+    /// half of it and connect again when needed.
+    pub idle_timeout: Duration,
     /// The cluster's token (`auth.token`), proven on every connection.
     pub token: Option<ferry_plugins_abi::sdk::auth::Token>,
 }
@@ -99,6 +104,11 @@ const RECEIVER_READY_BYTES: u64 = 64 * 1024;
 const IDLE_POLL: Duration = Duration::from_millis(1);
 /// After this long without traffic the receiver sleeps until woken.
 const DEEP_SLEEP_AFTER: Duration = Duration::from_secs(1);
+/// A connection idle this long is checked (one poll) before it is reused:
+/// the peer may have closed it.
+const STALE_CHECK_AFTER: Duration = Duration::from_millis(500);
+/// How often a submit retries a connection that was retired under it.
+const RETIRED_RETRIES: usize = 4;
 
 /// A frame on its way into the socket.
 struct OutFrame {
@@ -113,6 +123,9 @@ struct ConnState {
     sending: bool,
     broken: Option<PluginError>,
     closing: bool,
+    /// Closed because it sat idle (or its peer closed it while idle): a
+    /// frame that finds it so goes to a new connection instead.
+    retired: bool,
     /// When a response last completed (or the connection was made).
     last_progress: Instant,
     /// The receiver sleeps until notified (set after a long idle spell).
@@ -130,6 +143,7 @@ impl Default for ConnState {
             sending: false,
             broken: None,
             closing: false,
+            retired: false,
             last_progress: Instant::now(),
             deep_sleep: false,
             receiver_nudged: false,
@@ -212,21 +226,59 @@ impl Conn {
         }
     }
 
+    /// Retires the connection when it has nothing in flight and either sat
+    /// idle for half the idle timeout (the target closes it after the
+    /// whole) or was closed by the peer meanwhile. Returns whether it did;
+    /// the caller then connects again, transparently.
+    fn retire_if_stale(&self) -> bool {
+        if self.inflight_count.load(Ordering::SeqCst) != 0 {
+            return false;
+        }
+        // Nobody may be reading a response: its bytes would look like input.
+        let Ok(_reader) = self.reader.try_lock() else {
+            return false;
+        };
+        let mut st = self.lock();
+        let idle_for = st.last_progress.elapsed();
+        if idle_for < STALE_CHECK_AFTER
+            || st.broken.is_some()
+            || st.closing
+            || st.sending
+            || !st.inflight.is_empty()
+            || !st.queue.is_empty()
+        {
+            return false;
+        }
+        if idle_for < self.settings.idle_timeout / 2
+            && !ferry_plugins_abi::sdk::deadline::idle_connection_is_dead(&self.stream)
+        {
+            return false;
+        }
+        st.closing = true;
+        st.retired = true;
+        true
+    }
+
     /// Queues a frame, writing it directly when the connection is idle.
+    /// A retired connection hands the entries back with `true`: the caller
+    /// sends them on a new connection.
     fn enqueue(
         self: &Arc<Self>,
         kind: Kind,
         descs: &[Desc],
         payload: &[(u64, u64)],
         entries: Vec<Entry>,
-    ) -> Result<(), (PluginError, Vec<Entry>)> {
+    ) -> Result<(), (PluginError, Vec<Entry>, bool)> {
         let payload_len: u64 = payload.iter().map(|(_, l)| *l).sum();
         let mut st = self.lock();
+        if st.retired {
+            return Err((cancelled(&self.peer), entries, true));
+        }
         if let Some(e) = &st.broken {
-            return Err((e.clone(), entries));
+            return Err((e.clone(), entries, false));
         }
         if st.closing {
-            return Err((cancelled(&self.peer), entries));
+            return Err((cancelled(&self.peer), entries, false));
         }
         let seq = st.next_seq;
         st.next_seq += 1;
@@ -325,16 +377,15 @@ impl Conn {
                     }
                 }
             };
-            let result = sockio::send_all(self.fd, &mut frame.io, self.settings.timeout, || {
-                !self.is_broken()
-            });
+            let deadline = Instant::now() + self.settings.timeout;
+            let result = sockio::send_all(self.fd, &mut frame.io, deadline, || !self.is_broken());
             self.lock().sending = false;
             if let Err(e) = result {
                 let err = if e.is_timeout() {
                     PluginError::new(
                         ErrorCode::Timeout,
                         format!(
-                            "tcp: {} stopped reading for {} ms; connection dropped",
+                            "tcp: {} did not take a frame within {} ms; connection dropped",
                             self.peer,
                             self.settings.timeout.as_millis()
                         ),
@@ -722,6 +773,8 @@ impl ConnRegistry {
 pub struct TcpPeer {
     name: String,
     addr: SocketAddr,
+    /// The target instance the segment was opened on (from its endpoint).
+    instance: Option<u64>,
     settings: Arc<Settings>,
     completer: Completer,
     slots: Vec<Mutex<Option<Arc<Conn>>>>,
@@ -734,6 +787,7 @@ impl TcpPeer {
     pub fn new(
         name: String,
         addr: SocketAddr,
+        instance: Option<u64>,
         settings: Arc<Settings>,
         completer: Completer,
         registry: Arc<ConnRegistry>,
@@ -744,6 +798,7 @@ impl TcpPeer {
         TcpPeer {
             name,
             addr,
+            instance,
             settings,
             completer,
             slots,
@@ -757,7 +812,7 @@ impl TcpPeer {
     fn conn(&self, i: usize) -> Result<Arc<Conn>, PluginError> {
         let mut slot = self.slots[i].lock().unwrap_or_else(|p| p.into_inner());
         if let Some(c) = slot.as_ref() {
-            if !c.is_broken() {
+            if !c.is_broken() && !c.retire_if_stale() {
                 return Ok(c.clone());
             }
         }
@@ -776,10 +831,10 @@ impl TcpPeer {
                     format!("tcp: cannot connect to {} at {}: {e}", self.name, self.addr),
                 )
             })?;
-        let _ = stream.set_read_timeout(Some(self.settings.connect_timeout));
-        let _ = stream.set_write_timeout(Some(self.settings.connect_timeout));
+        // Authentication and the target's hello: all within the deadline.
+        let mut greeting = DeadlineStream::new(&stream, self.settings.connect_timeout);
         ferry_plugins_abi::sdk::auth::connect(
-            &mut &stream,
+            &mut greeting,
             self.settings.token.as_ref(),
             "tcp",
             &format!("{} at {}", self.name, self.addr),
@@ -791,6 +846,21 @@ impl TcpPeer {
             };
             PluginError::new(code, format!("tcp: {e}"))
         })?;
+        let mut hello = [0u8; wire::HELLO_LEN];
+        greeting
+            .read_exact(&mut hello)
+            .map_err(|e| connection_error(&self.name, "reading the hello of", &e.to_string()))?;
+        let instance = wire::decode_hello(&hello).map_err(|e| protocol(&self.name, &e.0))?;
+        if self.instance.is_some_and(|want| want != instance) {
+            return Err(PluginError::new(
+                ErrorCode::Connection,
+                format!(
+                    "tcp: {} at {} is not the engine whose segment was opened (it restarted); \
+                     open the segment again",
+                    self.name, self.addr
+                ),
+            ));
+        }
         sockio::configure(&stream).map_err(|e| {
             PluginError::new(ErrorCode::Io, format!("tcp: configuring a socket: {e}"))
         })?;
@@ -941,12 +1011,14 @@ impl TcpPeer {
         } else {
             self.next.fetch_add(frames.len(), Ordering::Relaxed)
         };
-        let mut conns: Vec<Arc<Conn>> = Vec::with_capacity(frames.len().min(n));
+        let mut conns: Vec<(usize, Arc<Conn>)> = Vec::with_capacity(frames.len().min(n));
         for k in 0..frames.len().min(n) {
-            conns.push(self.conn((first + k) % n)?);
+            let i = (first + k) % n;
+            conns.push((i, self.conn(i)?));
         }
         for (k, (op, entries)) in frames.into_iter().enumerate() {
-            let conn = &conns[k % conns.len()];
+            let used = conns.len();
+            let (slot, conn) = &mut conns[k % used];
             let descs: Vec<Desc> = entries
                 .iter()
                 .map(|e| Desc {
@@ -961,10 +1033,34 @@ impl TcpPeer {
                 ),
                 Op::Read => (Kind::Read, Vec::new()),
             };
-            if let Err((err, entries)) = conn.enqueue(kind, &descs, &payload, entries) {
-                // Accepted already: report through completions.
-                for e in entries {
-                    e.finish(&self.completer, Err(err.clone()));
+            let mut entries = entries;
+            let mut attempt = 0;
+            loop {
+                match conn.enqueue(kind, &descs, &payload, entries) {
+                    Ok(()) => break,
+                    // Retired by another submit meanwhile: take its successor.
+                    Err((_, back, true)) if attempt < RETIRED_RETRIES => {
+                        attempt += 1;
+                        match self.conn(*slot) {
+                            Ok(c) => {
+                                *conn = c;
+                                entries = back;
+                            }
+                            Err(e) => {
+                                for entry in back {
+                                    entry.finish(&self.completer, Err(e.clone()));
+                                }
+                                break;
+                            }
+                        }
+                    }
+                    Err((err, back, _)) => {
+                        // Accepted already: report through completions.
+                        for entry in back {
+                            entry.finish(&self.completer, Err(err.clone()));
+                        }
+                        break;
+                    }
                 }
             }
         }

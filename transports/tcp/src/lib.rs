@@ -29,6 +29,8 @@ pub const DEFAULT_CONNECTIONS: usize = 4;
 pub const DEFAULT_FRAME_BYTES: u64 = 4 << 20;
 pub const DEFAULT_STRIPE_BYTES: u64 = 1 << 20;
 pub const DEFAULT_SPIN_US: u64 = 50;
+/// Idle timeout when the host gives none (idle_timeout_s).
+pub const DEFAULT_IDLE_TIMEOUT_S: u64 = 120;
 /// The handle of a local-only registration (nothing to undo).
 const LOCAL_ONLY_HANDLE: u64 = u64::MAX;
 
@@ -111,7 +113,8 @@ pub struct TcpInstance {
     settings: Arc<Settings>,
     regions: Arc<Regions>,
     target: Target,
-    advertised: String,
+    /// "host:port instance" (wire::encode_endpoint).
+    endpoint: Vec<u8>,
     conns: Arc<ConnRegistry>,
 }
 
@@ -138,6 +141,9 @@ impl TcpInstance {
             stripe_bytes: setting(&host, "tcp.stripe_bytes", DEFAULT_STRIPE_BYTES)?.max(4096),
             timeout: ms("timeout_ms", 15_000)?,
             connect_timeout: ms("connect_timeout_ms", 5_000)?,
+            idle_timeout: Duration::from_secs(
+                setting(&host, "idle_timeout_s", DEFAULT_IDLE_TIMEOUT_S)?.max(1),
+            ),
             token: host
                 .config("auth.token")
                 .and_then(|t| ferry_plugins_abi::sdk::auth::Token::new(&t)),
@@ -150,11 +156,26 @@ impl TcpInstance {
         let port: u16 = setting(&host, "tcp.port", 0)?;
         let log_host = host;
         let log: Arc<dyn Fn(&str) + Send + Sync> = Arc::new(move |m: &str| log_host.debug(m));
+        let instance = random_instance();
         let target = Target::start(
             &SocketAddr::new(bind_ip, port).to_string(),
             regions.clone(),
             TargetConfig {
                 timeout: settings.timeout,
+                idle_timeout: settings.idle_timeout,
+                max_connections: setting(
+                    &host,
+                    "tcp.max_connections",
+                    target::DEFAULT_MAX_CONNECTIONS,
+                )?
+                .max(1),
+                max_connections_per_host: setting(
+                    &host,
+                    "tcp.max_connections_per_host",
+                    target::DEFAULT_MAX_CONNECTIONS_PER_HOST,
+                )?
+                .max(1),
+                instance,
                 connect_timeout: settings.connect_timeout,
                 token: settings.token.clone(),
                 spin: Duration::from_micros(setting(&host, "tcp.spin_us", DEFAULT_SPIN_US)?),
@@ -183,6 +204,7 @@ impl TcpInstance {
             target.local_addr().port(),
         )
         .to_string();
+        let endpoint = wire::encode_endpoint(&advertised, instance);
         host.info(&format!(
             "tcp: serving data on {} for engine {} ({} connections per peer)",
             advertised, params.engine_name, settings.connections
@@ -193,7 +215,7 @@ impl TcpInstance {
             settings,
             regions,
             target,
-            advertised,
+            endpoint,
             conns: Arc::default(),
         })
     }
@@ -203,7 +225,7 @@ impl TransportInstance for TcpInstance {
     type Peer = TcpPeer;
 
     fn endpoint(&self) -> PluginResult<Vec<u8>> {
-        Ok(self.advertised.clone().into_bytes())
+        Ok(self.endpoint.clone())
     }
 
     fn register_memory(&self, region: &MemRegion) -> PluginResult<Registration> {
@@ -243,15 +265,8 @@ impl TransportInstance for TcpInstance {
     }
 
     fn connect(&self, peer: &PeerInfo) -> PluginResult<TcpPeer> {
-        let text = std::str::from_utf8(&peer.endpoint)
-            .ok()
-            .filter(|t| t.len() <= 256)
-            .ok_or_else(|| {
-                PluginError::new(
-                    ErrorCode::Protocol,
-                    format!("{}: its tcp endpoint is not a host:port string", peer.name),
-                )
-            })?;
+        let (text, instance) = wire::decode_endpoint(&peer.endpoint)
+            .map_err(|e| PluginError::new(ErrorCode::Protocol, format!("{}: {e}", peer.name)))?;
         let addr = text
             .to_socket_addrs()
             .ok()
@@ -267,6 +282,7 @@ impl TransportInstance for TcpInstance {
         Ok(TcpPeer::new(
             peer.name.clone(),
             addr,
+            instance,
             self.settings.clone(),
             self.completer,
             self.conns.clone(),
@@ -293,6 +309,23 @@ impl Drop for TcpInstance {
             self.target.local_addr()
         ));
     }
+}
+
+/// A random number naming this instance (its data listener), so peers can
+/// tell it from an earlier one on the same port.
+fn random_instance() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most b.len() bytes into b.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n == b.len() as isize {
+        return u64::from_le_bytes(b);
+    }
+    // No entropy source: the time and the process still differ per start.
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    t ^ (u64::from(std::process::id()) << 32)
 }
 
 /// Creates and closes a TCP socket: proves the kernel and our seccomp/

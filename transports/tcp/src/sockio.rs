@@ -145,31 +145,33 @@ pub fn recv_some(fd: RawFd, s: &mut IoSlices, dontwait: bool) -> io::Result<usiz
 pub enum Stop {
     /// The deadline passed.
     Deadline,
+    /// No byte of a new message arrived within the idle timeout.
+    Idle,
     /// The keep-going check said no.
     Cancelled,
 }
 
-/// Sends everything, blocking in ticks; fails when no byte could be sent for
-/// `timeout` (the peer stopped reading) or `keep_going` returns false.
+/// Sends everything by `deadline`, blocking in ticks; fails when the
+/// deadline passes (the peer reads too slowly or not at all) or
+/// `keep_going` returns false.
 pub fn send_all(
     fd: RawFd,
     s: &mut IoSlices,
-    timeout: Duration,
+    deadline: Instant,
     mut keep_going: impl FnMut() -> bool,
 ) -> Result<(), IoStop> {
-    let mut last_progress = Instant::now();
     while !s.is_done() {
         match send_some(fd, s, false) {
             Ok(0) => {
                 if !keep_going() {
                     return Err(IoStop::Stopped(Stop::Cancelled));
                 }
-                if last_progress.elapsed() > timeout {
-                    return Err(IoStop::Stopped(Stop::Deadline));
-                }
             }
-            Ok(_) => last_progress = Instant::now(),
+            Ok(_) => {}
             Err(e) => return Err(IoStop::Io(e)),
+        }
+        if !s.is_done() && Instant::now() > deadline {
+            return Err(IoStop::Stopped(Stop::Deadline));
         }
     }
     Ok(())
@@ -180,9 +182,9 @@ pub fn send_all(
 pub enum Deadline {
     /// By this instant.
     At(Instant),
-    /// No limit until the first byte arrives, then within this long: an idle
-    /// connection may wait for its next frame forever, a frame may not.
-    AfterFirstByte(Duration),
+    /// The first byte within `idle` (a connection waiting for its next
+    /// frame), then all of it within `frame` of that byte.
+    Idle { idle: Duration, frame: Duration },
 }
 
 /// Receives until the slices are full; fails when the deadline passes or
@@ -193,9 +195,9 @@ pub fn recv_all(
     deadline: Deadline,
     mut keep_going: impl FnMut() -> bool,
 ) -> Result<(), IoStop> {
-    let mut limit = match deadline {
-        Deadline::At(at) => Some(at),
-        Deadline::AfterFirstByte(_) => None,
+    let (mut limit, mut waiting_for_first) = match deadline {
+        Deadline::At(at) => (at, false),
+        Deadline::Idle { idle, .. } => (Instant::now() + idle, true),
     };
     while !s.is_done() {
         match recv_some(fd, s, false) {
@@ -205,14 +207,20 @@ pub fn recv_all(
                 }
             }
             Ok(_) => {
-                if let (None, Deadline::AfterFirstByte(d)) = (limit, deadline) {
-                    limit = Some(Instant::now() + d);
+                if let (true, Deadline::Idle { frame, .. }) = (waiting_for_first, deadline) {
+                    waiting_for_first = false;
+                    limit = Instant::now() + frame;
                 }
             }
             Err(e) => return Err(IoStop::Io(e)),
         }
-        if !s.is_done() && limit.is_some_and(|l| Instant::now() > l) {
-            return Err(IoStop::Stopped(Stop::Deadline));
+        if !s.is_done() && Instant::now() > limit {
+            let why = if waiting_for_first {
+                Stop::Idle
+            } else {
+                Stop::Deadline
+            };
+            return Err(IoStop::Stopped(why));
         }
     }
     Ok(())
@@ -228,12 +236,17 @@ impl IoStop {
         match self {
             IoStop::Io(e) => e.to_string(),
             IoStop::Stopped(Stop::Deadline) => "timed out".into(),
+            IoStop::Stopped(Stop::Idle) => "idle".into(),
             IoStop::Stopped(Stop::Cancelled) => "cancelled".into(),
         }
     }
 
     pub fn is_timeout(&self) -> bool {
         matches!(self, IoStop::Stopped(Stop::Deadline))
+    }
+
+    pub fn is_idle(&self) -> bool {
+        matches!(self, IoStop::Stopped(Stop::Idle))
     }
 }
 

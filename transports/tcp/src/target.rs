@@ -7,24 +7,44 @@
 //! memory gets an error status and its WRITE bytes are read into a scratch
 //! buffer and dropped, so the stream stays in step and nothing else is
 //! touched. Anything malformed closes the connection.
+//!
+//! Limits: a connection has at most one frame in flight (at most
+//! [`wire::MAX_DESCS`] requests and [`wire::MAX_FRAME_PAYLOAD`] bytes): the
+//! next is not read before this one's response is sent, so a peer that
+//! sends faster than it reads is held back by TCP flow control, and one
+//! that stops reading is dropped once a response cannot be sent within the
+//! timeout. Connections are capped per target and per peer host, and one
+//! that carries no frame for the idle timeout is closed.
 
 use crate::regions::{Pin, Regions};
 use crate::sockio::{self, Deadline, IoSlices, IoStop};
 use crate::wire::{self, Desc, Header, Kind};
 use ferry_plugins_abi::sdk::auth::{self, Token};
+use ferry_plugins_abi::sdk::deadline::DeadlineStream;
 use ferry_plugins_abi::sys;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::io::Write;
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// Incoming data connections served at once; more are closed at accept.
-pub const MAX_CONNECTIONS: usize = 1024;
+/// Incoming data connections served at once; more are closed at accept
+/// (tcp.max_connections).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// Of those, from one peer host (tcp.max_connections_per_host).
+pub const DEFAULT_MAX_CONNECTIONS_PER_HOST: usize = 256;
 
 pub struct TargetConfig {
+    /// A frame must arrive, and its response leave, within this.
     pub timeout: Duration,
+    /// A connection with no frame for this long is closed.
+    pub idle_timeout: Duration,
+    pub max_connections: usize,
+    pub max_connections_per_host: usize,
+    /// Sent in the hello after authentication (and in the endpoint).
+    pub instance: u64,
     /// Deadline of a new connection's authentication.
     pub connect_timeout: Duration,
     /// The cluster's token (`auth.token`): a connection that does not prove
@@ -34,9 +54,9 @@ pub struct TargetConfig {
     pub spin: Duration,
 }
 
-/// The target's connections: a clone of each socket (to shut it down) and
-/// the thread serving it.
-type ConnList = Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>>;
+/// The target's connections: the peer's address, a clone of each socket
+/// (to shut it down) and the thread serving it.
+type ConnList = Arc<Mutex<Vec<(IpAddr, TcpStream, JoinHandle<()>)>>>;
 
 pub struct Target {
     addr: SocketAddr,
@@ -81,10 +101,10 @@ impl Drop for Target {
             let _ = t.join();
         }
         let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
-        for (stream, _) in &conns {
+        for (_, stream, _) in &conns {
             let _ = stream.shutdown(std::net::Shutdown::Both);
         }
-        for (_, t) in conns {
+        for (_, _, t) in conns {
             let _ = t.join();
         }
     }
@@ -98,7 +118,7 @@ fn accept_loop(
     config: TargetConfig,
     log: Arc<dyn Fn(&str) + Send + Sync>,
 ) {
-    let (timeout, spin) = (config.timeout, config.spin);
+    let config = Arc::new(config);
     let fd = listener.as_raw_fd();
     while !stop.load(Ordering::SeqCst) {
         let mut pfd = libc::pollfd {
@@ -113,10 +133,19 @@ fn accept_loop(
             Err(_) => continue,
         };
         let mut list = conns.lock().unwrap_or_else(|e| e.into_inner());
-        list.retain(|(_, t)| !t.is_finished());
-        if list.len() >= MAX_CONNECTIONS {
+        list.retain(|(_, _, t)| !t.is_finished());
+        if list.len() >= config.max_connections {
             log(&format!(
-                "refusing a data connection from {peer}: {MAX_CONNECTIONS} are open"
+                "refusing a data connection from {peer}: {} are open (tcp.max_connections)",
+                config.max_connections
+            ));
+            continue;
+        }
+        let from_host = list.iter().filter(|(ip, _, _)| *ip == peer.ip()).count();
+        if from_host >= config.max_connections_per_host {
+            log(&format!(
+                "refusing a data connection from {peer}: {from_host} are open from that host \
+                 (tcp.max_connections_per_host)"
             ));
             continue;
         }
@@ -126,20 +155,22 @@ fn accept_loop(
         let Ok(clone) = stream.try_clone() else {
             continue;
         };
-        let (regions, stop, log) = (regions.clone(), stop.clone(), log.clone());
-        let (token, handshake) = (config.token.clone(), config.connect_timeout);
+        let (regions, stop, log, config) =
+            (regions.clone(), stop.clone(), log.clone(), config.clone());
         let spawned = std::thread::Builder::new()
             .name("ferry-tcp-target".into())
             .spawn(move || {
                 let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    // Nothing the peer sends is parsed before it proved itself.
-                    stream
-                        .set_read_timeout(Some(handshake))
-                        .and_then(|()| stream.set_write_timeout(Some(handshake)))
+                    // Nothing the peer sends is parsed before it proved
+                    // itself; the whole exchange has the connect deadline.
+                    let mut proving = DeadlineStream::new(&stream, config.connect_timeout);
+                    auth::accept(&mut proving, config.token.as_ref(), "tcp")
                         .map_err(|e| e.to_string())?;
-                    auth::accept(&mut &stream, token.as_ref(), "tcp").map_err(|e| e.to_string())?;
+                    proving
+                        .write_all(&wire::encode_hello(config.instance))
+                        .map_err(|e| format!("sending the hello: {e}"))?;
                     sockio::configure(&stream).map_err(|e| e.to_string())?;
-                    serve(&stream, &regions, &stop, timeout, spin)
+                    serve(&stream, &regions, &stop, &config)
                 }));
                 match served {
                     Ok(Ok(())) => {}
@@ -153,7 +184,7 @@ fn accept_loop(
                 let _ = stream.shutdown(std::net::Shutdown::Both);
             });
         if let Ok(t) = spawned {
-            list.push((clone, t));
+            list.push((peer.ip(), clone, t));
         }
     }
 }
@@ -165,9 +196,9 @@ fn serve(
     stream: &TcpStream,
     regions: &Regions,
     stop: &AtomicBool,
-    timeout: Duration,
-    spin: Duration,
+    config: &TargetConfig,
 ) -> Result<(), String> {
+    let (timeout, spin) = (config.timeout, config.spin);
     let fd = stream.as_raw_fd();
     let keep_going = || !stop.load(Ordering::SeqCst);
     let mut scratch = vec![0u8; SCRATCH_LEN];
@@ -181,12 +212,22 @@ fn serve(
         let mut s = IoSlices::new();
         s.push(hb.as_mut_ptr(), hb.len());
         s.push(first_desc.as_mut_ptr(), first_desc.len());
-        // Idle connections wait indefinitely for their next frame; once a
-        // frame begins, all of it must arrive within the timeout.
+        // A connection waits for its next frame up to the idle timeout;
+        // once a frame begins, all of it must arrive within the timeout.
         spin_for_next_frame(fd, spin);
-        match sockio::recv_all(fd, &mut s, Deadline::AfterFirstByte(timeout), keep_going) {
+        let wait = Deadline::Idle {
+            idle: config.idle_timeout,
+            frame: timeout,
+        };
+        match sockio::recv_all(fd, &mut s, wait, keep_going) {
             Ok(()) => {}
             Err(IoStop::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) if e.is_idle() => {
+                return Err(format!(
+                    "idle for {} s (the peer reconnects when it needs to)",
+                    config.idle_timeout.as_secs()
+                ))
+            }
             Err(e) => return Err(e.describe()),
         }
         let deadline = Instant::now() + timeout;
@@ -307,6 +348,6 @@ fn respond(
             s.push(d.addr as *const u8, d.len as usize);
         }
     }
-    sockio::send_all(fd, &mut s, timeout, keep_going)
+    sockio::send_all(fd, &mut s, Instant::now() + timeout, keep_going)
         .map_err(|e| format!("sending a response: {}", e.describe()))
 }

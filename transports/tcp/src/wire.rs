@@ -10,6 +10,17 @@
 //! status     = i32 (FERRY_OK or a FERRY_ERR_* code)                   (4 bytes)
 //! ```
 //!
+//! Before any frame, right after authentication, the target says which
+//! instance it is, and the endpoint peers find in the segment descriptor
+//! names that instance, so a client whose segment was opened on an earlier
+//! instance (the peer restarted on the same port) is refused instead of
+//! reading or writing the new instance's memory:
+//!
+//! ```text
+//! hello    = magic "FERH" | version u8 | 0 u8 | 0 u16 | instance u64     (16 bytes)
+//! endpoint = "host:port instance-in-16-hex-digits"
+//! ```
+//!
 //! A WRITE's payload is the concatenation of its descriptors' bytes. A
 //! READ's response payload is the concatenation of the bytes of the
 //! descriptors whose status is FERRY_OK, in order. Responses come back in
@@ -27,6 +38,13 @@ pub const STATUS_LEN: usize = 4;
 pub const MAX_DESCS: usize = 1024;
 /// Most payload bytes in one frame; larger requests are split.
 pub const MAX_FRAME_PAYLOAD: u64 = 64 << 20;
+/// The largest frame on the wire: header, descriptors (or statuses), payload.
+pub const MAX_FRAME_BYTES: u64 =
+    HEADER_LEN as u64 + (MAX_DESCS * DESC_LEN) as u64 + MAX_FRAME_PAYLOAD;
+pub const HELLO_MAGIC: [u8; 4] = *b"FERH";
+pub const HELLO_LEN: usize = 16;
+/// Longest endpoint text accepted from a descriptor.
+pub const MAX_ENDPOINT_LEN: usize = 256;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
@@ -110,6 +128,57 @@ impl Header {
             payload_len,
         })
     }
+}
+
+/// The target's hello: its instance.
+pub fn encode_hello(instance: u64) -> [u8; HELLO_LEN] {
+    let mut b = [0u8; HELLO_LEN];
+    b[0..4].copy_from_slice(&HELLO_MAGIC);
+    b[4] = VERSION;
+    b[8..16].copy_from_slice(&instance.to_le_bytes());
+    b
+}
+
+pub fn decode_hello(b: &[u8; HELLO_LEN]) -> Result<u64, WireError> {
+    if b[0..4] != HELLO_MAGIC {
+        return Err(WireError(
+            "the peer did not greet as a Ferry TCP target".into(),
+        ));
+    }
+    if b[4] != VERSION {
+        return Err(WireError(format!(
+            "TCP target version {} is not supported (this side speaks {VERSION})",
+            b[4]
+        )));
+    }
+    Ok(u64::from_le_bytes(b[8..16].try_into().unwrap_or([0; 8])))
+}
+
+/// The endpoint a target publishes: where it listens, and its instance.
+pub fn encode_endpoint(addr: &str, instance: u64) -> Vec<u8> {
+    format!("{addr} {instance:016x}").into_bytes()
+}
+
+/// A peer's endpoint: its "host:port" and, when given, its instance.
+pub fn decode_endpoint(bytes: &[u8]) -> Result<(String, Option<u64>), WireError> {
+    let bad = || WireError("the tcp endpoint is not \"host:port instance\"".into());
+    let text = std::str::from_utf8(bytes)
+        .ok()
+        .filter(|t| !t.is_empty() && t.len() <= MAX_ENDPOINT_LEN)
+        .ok_or_else(bad)?;
+    let mut parts = text.split(' ');
+    let addr = parts.next().filter(|a| !a.is_empty()).ok_or_else(bad)?;
+    let instance = match parts.next() {
+        None => None,
+        Some(hex) if hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit()) => {
+            Some(u64::from_str_radix(hex, 16).map_err(|_| bad())?)
+        }
+        Some(_) => return Err(bad()),
+    };
+    if parts.next().is_some() {
+        return Err(bad());
+    }
+    Ok((addr.to_string(), instance))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -240,6 +309,33 @@ mod tests {
         encode_descs(&[Desc { addr: 1, len: 0 }], &mut empty);
         assert!(decode_descs(&header(Kind::Read, 1, 0), &empty).is_err());
         assert!(decode_descs(&h, &b[..16]).is_err());
+    }
+
+    #[test]
+    fn hellos_and_endpoints_round_trip() {
+        assert_eq!(decode_hello(&encode_hello(0xfeed)).unwrap(), 0xfeed);
+        let mut bad = encode_hello(1);
+        bad[0] = b'X';
+        assert!(decode_hello(&bad).is_err());
+        let e = encode_endpoint("127.0.0.1:9000", 0xabc);
+        assert_eq!(
+            decode_endpoint(&e).unwrap(),
+            ("127.0.0.1:9000".to_string(), Some(0xabc))
+        );
+        assert_eq!(
+            decode_endpoint(b"[::1]:7").unwrap(),
+            ("[::1]:7".to_string(), None)
+        );
+        for bad in [
+            &b""[..],
+            b" 0000000000000001",
+            b"a:1 12",
+            b"a:1 000000000000000g",
+            b"a:1 0000000000000001 x",
+            b"\xff",
+        ] {
+            assert!(decode_endpoint(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
