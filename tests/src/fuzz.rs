@@ -633,7 +633,7 @@ impl Rng {
         Rng(seed | 1)
     }
 
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
@@ -644,7 +644,7 @@ impl Rng {
         if n == 0 {
             0
         } else {
-            (self.next() % n as u64) as usize
+            (self.next_u64() % n as u64) as usize
         }
     }
 }
@@ -687,7 +687,7 @@ pub fn mutate(rng: &mut Rng, seeds: &[Vec<u8>]) -> Vec<u8> {
             }
             1 if len > 0 => {
                 let i = rng.below(len);
-                d[i] = rng.next() as u8;
+                d[i] = rng.next_u64() as u8;
             }
             2 if len > 0 => {
                 let i = rng.below(len);
@@ -707,7 +707,7 @@ pub fn mutate(rng: &mut Rng, seeds: &[Vec<u8>]) -> Vec<u8> {
             4 => {
                 let i = rng.below(len + 1);
                 let n = 1 + rng.below(16);
-                let junk: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
+                let junk: Vec<u8> = (0..n).map(|_| rng.next_u64() as u8).collect();
                 d.splice(i..i, junk);
             }
             5 if len > 0 => {
