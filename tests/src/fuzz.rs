@@ -633,6 +633,8 @@ impl Rng {
         Rng(seed | 1)
     }
 
+    // Not an Iterator: it never ends, and callers want a plain u64.
+    #[allow(clippy::should_implement_trait)]
     pub fn next(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
