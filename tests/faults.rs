@@ -392,7 +392,9 @@ fn free_port() -> u16 {
 
 /// A peer restarted on the same control and data ports. Requests naming
 /// the old process's memory fail cleanly: CONNECTION (the data port now
-/// answers with another instance: "it restarted; open the segment again")
+/// answers with another instance: "it restarted; refresh the segment, or
+/// close it and open it again"; opening the name again alone returns the
+/// same segment, still holding the old descriptor)
 /// while the segment still holds the old descriptor, OUT_OF_BOUNDS once it
 /// was re-read. Requests naming memory the new process registered re-read
 /// the descriptor by themselves (a remote address outside the known
@@ -425,6 +427,7 @@ fn peer_restarted() {
     assert_eq!(old.ask("check 7"), "check ok");
 
     let mut rounds = BTreeMap::new();
+    let mut messages = std::collections::BTreeSet::new();
     let mut new_ok = 0;
     const RESTARTS: usize = 3;
     for r in 0..RESTARTS {
@@ -438,6 +441,16 @@ fn peer_restarted() {
                 matches!(err.code, ErrorCode::Connection | ErrorCode::OutOfBounds),
                 "{err}"
             );
+            if err.code == ErrorCode::Connection {
+                messages.insert(err.message.clone());
+                assert!(
+                    err.message.contains("refresh the segment")
+                        || err.message.contains("the peer died"),
+                    "{err}"
+                );
+            }
+            // Opening the name again is the same segment (documented).
+            assert_eq!(e.open_segment(&old.name).unwrap(), seg);
             *rounds
                 .entry(format!("old memory: {:?}", err.code))
                 .or_insert(0usize) += 1;
@@ -474,7 +487,8 @@ fn peer_restarted() {
     eprintln!(
         "faults peer_restarted: {RESTARTS} restarts on the same ports; requests to the old \
          process's memory: {}; {new_ok}/{RESTARTS} writes to the new process verified in its \
-         memory and read back through the same segment id (re-resolved on first use)",
+         memory and read back through the same segment id (re-resolved on first use); \
+         CONNECTION messages: {messages:?}",
         tally_text(&rounds)
     );
 }
