@@ -774,6 +774,8 @@ fn reset_mid_payload() {
     }
     let resets = proxy.resets.load(Ordering::SeqCst);
     control_stop.store(true, Ordering::SeqCst);
+    // Wakes the fake control server's accept so that its thread ends.
+    let _ = TcpStream::connect(&name);
     eprintln!(
         "faults reset_mid_payload: {} connections reset (RST) mid-payload ({} write, {} read, \
          4 KiB to 5 MiB in): requests failed with {}; {recovered}/{} next requests from the \
