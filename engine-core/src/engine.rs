@@ -2012,6 +2012,46 @@ impl Shared {
             }
         }
 
+        // 3b. Every group now counts in its local buffer's `inflight`.
+        // `unregister_memory` first removes a buffer from the registry and
+        // then waits for its `inflight` to drain; a buffer found in step 1
+        // may have been unregistered since, with nothing in flight yet to
+        // hold it back, and a read would then land in memory the caller has
+        // taken back (found by reading the code while writing
+        // tests/faults.rs). Checked after counting, so one side always sees
+        // the other: either the buffer is still registered here (and its
+        // unregister waits for these requests), or nothing is handed to a
+        // transport.
+        let gone = routed
+            .iter()
+            .map(|p| (p.first, &p.local))
+            .chain(staged.iter().map(|(i, it)| (*i, &it.local)))
+            .find(|(_, local)| {
+                !self
+                    .memory
+                    .find(local.addr, 1)
+                    .is_some_and(|b| Arc::ptr_eq(&b, local))
+            })
+            .map(|(i, local)| (i, local.addr));
+        if let Some((i, addr)) = gone {
+            let e = Error::new(
+                ErrorCode::OutOfBounds,
+                format!(
+                    "request {i}: the local buffer at {addr:#x} was unregistered while the \
+                     request was being submitted"
+                ),
+            );
+            for (_, list) in &by_target {
+                for (r, _) in list {
+                    batch.complete_group(crate::batch::group_of(r.token), Err(e.clone()));
+                }
+            }
+            for (_, it) in &staged {
+                batch.complete_group(it.group, Err(e.clone()));
+            }
+            return Err(e);
+        }
+
         // 4. Hand each group list to its transport.
         let mut failures = 0usize;
         let mut first_failure = None;

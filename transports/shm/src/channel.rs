@@ -324,6 +324,15 @@ impl Server {
                             libc::SOCK_CLOEXEC,
                         )
                     };
+                    // Forget peers that left each time accept returns (at
+                    // least every receive timeout), not only when the next
+                    // peer connects: each entry owns its socket, so a
+                    // finished one kept its descriptor open (found by
+                    // tests/faults.rs counting a target's descriptors).
+                    conns2
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .retain(|(c, _)| !c.dead.load(Ordering::SeqCst));
                     if fd < 0 {
                         continue;
                     }

@@ -855,8 +855,11 @@ impl TcpPeer {
             return Err(PluginError::new(
                 ErrorCode::Connection,
                 format!(
+                    // Opening an open name returns the same segment: the
+                    // advice names what re-reads the descriptor.
                     "tcp: {} at {} is not the engine whose segment was opened (it restarted); \
-                     open the segment again",
+                     refresh the segment, or close it and open it again, to use the new \
+                     engine's memory",
                     self.name, self.addr
                 ),
             ));

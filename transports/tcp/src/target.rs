@@ -128,6 +128,15 @@ fn accept_loop(
         };
         // SAFETY: one valid pollfd for the duration of the call.
         unsafe { libc::poll(&mut pfd, 1, 100) };
+        // Forget connections whose thread ended, on every tick: each entry
+        // holds a clone of its socket, so a finished one kept its file
+        // descriptor open until the next peer connected (found by
+        // tests/faults.rs counting a target's descriptors after its peers
+        // left).
+        conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(_, _, t)| !t.is_finished());
         let (stream, peer) = match listener.accept() {
             Ok(s) => s,
             Err(_) => continue,
