@@ -23,7 +23,9 @@ fn fuzz(name: &str) {
         .find(|(n, _)| *n == name)
         .expect("a known target");
     if let Some(dir) = std::env::var_os("FERRY_FUZZ_CORPUS") {
-        let dir = std::path::Path::new(&dir).join(name);
+        // Relative to the workspace root, not to this crate (cargo's cwd).
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let dir = root.join(dir).join(name);
         std::fs::create_dir_all(&dir).unwrap();
         for (i, s) in seeds(name).iter().enumerate() {
             std::fs::write(dir.join(format!("seed-{i}")), s).unwrap();
