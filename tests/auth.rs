@@ -91,7 +91,7 @@ fn a_peer_with_another_token_or_none_is_refused_with_a_clear_error() {
 /// memory. Counts what was tried and what was refused.
 #[test]
 fn unauthenticated_connections_are_refused_before_any_request_is_parsed() {
-    let target = engine("tcp", Some("right-token"));
+    let target = engine("tcp,shm", Some("right-token"));
     let secret = pattern(1 << 20, 99);
     target
         .register_memory(secret.as_ptr() as u64, secret.len() as u64, None)
@@ -123,18 +123,48 @@ fn unauthenticated_connections_are_refused_before_any_request_is_parsed() {
             p
         },
     ];
+    // The shm side channel: an abstract Unix socket named in the endpoint.
+    let shm_socket = {
+        let d = target.descriptor();
+        let t = d.transports.iter().find(|t| t.name == "shm").unwrap();
+        let raw = ferry_core::descriptor::decode_blob(&t.endpoint).unwrap();
+        ferry_tests::fuzz::shm_endpoint::Endpoint::decode(&raw)
+            .unwrap()
+            .socket
+    };
+    // A MAP request (kind 1) for the secret, as a peer that skipped the
+    // exchange would send it.
+    let map = ferry_tests::fuzz::shm::Msg {
+        kind: 1,
+        id: 1,
+        a: secret.as_ptr() as u64,
+        b: secret.len() as u64,
+    }
+    .encode()
+    .to_vec();
+    enum To<'a> {
+        Tcp(&'a str),
+        Unix(&'a [u8]),
+    }
     let mut tried = 0;
     let mut refused = 0;
-    for addr in [&control, &data] {
-        for a in &attempts {
+    for to in [To::Tcp(&control), To::Tcp(&data), To::Unix(&shm_socket)] {
+        for a in attempts.iter().chain([&map]) {
             tried += 1;
-            let mut s = TcpStream::connect(addr.as_str()).unwrap();
-            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-            let _ = s.write_all(a);
             let mut got = Vec::new();
-            let _ = s.read_to_end(&mut got);
-            // All a stranger may see: the 40-byte greeting and a verdict.
-            let leaked = got.len() > 80
+            match &to {
+                To::Tcp(addr) => {
+                    let mut s = TcpStream::connect(addr).unwrap();
+                    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                    let _ = s.write_all(a);
+                    let _ = s.read_to_end(&mut got);
+                }
+                To::Unix(name) => got = seqpacket_exchange(name, a),
+            }
+            // All a stranger may see: the 40-byte greeting (sent before
+            // anything is read) and a verdict.
+            let leaked = !got.starts_with(b"FRYA")
+                || got.len() > 80
                 || got.windows(4).any(|w| w == b"FRYC")
                 || got
                     .windows(16)
@@ -188,4 +218,70 @@ fn a_listener_other_hosts_can_reach_needs_a_token_or_an_explicit_off() {
         .set("auth_token_file", "/nonexistent/token")
         .unwrap_err();
     assert!(e.message.contains("/nonexistent/token"), "{e}");
+}
+
+/// Connects a SOCK_SEQPACKET socket (what the shm side channel listens on)
+/// to an abstract Unix name, sends `msg` and collects what comes back until
+/// the other end closes (or 5 s pass).
+fn seqpacket_exchange(name: &[u8], msg: &[u8]) -> Vec<u8> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // SAFETY: plain socket(2); the result is checked before use and owned.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) };
+    assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+    // SAFETY: fd is a fresh descriptor nobody else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: a zeroed sockaddr_un is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    assert!(name.len() < addr.sun_path.len());
+    for (d, s) in addr.sun_path[1..].iter_mut().zip(name) {
+        *d = *s as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + 1 + name.len();
+    let tv = libc::timeval {
+        tv_sec: 5,
+        tv_usec: 0,
+    };
+    // SAFETY: valid fd, address of `len` bytes, and a timeval of its size.
+    unsafe {
+        assert_eq!(
+            libc::connect(
+                fd.as_raw_fd(),
+                (&addr as *const libc::sockaddr_un).cast(),
+                len as libc::socklen_t
+            ),
+            0,
+            "connect: {}",
+            std::io::Error::last_os_error()
+        );
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&tv as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        );
+    }
+    // SAFETY: msg is valid for its length; a failed send is fine here (the
+    // peer may already have closed).
+    unsafe {
+        libc::send(
+            fd.as_raw_fd(),
+            msg.as_ptr().cast(),
+            msg.len(),
+            libc::MSG_NOSIGNAL,
+        )
+    };
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        // SAFETY: buf is valid for its length; ancillary data (passed
+        // descriptors) is not asked for, so none is received.
+        let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+        if n <= 0 {
+            break;
+        }
+        got.extend_from_slice(&buf[..n as usize]);
+    }
+    got
 }
