@@ -392,11 +392,10 @@ fn free_port() -> u16 {
 
 /// A peer restarted on the same control and data ports. Requests naming
 /// the old process's memory fail cleanly: CONNECTION (the data port now
-/// answers with another instance: "it restarted; refresh the segment, or
-/// close it and open it again"; opening the name again alone returns the
-/// same segment, still holding the old descriptor)
+/// answers with another instance: "it restarted; the next submit to it
+/// re-reads its descriptor (refresh the segment to do it now)")
 /// while the segment still holds the old descriptor, OUT_OF_BOUNDS once it
-/// was re-read. Requests naming memory the new process registered re-read
+/// was re-read (by the engine, on the submit after a failed connection). Requests naming memory the new process registered re-read
 /// the descriptor by themselves (a remote address outside the known
 /// buffers triggers it), see the new engine, drop the old connections and
 /// work: the same segment id is re-resolved, with no reopen needed.
@@ -434,8 +433,10 @@ fn peer_restarted() {
         old.child.kill().unwrap();
         old.child.wait().unwrap();
         let mut node = Node::start(100 + r as u64, LEN, control, data);
-        // Old memory, old descriptor: a clean failure, every time.
-        for _ in 0..3 {
+        // Old memory, old descriptor: a clean failure, every time; by the
+        // third try the engine has re-read the descriptor by itself (a
+        // failed connection marks the segment for a re-read).
+        for attempt in 0..3 {
             let err = write_to(old.inbox).unwrap_err();
             assert!(
                 matches!(err.code, ErrorCode::Connection | ErrorCode::OutOfBounds),
@@ -448,6 +449,9 @@ fn peer_restarted() {
                         || err.message.contains("the peer died"),
                     "{err}"
                 );
+            }
+            if attempt == 2 {
+                assert_eq!(err.code, ErrorCode::OutOfBounds, "not re-read: {err}");
             }
             // Opening the name again is the same segment (documented).
             assert_eq!(e.open_segment(&old.name).unwrap(), seg);

@@ -28,7 +28,7 @@ use ferry_plugins_abi::sys;
 use parking_lot::{Mutex, RwLock};
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -186,6 +186,9 @@ struct RemoteSegment {
     /// Idle staging sessions with this peer (slots it lent us for its
     /// device memory), each used by one job at a time.
     staging: Mutex<Vec<Arc<staging::RemoteStaging>>>,
+    /// A connection to the peer failed: the next submit re-reads the
+    /// descriptor first (the peer may have restarted with other memory).
+    stale: AtomicBool,
 }
 
 /// Why a transport was chosen, for logs and `ferry demo`.
@@ -1594,6 +1597,7 @@ impl Shared {
             peers: Mutex::new(HashMap::new()),
             verdicts: Mutex::new(HashMap::new()),
             staging: Mutex::new(Vec::new()),
+            stale: AtomicBool::new(false),
         });
         let mut segments = self.segments.write();
         // Another thread may have opened it meanwhile: keep one.
@@ -1847,8 +1851,16 @@ impl Shared {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::hash_map::Entry::Vacant(e) => {
                     let seg = self.segment(r.segment)?;
-                    let view = seg.view.read().clone();
-                    e.insert((seg, view, false))
+                    // After a failed connection, look again once: a
+                    // restarted peer's requests then fail (or succeed) on
+                    // its current memory, not on the old process's. A peer
+                    // still unreachable keeps the old view.
+                    let refreshed = seg.stale.swap(false, Ordering::Relaxed);
+                    let view = match refreshed.then(|| self.refresh(&seg)) {
+                        Some(Ok(v)) => v,
+                        _ => seg.view.read().clone(),
+                    };
+                    e.insert((seg, view, refreshed))
                 }
             };
             let mut view = slots.unwrap_or(&entry.1).clone();
@@ -2066,8 +2078,10 @@ impl Shared {
                 .and_then(|peer| self.transports[transport].submit(&peer, &raw));
             if let Err(e) = result {
                 if e.code == ErrorCode::Connection {
-                    // A broken peer handle is not reused.
+                    // A broken peer handle is not reused, and the next
+                    // submit re-reads the peer's descriptor.
                     seg.peers.lock().remove(&transport);
+                    seg.stale.store(true, Ordering::Relaxed);
                 }
                 log::debug!("segment {seg_id}: {e}");
                 for r in &raw {

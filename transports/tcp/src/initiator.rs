@@ -856,10 +856,11 @@ impl TcpPeer {
                 ErrorCode::Connection,
                 format!(
                     // Opening an open name returns the same segment: the
-                    // advice names what re-reads the descriptor.
+                    // advice names what re-reads the descriptor (the engine
+                    // also does on its next submit after this failure).
                     "tcp: {} at {} is not the engine whose segment was opened (it restarted); \
-                     refresh the segment, or close it and open it again, to use the new \
-                     engine's memory",
+                     the next submit to it re-reads its descriptor (refresh the segment to do \
+                     it now) and uses the new engine's memory",
                     self.name, self.addr
                 ),
             ));
