@@ -11,7 +11,7 @@
 //! fault, belong to that scenario alone.
 
 use ferry_core::{BatchStatus, Engine, EngineConfig, ErrorCode, Op, Request, SegmentId};
-use ferry_tests::{built, TargetProcess};
+use ferry_tests::{built, pattern, TargetProcess};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -41,19 +41,6 @@ fn engine(extra: &[(&str, &str)]) -> Engine {
         c.set(k, v).unwrap();
     }
     Engine::new(c).unwrap()
-}
-
-/// The same pattern as ferry-test-node's.
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 /// Open file descriptors and threads of this process.

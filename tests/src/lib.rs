@@ -271,3 +271,17 @@ pub fn fake_gpu_dir() -> tempfile::TempDir {
     .expect("copy the fake GPU plugin");
     dir
 }
+
+/// The test data of processes that check each other's memory
+/// (ferry-test-node, the fault suite): a xorshift stream from `seed`.
+pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}

@@ -14,20 +14,9 @@
 //! - `quit`
 
 use ferry_core::{Engine, EngineConfig, Op, Request};
+use ferry_tests::pattern;
 use std::collections::HashMap;
 use std::io::{BufRead, Write};
-
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
