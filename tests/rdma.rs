@@ -191,6 +191,33 @@ fn remote(e: &Engine, seg: SegmentId) -> (u64, u64) {
     (d.buffers[0].addr, d.buffers[0].len)
 }
 
+/// Registers a pattern of `len` bytes and a buffer as long (at `location`),
+/// writes the pattern to `raddr`, reads it back and checks it. Returns both,
+/// registered, so they outlive the checks that follow.
+fn round_trip(
+    e: &Engine,
+    seg: SegmentId,
+    raddr: u64,
+    len: u64,
+    seed: u8,
+    location: Option<Location>,
+    what: &str,
+) -> (Vec<u8>, Vec<u8>) {
+    let src = pattern(len as usize, seed);
+    let mut back = vec![0u8; len as usize];
+    e.register_memory(src.as_ptr() as u64, len, location)
+        .unwrap();
+    e.register_memory(back.as_mut_ptr() as u64, len, location)
+        .unwrap();
+    let (s, b) = (src.as_ptr() as u64, back.as_mut_ptr() as u64);
+    e.transfer_sync(&[Request::new(Op::Write, s, seg, raddr, len)])
+        .unwrap();
+    e.transfer_sync(&[Request::new(Op::Read, b, seg, raddr, len)])
+        .unwrap();
+    assert!(back == src, "{what}");
+    (src, back)
+}
+
 /// Bytes each local NIC carried to this segment, from the plugin's own
 /// description of the peer ("mlx5_0 1048576 B in 1 slices").
 fn carried(e: &Engine, seg: SegmentId, local: u64, raddr: u64) -> HashMap<String, u64> {
@@ -268,29 +295,15 @@ fn child_nics_follow_the_topology() {
     let seg = e.open_segment(&t.segment).unwrap();
     let (raddr, rlen) = remote(&e, seg);
     assert_eq!(rlen, 64 * MIB);
-    let src = pattern(rlen as usize, 1);
-    let mut dst = vec![0u8; rlen as usize];
-    e.register_memory(src.as_ptr() as u64, rlen, Some(Location::Cpu(0)))
-        .unwrap();
-    e.register_memory(dst.as_mut_ptr() as u64, rlen, Some(Location::Cpu(0)))
-        .unwrap();
-    e.transfer_sync(&[Request::new(
-        Op::Write,
-        src.as_ptr() as u64,
+    let (src, _back) = round_trip(
+        &e,
         seg,
         raddr,
         rlen,
-    )])
-    .unwrap();
-    e.transfer_sync(&[Request::new(
-        Op::Read,
-        dst.as_mut_ptr() as u64,
-        seg,
-        raddr,
-        rlen,
-    )])
-    .unwrap();
-    assert!(dst == src, "64 MiB written and read back over RDMA");
+        1,
+        Some(Location::Cpu(0)),
+        "64 MiB written and read back over RDMA",
+    );
     let by_nic = carried(&e, seg, src.as_ptr() as u64, raddr);
     assert_eq!(
         used(&by_nic),
@@ -370,30 +383,17 @@ fn child_nic_failure_mid_transfer() {
     let e = engine(&[]);
     let seg = e.open_segment(&t.segment).unwrap();
     let (raddr, rlen) = remote(&e, seg);
-    let src = pattern(rlen as usize, 7);
-    let mut dst = vec![0u8; rlen as usize];
-    e.register_memory(src.as_ptr() as u64, rlen, None).unwrap();
-    e.register_memory(dst.as_mut_ptr() as u64, rlen, None)
-        .unwrap();
     // mlx5_3's port goes down after its 4th work request, in the middle of
     // this write: its remaining slices move to the other NICs.
-    e.transfer_sync(&[Request::new(
-        Op::Write,
-        src.as_ptr() as u64,
+    let (src, _back) = round_trip(
+        &e,
         seg,
         raddr,
         rlen,
-    )])
-    .unwrap();
-    e.transfer_sync(&[Request::new(
-        Op::Read,
-        dst.as_mut_ptr() as u64,
-        seg,
-        raddr,
-        rlen,
-    )])
-    .unwrap();
-    assert!(dst == src, "every byte arrived despite the failure");
+        7,
+        None,
+        "every byte arrived despite the failure",
+    );
     let detail = e
         .route(seg, src.as_ptr() as u64, raddr, 1)
         .unwrap()
@@ -849,28 +849,7 @@ fn child_roce() {
         };
         let seg = e.open_segment(&t.segment).unwrap();
         let (raddr, rlen) = remote(&e, seg);
-        let src = pattern(rlen as usize, 21);
-        let mut back = vec![0u8; rlen as usize];
-        e.register_memory(src.as_ptr() as u64, rlen, None).unwrap();
-        e.register_memory(back.as_mut_ptr() as u64, rlen, None)
-            .unwrap();
-        e.transfer_sync(&[Request::new(
-            Op::Write,
-            src.as_ptr() as u64,
-            seg,
-            raddr,
-            rlen,
-        )])
-        .unwrap();
-        e.transfer_sync(&[Request::new(
-            Op::Read,
-            back.as_mut_ptr() as u64,
-            seg,
-            raddr,
-            rlen,
-        )])
-        .unwrap();
-        assert!(back == src);
+        let (src, _back) = round_trip(&e, seg, raddr, rlen, 21, None, "RoCE round trip");
         assert_eq!(
             used(&carried(&e, seg, src.as_ptr() as u64, raddr)),
             names(&["mlx5_1", "mlx5_2"])
@@ -965,29 +944,15 @@ fn child_hostile_messages() {
     let eng = engine(&[]);
     let seg = eng.open_segment(&t.segment).unwrap();
     let (raddr, _) = remote(&eng, seg);
-    let local = pattern(1 << 20, 4);
-    let mut back = vec![0u8; 1 << 20];
-    eng.register_memory(local.as_ptr() as u64, 1 << 20, None)
-        .unwrap();
-    eng.register_memory(back.as_mut_ptr() as u64, 1 << 20, None)
-        .unwrap();
-    eng.transfer_sync(&[Request::new(
-        Op::Write,
-        local.as_ptr() as u64,
+    round_trip(
+        &eng,
         seg,
         raddr,
         1 << 20,
-    )])
-    .unwrap();
-    eng.transfer_sync(&[Request::new(
-        Op::Read,
-        back.as_mut_ptr() as u64,
-        seg,
-        raddr,
-        1 << 20,
-    )])
-    .unwrap();
-    assert!(back == local);
+        4,
+        None,
+        "served after hostile messages",
+    );
 }
 
 fn info(env: &[(String, String)]) -> (String, serde_json::Value) {
