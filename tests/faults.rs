@@ -11,7 +11,7 @@
 //! fault, belong to that scenario alone.
 
 use ferry_core::{BatchStatus, Engine, EngineConfig, ErrorCode, Op, Request, SegmentId};
-use ferry_tests::{built, pattern, TargetProcess};
+use ferry_tests::{built, free_port, pattern, TargetProcess};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -367,14 +367,6 @@ impl Drop for Node {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// A peer restarted on the same control and data ports. Requests naming

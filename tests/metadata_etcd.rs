@@ -7,9 +7,8 @@
 //! Each bounded wait below is a hang guard, not a timing assertion: the
 //! lease TTL is 2 s and the guards allow many times that.
 
-use ferry_tests::{built, ferry_bin};
+use ferry_tests::{built, ferry_bin, free_port};
 use std::io::{BufRead, BufReader, Write};
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
@@ -17,14 +16,6 @@ use std::time::{Duration, Instant};
 
 const TTL_S: &str = "2";
 const LEN: usize = 1 << 20;
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// An etcd server on loopback with its own data directory.
 struct Etcd {

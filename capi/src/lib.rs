@@ -18,7 +18,6 @@ use ferry_plugins_abi::sys;
 use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Once;
 use std::time::Duration;
 
 /// A status code: FERRY_OK (0) or a negative FERRY_ERR_* from ferry/plugin.h.
@@ -109,18 +108,6 @@ macro_rules! ffi_boundary {
             Err(e) => fail(e),
         }
     }};
-}
-
-static LOGGER: Once = Once::new();
-
-/// Starts logging to stderr once, filtered by FERRY_LOG (default: warn).
-fn init_logging() {
-    LOGGER.call_once(|| {
-        let _ =
-            env_logger::Builder::from_env(env_logger::Env::new().filter_or("FERRY_LOG", "warn"))
-                .format_timestamp_millis()
-                .try_init();
-    });
 }
 
 /// # Safety
@@ -228,7 +215,7 @@ pub extern "C" fn ferry_version() -> *const c_char {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ferry_config_new(out: *mut *mut ferry_config) -> ferry_status_t {
     ffi_boundary!({
-        init_logging();
+        ferry_core::init_logging();
         if out.is_null() {
             return Err(invalid("out"));
         }
@@ -286,7 +273,7 @@ pub unsafe extern "C" fn ferry_engine_new(
     out: *mut *mut ferry_engine,
 ) -> ferry_status_t {
     ffi_boundary!({
-        init_logging();
+        ferry_core::init_logging();
         if out.is_null() {
             return Err(invalid("out"));
         }
@@ -724,7 +711,7 @@ pub unsafe extern "C" fn ferry_info_json(
     len: *mut usize,
 ) -> ferry_status_t {
     ffi_boundary!({
-        init_logging();
+        ferry_core::init_logging();
         let topology = ferry_core::topology::Topology::discover(
             &ferry_core::topology::TopologyConfig::from_env(),
         )

@@ -198,9 +198,7 @@ fn parse_location(s: &str) -> Result<Location, String> {
 }
 
 fn main() -> ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::new().filter_or("FERRY_LOG", "warn"))
-        .format_timestamp_millis()
-        .init();
+    ferry_core::init_logging();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Info { json } => info(json),

@@ -50,3 +50,18 @@ use std::sync::Arc;
 pub fn load_plugins(config: &loader::LoaderConfig, host: host::CoreHost) -> loader::PluginSet {
     loader::PluginSet::load(config, Arc::new(host))
 }
+
+/// Logging to stderr, filtered by FERRY_LOG (env_logger syntax, default
+/// `warn`), with millisecond timestamps: what the `ferry` binary, the C
+/// API, the Python module and the test programs set up. Once per process;
+/// a logger the application installed first stays (this one is then not
+/// installed).
+pub fn init_logging() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let _ =
+            env_logger::Builder::from_env(env_logger::Env::new().filter_or("FERRY_LOG", "warn"))
+                .format_timestamp_millis()
+                .try_init();
+    });
+}

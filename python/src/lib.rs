@@ -13,7 +13,6 @@
 //! that serves the tarball's `<prefix>/lib/libferry.so`.
 
 use pyo3::prelude::*;
-use std::sync::Once;
 
 mod buffer;
 mod engine;
@@ -44,19 +43,6 @@ pub(crate) fn invalid(py: Python<'_>, message: impl Into<String>) -> PyErr {
         py,
         ferry_core::Error::new(ferry_core::ErrorCode::InvalidArgument, message),
     )
-}
-
-static LOGGER: Once = Once::new();
-
-/// Logging to stderr, filtered by FERRY_LOG (default warn), as the CLI and
-/// the C API do.
-fn init_logging() {
-    LOGGER.call_once(|| {
-        let _ =
-            env_logger::Builder::from_env(env_logger::Env::new().filter_or("FERRY_LOG", "warn"))
-                .format_timestamp_millis()
-                .try_init();
-    });
 }
 
 /// What `ferry info` prints, as (text, JSON): the plugin search path, every
@@ -114,7 +100,7 @@ fn plugin_search_path() -> Vec<(String, String, bool)> {
 
 #[pymodule]
 fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    init_logging();
+    ferry_core::init_logging();
     m.add("__version__", ferry_core::info::FERRY_VERSION)?;
     m.add("FerryError", m.py().get_type::<FerryError>())?;
     m.add_class::<engine::NativeEngine>()?;

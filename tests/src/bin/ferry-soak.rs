@@ -305,7 +305,7 @@ fn run(engine: &Engine, reqs: &[Request], timeout: Duration) -> Result<(), Strin
 }
 
 fn main() {
-    env_logger::Builder::from_env(env_logger::Env::new().filter_or("FERRY_LOG", "warn")).init();
+    ferry_core::init_logging();
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("target") {
         let len = args

@@ -27,7 +27,7 @@ fn main() {
         eprintln!("usage: ferry-test-node SEED BYTES");
         std::process::exit(2);
     };
-    env_logger::Builder::from_env(env_logger::Env::new().filter_or("FERRY_LOG", "warn")).init();
+    ferry_core::init_logging();
     let config = match EngineConfig::from_env() {
         Ok(c) => c,
         Err(e) => {
