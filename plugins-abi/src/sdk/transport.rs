@@ -259,6 +259,15 @@ unsafe fn instance<'a, P: TransportPlugin>(instance: *mut c_void) -> PluginResul
 }
 
 /// # Safety
+/// `peer` is null or what connect returned for this plugin, not yet
+/// disconnected.
+unsafe fn peer_of<'a, P: TransportPlugin>(peer: *mut c_void) -> PluginResult<&'a PeerOf<P>> {
+    // SAFETY: connect boxed a PeerOf<P> behind this pointer; it lives until
+    // disconnect.
+    unsafe { peer.cast::<PeerOf<P>>().cast_const().as_ref() }.ok_or_else(|| invalid("peer"))
+}
+
+/// # Safety
 /// Called by the host through the table with the contract of plugin.h.
 pub unsafe extern "C" fn transport_probe_trampoline<P: TransportPlugin>(
     host: *const sys::ferry_host_services_t,
@@ -454,11 +463,7 @@ pub unsafe extern "C" fn submit_trampoline<P: TransportPlugin>(
     // peer from connect, both for the duration of the call.
     unsafe {
         boundary(err, || {
-            let peer = peer
-                .cast::<PeerOf<P>>()
-                .cast_const()
-                .as_ref()
-                .ok_or_else(|| invalid("peer"))?;
+            let peer = peer_of::<P>(peer)?;
             if requests.is_null() && count > 0 {
                 return Err(invalid("requests"));
             }
@@ -507,11 +512,7 @@ pub unsafe extern "C" fn describe_peer_trampoline<P: TransportPlugin>(
     // SAFETY: pointers per the contract.
     unsafe {
         boundary(err, || {
-            let peer = peer
-                .cast::<PeerOf<P>>()
-                .cast_const()
-                .as_ref()
-                .ok_or_else(|| invalid("peer"))?;
+            let peer = peer_of::<P>(peer)?;
             let text = instance::<P>(inst)?.describe_peer(peer).unwrap_or_default();
             let mut data = text.into_bytes();
             data.push(0);
@@ -589,11 +590,7 @@ pub unsafe extern "C" fn accepts_trampoline<P: TransportPlugin>(
     // SAFETY: pointers per the contract.
     unsafe {
         boundary(err, || {
-            let peer = peer
-                .cast::<PeerOf<P>>()
-                .cast_const()
-                .as_ref()
-                .ok_or_else(|| invalid("peer"))?;
+            let peer = peer_of::<P>(peer)?;
             instance::<P>(inst)?.accepts(peer, bytes(key, key_len))
         })
     }
