@@ -1,6 +1,7 @@
 //! The services Ferry offers plugins (logging, configuration, topology),
 //! implemented over the engine's configuration and discovered topology.
 
+use crate::counters::PluginCounters;
 use crate::topology::{LinkState, NicKind, Topology};
 use ferry_loader::{config_env_var, HostServices};
 use ferry_plugins_abi::sdk::Nic;
@@ -21,6 +22,8 @@ pub struct CoreHost {
     aliases: Arc<RwLock<HashMap<String, String>>>,
     /// The engine these services belong to (for plugin messaging).
     engine: Option<EngineLink>,
+    /// What plugins count through the `count` service.
+    counters: Arc<PluginCounters>,
 }
 
 /// What plugin messaging needs to know about its engine.
@@ -41,7 +44,13 @@ impl CoreHost {
             topology,
             aliases: Arc::default(),
             engine: None,
+            counters: Arc::default(),
         }
+    }
+
+    /// What plugins counted through the `count` service, so far.
+    pub fn plugin_counters(&self) -> &Arc<PluginCounters> {
+        &self.counters
     }
 
     /// Services of engine `name`: plugin messages go out under that name,
@@ -95,6 +104,10 @@ pub fn abi_nic(nic: &crate::topology::Nic, path_class: u32) -> Nic {
 }
 
 impl HostServices for CoreHost {
+    fn count(&self, plugin: &str, name: &str, device: Option<&str>, delta: u64) {
+        self.counters.add(plugin, name, device, delta);
+    }
+
     fn config(&self, key: &str) -> Option<String> {
         self.settings
             .get(key)

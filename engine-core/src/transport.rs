@@ -325,6 +325,9 @@ impl Transport {
             },
             reserved: 0,
             dmabuf_offset: r.dmabuf.map_or(0, |(_, off)| off),
+            share_fd: -1,
+            reserved2: 0,
+            share_offset: 0,
         };
         let mut handle = 0u64;
         let key = sized_output(|buf, cap, out_len| {
@@ -530,6 +533,42 @@ impl Transport {
             Ok(())
         } else {
             Err(err.error(&self.name, "accepts", status))
+        }
+    }
+
+    /// Whether the plugin serves requests between the local buffer it gave
+    /// `local_mem` for and this peer's buffer with `key`: its
+    /// `accepts_pair` (ABI 1.2) where it has one, else [`Transport::accepts`].
+    pub fn accepts_pair(&self, peer: &PeerHandle, local_mem: u64, key: &[u8]) -> Result<()> {
+        let table = self.table();
+        let f =
+            if ferry_plugins_abi::has_field!(table, sys::ferry_transport_plugin_v1_t, accepts_pair)
+            {
+                table.accepts_pair
+            } else {
+                None
+            };
+        let Some(f) = f else {
+            return self.accepts(peer, key);
+        };
+        let mut err = ErrBuf::new();
+        let mut raw = err.raw();
+        // SAFETY: peer from connect; key valid for its length; local_mem is
+        // the plugin's own handle, passed back as an integer.
+        let status = unsafe {
+            f(
+                self.instance,
+                peer.handle,
+                local_mem,
+                key.as_ptr(),
+                key.len(),
+                &mut raw,
+            )
+        };
+        if status == sys::FERRY_OK {
+            Ok(())
+        } else {
+            Err(err.error(&self.name, "accepts_pair", status))
         }
     }
 

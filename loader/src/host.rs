@@ -48,6 +48,13 @@ pub trait HostServices: Send + Sync {
             "plugin messaging needs an engine (this host has none)".into(),
         ))
     }
+
+    /// A plugin's counter: adds `delta` to counter `name` of `plugin`, for
+    /// `device` (or none). `name` is already checked (`[a-z0-9_]`, at most
+    /// 63 bytes). The default (no engine) keeps nothing.
+    fn count(&self, plugin: &str, name: &str, device: Option<&str>, delta: u64) {
+        let _ = (plugin, name, device, delta);
+    }
 }
 
 /// The environment variable a config key maps to: `tcp.connections` ->
@@ -114,6 +121,7 @@ impl ServicesTable {
             config_get: Some(svc_config_get),
             topo_nics: Some(svc_topo_nics),
             peer_request: Some(svc_peer_request),
+            count: Some(svc_count),
         });
         ServicesTable { table, _ctx: ctx }
     }
@@ -374,5 +382,62 @@ mod tests {
         let mut buf = [1 as c_char; 4];
         fill_fixed(&mut buf, "abcdef");
         assert_eq!(buf, [b'a' as c_char, b'b' as c_char, b'c' as c_char, 0]);
+    }
+}
+
+/// Whether `name` is a counter name plugins may use: `[a-z0-9_]`, 1 to 63 bytes.
+fn valid_counter_name(name: &str) -> bool {
+    (1..=63).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+}
+
+unsafe extern "C" fn svc_count(
+    ctx: *mut c_void,
+    name: *const c_char,
+    device: *const c_char,
+    delta: u64,
+) {
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: ctx is the HostCtx this table was built with (or null).
+        let Some(ctx) = (unsafe { ctx.cast::<HostCtx>().as_ref() }) else {
+            return;
+        };
+        if name.is_null() {
+            return;
+        }
+        // SAFETY: name is a NUL-terminated string per the ABI.
+        let Ok(name) = unsafe { CStr::from_ptr(name) }.to_str() else {
+            return;
+        };
+        if !valid_counter_name(name) {
+            return;
+        }
+        let device = if device.is_null() {
+            None
+        } else {
+            // SAFETY: device is a NUL-terminated string per the ABI.
+            match unsafe { CStr::from_ptr(device) }.to_str() {
+                Ok(d) if d.len() <= 63 && !d.bytes().any(|b| b.is_ascii_control()) => Some(d),
+                _ => return,
+            }
+        };
+        ctx.host.count(&ctx.plugin, name, device, delta);
+    }));
+}
+
+#[cfg(test)]
+mod counter_name_tests {
+    use super::valid_counter_name;
+
+    #[test]
+    fn counter_names_are_checked() {
+        assert!(valid_counter_name("nic_pauses"));
+        assert!(valid_counter_name("retries2"));
+        assert!(!valid_counter_name(""));
+        assert!(!valid_counter_name("Pauses"));
+        assert!(!valid_counter_name("a b"));
+        assert!(!valid_counter_name(&"x".repeat(64)));
     }
 }

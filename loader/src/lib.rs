@@ -99,6 +99,16 @@ pub struct DeviceReport {
     pub numa: Option<i32>,
     pub detail: Option<String>,
     pub memory: Vec<String>,
+    /// The `FERRY_MEM_*` bits behind `memory`.
+    #[serde(skip)]
+    pub mem_bits: u64,
+    /// What the device sustains for one peer, Mbit/s, as the plugin declared
+    /// it (ABI 1.2); `None`: not declared.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bandwidth_mbps: Option<u64>,
+    /// A small request's completion time, ns, as declared (ABI 1.2).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub latency_ns: Option<u32>,
 }
 
 /// A capability the host lacks, with the plugin's reason.
@@ -921,9 +931,13 @@ unsafe extern "C" fn sink_add_device(ctx: *mut c_void, device: *const sys::ferry
         let (Some(f), Some(d)) = (unsafe { findings(ctx) }, unsafe { device.as_ref() }) else {
             return;
         };
-        if (d.struct_size as usize) < std::mem::size_of::<sys::ferry_probe_device_t>() {
+        // ABI 1.0 devices end at mem_kinds; the 1.2 fields are read only
+        // when the plugin's struct covers them.
+        let covers = |end: usize| d.struct_size as usize >= end;
+        if !covers(std::mem::offset_of!(sys::ferry_probe_device_t, mem_kinds) + 8) {
             return;
         }
+        let declared = covers(std::mem::offset_of!(sys::ferry_probe_device_t, latency_ns) + 4);
         // SAFETY: the device's strings are null or C strings per the ABI.
         let name = unsafe { sink_str(d.name) };
         let Some(name) = name else { return };
@@ -935,6 +949,9 @@ unsafe extern "C" fn sink_add_device(ctx: *mut c_void, device: *const sys::ferry
             // SAFETY: as above.
             detail: unsafe { sink_str(d.detail) },
             memory: caps::mem_kind_names(d.mem_kinds),
+            mem_bits: d.mem_kinds,
+            bandwidth_mbps: (declared && d.bandwidth_mbps > 0).then_some(d.bandwidth_mbps),
+            latency_ns: (declared && d.latency_ns > 0).then_some(d.latency_ns),
         };
         let mut f = f.lock().unwrap_or_else(|e| e.into_inner());
         if f.devices.len() < MAX_PROBE_ITEMS {

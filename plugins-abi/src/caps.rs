@@ -2,11 +2,12 @@
 
 use crate::sys;
 
-const MEM_NAMES: [(u64, &str); 4] = [
+const MEM_NAMES: [(u64, &str); 5] = [
     (sys::FERRY_MEM_HOST, "host"),
     (sys::FERRY_MEM_CUDA_STAGED, "cuda-staged"),
     (sys::FERRY_MEM_CUDA_DMABUF, "cuda-dmabuf"),
     (sys::FERRY_MEM_CUDA_PEERMEM, "cuda-peermem"),
+    (sys::FERRY_MEM_CUDA_IPC, "cuda-ipc"),
 ];
 
 const SCOPE_NAMES: [(u32, &str); 3] = [

@@ -10,7 +10,7 @@ use std::ffi::c_char;
 use std::ffi::c_void;
 
 pub const FERRY_PLUGIN_ABI_MAJOR: u16 = 1;
-pub const FERRY_PLUGIN_ABI_MINOR: u16 = 1;
+pub const FERRY_PLUGIN_ABI_MINOR: u16 = 2;
 
 pub type ferry_status_t = i32;
 
@@ -69,6 +69,7 @@ pub const FERRY_MEM_HOST: u64 = 1 << 0;
 pub const FERRY_MEM_CUDA_STAGED: u64 = 1 << 1;
 pub const FERRY_MEM_CUDA_DMABUF: u64 = 1 << 2;
 pub const FERRY_MEM_CUDA_PEERMEM: u64 = 1 << 3;
+pub const FERRY_MEM_CUDA_IPC: u64 = 1 << 4;
 
 pub const FERRY_SCOPE_SAME_PROCESS: u32 = 1 << 0;
 pub const FERRY_SCOPE_SAME_HOST: u32 = 1 << 1;
@@ -144,6 +145,15 @@ pub struct ferry_host_services_t {
             err: *mut ferry_errbuf_t,
         ) -> ferry_status_t,
     >,
+    // ABI 1.2
+    pub count: Option<
+        unsafe extern "C" fn(
+            ctx: *mut c_void,
+            name: *const c_char,
+            device: *const c_char,
+            delta: u64,
+        ),
+    >,
 }
 
 /// The largest plugin message, request or reply.
@@ -157,6 +167,10 @@ pub struct ferry_probe_device_t {
     pub pci_bus_id: *const c_char,
     pub detail: *const c_char,
     pub mem_kinds: u64,
+    // ABI 1.2
+    pub bandwidth_mbps: u64,
+    pub latency_ns: u32,
+    pub reserved: u32,
 }
 
 #[repr(C)]
@@ -214,6 +228,10 @@ pub struct ferry_mem_region_t {
     pub reserved: u32,
     // ABI 1.1
     pub dmabuf_offset: u64,
+    // ABI 1.2
+    pub share_fd: i32,
+    pub reserved2: u32,
+    pub share_offset: u64,
 }
 
 pub const FERRY_REGION_LOCAL_ONLY: u32 = 1 << 0;
@@ -349,6 +367,17 @@ pub struct ferry_transport_plugin_v1_t {
             reply: *mut u8,
             reply_cap: usize,
             reply_len: *mut usize,
+            err: *mut ferry_errbuf_t,
+        ) -> ferry_status_t,
+    >,
+    // ABI 1.2
+    pub accepts_pair: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            peer_handle: *mut c_void,
+            local_mem: u64,
+            remote_key: *const u8,
+            key_len: usize,
             err: *mut ferry_errbuf_t,
         ) -> ferry_status_t,
     >,

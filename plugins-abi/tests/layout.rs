@@ -51,13 +51,24 @@ fn rust_layouts() -> Vec<Layout> {
                 log_enabled,
                 config_get,
                 topo_nics,
-                peer_request
+                peer_request,
+                count
             ]
         ),
         layout!(
             "ferry_probe_device_t",
             ferry_probe_device_t,
-            [struct_size, numa_node, name, pci_bus_id, detail, mem_kinds]
+            [
+                struct_size,
+                numa_node,
+                name,
+                pci_bus_id,
+                detail,
+                mem_kinds,
+                bandwidth_mbps,
+                latency_ns,
+                reserved
+            ]
         ),
         layout!(
             "ferry_probe_sink_t",
@@ -90,7 +101,10 @@ fn rust_layouts() -> Vec<Layout> {
                 dmabuf_fd,
                 flags,
                 reserved,
-                dmabuf_offset
+                dmabuf_offset,
+                share_fd,
+                reserved2,
+                share_offset
             ]
         ),
         layout!(
@@ -135,7 +149,8 @@ fn rust_layouts() -> Vec<Layout> {
                 allocate_memory,
                 free_memory,
                 accepts,
-                on_peer_request
+                on_peer_request,
+                accepts_pair
             ]
         ),
         layout!(
@@ -224,6 +239,7 @@ fn rust_constants() -> Vec<(&'static str, i128)> {
         FERRY_MEM_CUDA_STAGED,
         FERRY_MEM_CUDA_DMABUF,
         FERRY_MEM_CUDA_PEERMEM,
+        FERRY_MEM_CUDA_IPC,
         FERRY_SCOPE_SAME_PROCESS,
         FERRY_SCOPE_SAME_HOST,
         FERRY_SCOPE_CROSS_HOST,

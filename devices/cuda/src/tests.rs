@@ -69,6 +69,7 @@ fn host(library: Option<&Path>) -> &'static sys::ferry_host_services_t {
         config_get: Some(host_config),
         topo_nics: None,
         peer_request: None,
+        count: None,
     }))
 }
 

@@ -53,7 +53,7 @@ extern "C" {
 #endif
 
 #define FERRY_PLUGIN_ABI_MAJOR 1
-#define FERRY_PLUGIN_ABI_MINOR 1
+#define FERRY_PLUGIN_ABI_MINOR 2
 
 /* ------------------------------------------------------------------------ */
 /* Status codes (shared with the public C API in ferry.h)                    */
@@ -145,6 +145,9 @@ static inline ferry_status_t ferry_errorf(ferry_errbuf_t *err, ferry_status_t co
 #define FERRY_MEM_CUDA_STAGED (1ull << 1)  /* CUDA memory, through host staging buffers */
 #define FERRY_MEM_CUDA_DMABUF (1ull << 2)  /* CUDA memory, registered through DMA-BUF */
 #define FERRY_MEM_CUDA_PEERMEM (1ull << 3) /* CUDA memory, registered through nvidia-peermem */
+/* ABI 1.2: CUDA memory moved directly between processes of one host (CUDA IPC
+ * handles or VMM shareable fds, copied by the GPU's copy engines). */
+#define FERRY_MEM_CUDA_IPC (1ull << 4)
 
 /* Where the peer of a transport may be (bit set). */
 #define FERRY_SCOPE_SAME_PROCESS (1u << 0)
@@ -234,6 +237,16 @@ typedef struct ferry_host_services {
     ferry_status_t (*peer_request)(void *ctx, const char *peer, const uint8_t *body,
                                    size_t body_len, uint8_t *reply, size_t reply_cap,
                                    size_t *reply_len, ferry_errbuf_t *err);
+
+    /* --- ABI 1.2 (check with FERRY_HAS_FIELD) --- */
+
+    /* Adds delta to this plugin's counter `name` ("nic_pauses", "retries",
+     * "refused_unauthenticated"), for one of its devices ("mlx5_0") or NULL
+     * for none. Names are [a-z0-9_], at most 63 bytes; the engine exports
+     * each as ferry_plugin_<name>_total, labelled with the transport and the
+     * device. Cheap (no allocation once a counter exists), callable from any
+     * thread, never fails; a malformed name is ignored. */
+    void (*count)(void *ctx, const char *name, const char *device, uint64_t delta);
 } ferry_host_services_t;
 
 /* The largest plugin message, request or reply (see peer_request). */
@@ -251,7 +264,16 @@ typedef struct ferry_probe_device {
     const char *name;     /* required: "mlx5_0", "eth0", "cuda:0" */
     const char *pci_bus_id; /* optional */
     const char *detail;     /* optional: "RoCE v2, port 1 ACTIVE, 200 Gb/s" */
-    uint64_t mem_kinds;     /* FERRY_MEM_* this device can serve */
+    uint64_t mem_kinds;     /* FERRY_MEM_* this device can serve: the bits it moves
+                             * directly (FERRY_MEM_HOST, _CUDA_DMABUF, _CUDA_PEERMEM,
+                             * _CUDA_IPC), or FERRY_MEM_CUDA_STAGED for device memory
+                             * it moves only through host staging buffers */
+    /* --- ABI 1.2 (the host reads these only when struct_size covers them) --- */
+    uint64_t bandwidth_mbps; /* what this device sustains for one peer, in Mbit/s
+                              * (a 400 Gbit/s NIC: 400000); 0: unknown, and the host
+                              * assumes a conservative figure for the plugin's scope */
+    uint32_t latency_ns;     /* a small request's completion time, in ns; 0: unknown */
+    uint32_t reserved;       /* 0 */
 } ferry_probe_device_t;
 
 /* Where probe reports its findings. The host copies every string. */
@@ -321,6 +343,12 @@ typedef struct ferry_mem_region {
     uint64_t dmabuf_offset; /* addr's offset inside the dmabuf_fd's buffer: register with
                              * ibv_reg_dmabuf_mr(pd, dmabuf_offset, len, iova = addr,
                              * dmabuf_fd, access) */
+    /* --- ABI 1.2 (check struct_size) --- */
+    int32_t share_fd;       /* host memory the engine allocated: a file (memfd) holding
+                             * it that same-host peers may map, owned by the engine
+                             * (dup it to keep it past unregister_memory); else -1 */
+    uint32_t reserved2;     /* 0 */
+    uint64_t share_offset;  /* addr's offset inside share_fd */
 } ferry_mem_region_t;
 
 /* The engine uses the region only as a local buffer (e.g. a staging buffer):
@@ -429,6 +457,18 @@ typedef struct ferry_transport_plugin_v1 {
     ferry_status_t (*on_peer_request)(void *instance, const char *from, const uint8_t *body,
                                       size_t body_len, uint8_t *reply, size_t reply_cap,
                                       size_t *reply_len, ferry_errbuf_t *err);
+
+    /* --- ABI 1.2 (the host checks struct_size) --- */
+
+    /* Optional: like accepts, for one pair of buffers: whether requests between
+     * the local buffer `local_mem` (a handle from register_memory) and the
+     * peer's buffer with this key can be served: FERRY_OK, or
+     * FERRY_ERR_UNAVAILABLE with the reason (a copy-engine transport that moves
+     * device memory, asked for two host buffers). The engine asks once per
+     * pair and, where it is set, instead of accepts. */
+    ferry_status_t (*accepts_pair)(void *instance, void *peer_handle, uint64_t local_mem,
+                                   const uint8_t *remote_key, size_t key_len,
+                                   ferry_errbuf_t *err);
 } ferry_transport_plugin_v1_t;
 
 #define FERRY_TRANSPORT_PLUGIN_V1_SYMBOL "ferry_transport_plugin_v1"

@@ -23,7 +23,7 @@ use crate::status::ErrorCode;
 use crate::sys;
 use std::any::Any;
 use std::cell::{Cell, RefCell};
-use std::ffi::{c_char, CString};
+use std::ffi::{c_char, CStr, CString};
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Once;
 
@@ -280,6 +280,26 @@ impl<'a> Host<'a> {
 }
 
 impl Host<'_> {
+    /// Adds `delta` to this plugin's counter `name` (`[a-z0-9_]`), for one
+    /// of its devices or none. A no-op on hosts older than ABI 1.2.
+    pub fn count(&self, name: &CStr, device: Option<&CStr>, delta: u64) {
+        if !has_field!(self.raw, sys::ferry_host_services_t, count) {
+            return;
+        }
+        if let Some(count) = self.raw.count {
+            // SAFETY: name and device are NUL-terminated and outlive the
+            // call; the host copies what it keeps.
+            unsafe {
+                count(
+                    self.raw.ctx,
+                    name.as_ptr(),
+                    device.map_or(std::ptr::null(), CStr::as_ptr),
+                    delta,
+                )
+            }
+        }
+    }
+
     /// Plugin messaging: sends `body` to the transport of the same name in
     /// the engine serving segment `peer` and returns its reply (both at most
     /// [`sys::FERRY_PEER_MSG_MAX`] bytes). Blocks up to the engine's timeout.
@@ -386,6 +406,10 @@ pub struct ProbeDevice<'s> {
     pub numa_node: Option<u32>,
     pub detail: Option<&'s str>,
     pub mem_kinds: u64,
+    /// What this device sustains for one peer, in Mbit/s; 0: unknown.
+    pub bandwidth_mbps: u64,
+    /// A small request's completion time, in ns; 0: unknown.
+    pub latency_ns: u32,
 }
 
 /// Safe view of the probe sink: where a probe reports what it found.
@@ -426,6 +450,9 @@ impl<'a> ProbeReport<'a> {
             pci_bus_id: pci.as_ref().map_or(std::ptr::null(), |p| p.as_ptr()),
             detail: detail.as_ref().map_or(std::ptr::null(), |d| d.as_ptr()),
             mem_kinds: device.mem_kinds,
+            bandwidth_mbps: device.bandwidth_mbps,
+            latency_ns: device.latency_ns,
+            reserved: 0,
         };
         // SAFETY: every pointer in raw refers to a CString that lives until
         // after the call; the host copies what it keeps.

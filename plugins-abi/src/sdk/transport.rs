@@ -55,6 +55,10 @@ pub struct MemRegion {
     pub dmabuf_offset: u64,
     /// Only a local buffer: peers must not reach it.
     pub local_only: bool,
+    /// Host memory the engine allocated: a file (memfd) holding it that
+    /// same-host peers may map, owned by the engine (dup it to keep it), and
+    /// `addr`'s offset inside it (ABI 1.2).
+    pub share_fd: Option<(i32, u64)>,
 }
 
 /// The outcome of registering a buffer.
@@ -167,6 +171,17 @@ pub trait TransportInstance: Send + Sync + 'static {
     /// `ErrorCode::Unavailable` and the reason (the engine routes elsewhere).
     fn accepts(&self, _peer: &Self::Peer, _remote_key: &[u8]) -> PluginResult<()> {
         Ok(())
+    }
+    /// Whether requests between the local buffer `local_mem` (a handle from
+    /// `register_memory`) and the peer's buffer with this key can be
+    /// served. The default asks [`TransportInstance::accepts`].
+    fn accepts_pair(
+        &self,
+        peer: &Self::Peer,
+        _local_mem: u64,
+        remote_key: &[u8],
+    ) -> PluginResult<()> {
+        self.accepts(peer, remote_key)
     }
     /// Frees memory from [`TransportInstance::allocate_memory`].
     fn free_memory(&self, _addr: u64) -> PluginResult<()> {
@@ -383,6 +398,14 @@ pub unsafe extern "C" fn register_trampoline<P: TransportPlugin>(
                     0
                 },
                 local_only: r.flags & sys::FERRY_REGION_LOCAL_ONLY != 0,
+                share_fd: if r.struct_size as usize
+                    >= std::mem::offset_of!(sys::ferry_mem_region_t, share_offset) + 8
+                    && r.share_fd >= 0
+                {
+                    Some((r.share_fd, r.share_offset))
+                } else {
+                    None
+                },
             };
             let reg = instance::<P>(inst)?.register_memory(&region)?;
             *handle = reg.handle;
@@ -598,6 +621,25 @@ pub unsafe extern "C" fn accepts_trampoline<P: TransportPlugin>(
 
 /// # Safety
 /// As [`transport_probe_trampoline`].
+pub unsafe extern "C" fn accepts_pair_trampoline<P: TransportPlugin>(
+    inst: *mut c_void,
+    peer: *mut c_void,
+    local_mem: u64,
+    key: *const u8,
+    key_len: usize,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract.
+    unsafe {
+        boundary(err, || {
+            let peer = peer_of::<P>(peer)?;
+            instance::<P>(inst)?.accepts_pair(peer, local_mem, bytes(key, key_len))
+        })
+    }
+}
+
+/// # Safety
+/// As [`transport_probe_trampoline`].
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn on_peer_request_trampoline<P: TransportPlugin>(
     inst: *mut c_void,
@@ -651,6 +693,7 @@ pub const fn transport_table_v1<P: TransportPlugin>() -> sys::ferry_transport_pl
         free_memory: Some(free_trampoline::<P>),
         accepts: Some(accepts_trampoline::<P>),
         on_peer_request: Some(on_peer_request_trampoline::<P>),
+        accepts_pair: Some(accepts_pair_trampoline::<P>),
     }
 }
 
@@ -672,6 +715,7 @@ pub const fn transport_table_v1_probe_only<P: TransportPlugin>() -> sys::ferry_t
         free_memory: None,
         accepts: None,
         on_peer_request: None,
+        accepts_pair: None,
         ..transport_table_v1::<P>()
     }
 }

@@ -181,6 +181,7 @@ impl TransportPlugin for RdmaTransport {
                 numa_node: topo_nic.and_then(|n| n.numa_node),
                 detail: Some(&detail),
                 mem_kinds: kinds,
+                ..Default::default()
             });
             if port.is_none() {
                 down.push(name.clone());

@@ -71,6 +71,7 @@ impl ferry_plugins_abi::sdk::TransportPlugin for TcpTransport {
                 numa_node: nic.and_then(|n| n.numa_node),
                 detail: Some(&detail),
                 mem_kinds: sys::FERRY_MEM_HOST,
+                ..Default::default()
             });
         }
         if !interfaces.iter().any(|i| !i.loopback) {
