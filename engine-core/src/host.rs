@@ -9,6 +9,10 @@ use parking_lot::RwLock;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+/// Segment name -> control address ("host:port"): filled by the engine as
+/// it opens segments, read by plugin messaging to reach a peer by name.
+pub type PeerControls = Arc<RwLock<HashMap<String, String>>>;
+
 /// Host services backed by explicit settings, then the environment, and by
 /// the topology when one was discovered.
 #[derive(Clone, Debug, Default)]
@@ -29,7 +33,7 @@ struct EngineLink {
     name: String,
     link: crate::control::Link,
     /// Segment names -> control addresses, as the engine opened them.
-    peers: crate::engine::PeerControls,
+    peers: PeerControls,
 }
 
 impl CoreHost {
@@ -50,7 +54,7 @@ impl CoreHost {
         mut self,
         name: &str,
         link: crate::control::Link,
-        peers: crate::engine::PeerControls,
+        peers: PeerControls,
     ) -> CoreHost {
         self.engine = Some(EngineLink {
             name: name.to_string(),

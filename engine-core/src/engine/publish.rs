@@ -1,0 +1,64 @@
+//! What peers see of this engine: its segment descriptor (identity,
+//! transport endpoints, published buffers), also stored in the metadata
+//! store when there is one.
+
+use super::shared::Shared;
+use crate::descriptor::{
+    encode_blob, BufferDescriptor, BufferKey, SegmentDescriptor, TransportEndpoint,
+    DESCRIPTOR_VERSION,
+};
+use crate::memory::{LocalBuffer, Visibility};
+
+impl Shared {
+    pub(crate) fn buffer_descriptor(&self, b: &LocalBuffer) -> BufferDescriptor {
+        BufferDescriptor {
+            addr: b.addr,
+            len: b.len,
+            location: b.location.to_string(),
+            keys: b
+                .registrations
+                .iter()
+                .map(|r| BufferKey {
+                    transport: self.transports[r.transport].name.clone(),
+                    key: encode_blob(&r.key),
+                })
+                .collect(),
+        }
+    }
+
+    pub(crate) fn describe(&self) -> SegmentDescriptor {
+        let buffers = self
+            .memory
+            .all()
+            .iter()
+            .filter(|b| b.visibility == Visibility::Published)
+            .map(|b| self.buffer_descriptor(b))
+            .collect();
+        SegmentDescriptor {
+            version: DESCRIPTOR_VERSION,
+            name: self.name.clone(),
+            control: self.control_addr.clone(),
+            engine_id: self.identity.engine_id.clone(),
+            machine_id: self.identity.machine_id.clone(),
+            process_id: self.identity.process_id.clone(),
+            transports: self
+                .endpoints
+                .iter()
+                .map(|(name, e)| TransportEndpoint {
+                    name: name.clone(),
+                    endpoint: encode_blob(e),
+                })
+                .collect(),
+            buffers,
+        }
+    }
+    /// Stores this engine's descriptor in the metadata store, if any. A
+    /// failure is logged: the store's keeper stores it once etcd answers.
+    pub(crate) fn publish(&self) {
+        if let Some(store) = &self.metadata {
+            if let Err(e) = store.publish(&self.name, self.describe().to_json()) {
+                log::warn!("metadata: {e}");
+            }
+        }
+    }
+}
