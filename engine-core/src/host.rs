@@ -155,3 +155,12 @@ impl HostServices for CoreHost {
         }
     }
 }
+
+/// Loads every plugin the configuration finds, with host services backed by
+/// `host`. Never fails; see each plugin's state and reason.
+pub fn load_plugins(
+    config: &ferry_loader::LoaderConfig,
+    host: CoreHost,
+) -> ferry_loader::PluginSet {
+    ferry_loader::PluginSet::load(config, Arc::new(host))
+}

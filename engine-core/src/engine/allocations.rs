@@ -1,11 +1,10 @@
 //! Memory the engine allocates for the application (`allocate_memory`):
-//! from the transport that shares it best, else an anonymous mapping;
-//! registered on allocation, released on free or with the engine.
+//! from the first transport that shares it (shm maps it into same-host
+//! peers), else an anonymous mapping; and its release.
 
-use super::shared::Shared;
 use crate::error::{Error, ErrorCode, Result};
-use crate::location::Location;
-use crate::memory::Visibility;
+use crate::transport::Transport;
+use std::sync::Arc;
 
 /// Who allocated a buffer handed out by `allocate_memory`.
 #[derive(Clone, Copy, Debug)]
@@ -16,69 +15,41 @@ pub(crate) enum Allocation {
     Anonymous(u64),
 }
 
-impl Shared {
-    pub(crate) fn allocate_memory(&self, len: u64, numa_node: Option<u32>) -> Result<u64> {
-        self.allocate(len, numa_node, Visibility::Published)
-    }
-
-    pub(crate) fn allocate(
-        &self,
+impl Allocation {
+    /// `len` bytes (near `numa_node` when given) from the first transport
+    /// that allocates memory, else from the kernel.
+    pub(crate) fn obtain(
+        transports: &[Arc<Transport>],
         len: u64,
         numa_node: Option<u32>,
-        visibility: Visibility,
-    ) -> Result<u64> {
+    ) -> Result<(u64, Allocation)> {
         if len == 0 {
             return Err(Error::new(
                 ErrorCode::InvalidArgument,
                 "cannot allocate 0 bytes",
             ));
         }
-        let mut found = None;
-        for (i, t) in self.transports.iter().enumerate() {
+        for (i, t) in transports.iter().enumerate() {
             match t.allocate(len, numa_node) {
                 None => continue,
-                Some(Ok(addr)) => {
-                    found = Some((addr, Allocation::Transport(i)));
-                    break;
-                }
+                Some(Ok(addr)) => return Ok((addr, Allocation::Transport(i))),
                 Some(Err(e)) => log::warn!("{}: cannot allocate {len} bytes: {e}", t.name),
             }
         }
-        let (addr, owner) = match found {
-            Some(f) => f,
-            None => (anonymous_map(len)?, Allocation::Anonymous(len)),
-        };
-        let location = numa_node.map(Location::Cpu);
-        if let Err(e) = self.register(addr, len, location, visibility) {
-            self.release(addr, owner);
-            return Err(e);
-        }
-        self.allocations.lock().insert(addr, owner);
-        Ok(addr)
+        Ok((anonymous_map(len)?, Allocation::Anonymous(len)))
     }
 
-    pub(crate) fn free_memory(&self, addr: u64) -> Result<()> {
-        let owner = self.allocations.lock().get(&addr).copied().ok_or_else(|| {
-            Error::new(
-                ErrorCode::NotFound,
-                format!("{addr:#x} was not returned by allocate_memory (or is freed already)"),
-            )
-        })?;
-        self.unregister_memory(addr)?;
-        self.allocations.lock().remove(&addr);
-        self.release(addr, owner);
-        Ok(())
-    }
-
-    pub(crate) fn release(&self, addr: u64, owner: Allocation) {
-        match owner {
+    /// Gives the memory at `addr` back to whoever allocated it. Nothing may
+    /// reference it any more (it is unregistered).
+    pub(crate) fn release(self, addr: u64, transports: &[Arc<Transport>]) {
+        match self {
             Allocation::Transport(i) => {
-                if let Err(e) = self.transports[i].free(addr) {
+                if let Err(e) = transports[i].free(addr) {
                     log::warn!("freeing {addr:#x}: {e}");
                 }
             }
             // SAFETY: addr/len describe a mapping anonymous_map made and that
-            // nothing references any more (unregistered above).
+            // nothing references any more (the caller unregistered it).
             Allocation::Anonymous(len) => unsafe {
                 libc::munmap(addr as *mut libc::c_void, len as usize);
             },

@@ -2,19 +2,18 @@
 //! the engine that does it.
 
 use super::devices::Gpu;
+use super::node::list_segments;
+use super::plan::Peers;
 use super::request::{Request, Route, SegmentId};
-use super::segments::{list_segments, remote_out_of_bounds, unknown_segment};
 use super::shared::Shared;
 use crate::batch::{BatchId, BatchStatus, RequestStatus};
 use crate::config::EngineConfig;
 use crate::control::ControlServer;
 use crate::descriptor::SegmentDescriptor;
-use crate::device::PointerKind;
 use crate::error::{Error, ErrorCode, Result};
 use crate::location::Location;
 use crate::topology::Topology;
 use ferry_loader::PluginSet;
-use ferry_plugins_abi::sys;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,13 +30,13 @@ impl Engine {
     /// This engine's segment name for peers to open: "host:port", or its
     /// name in the metadata store.
     pub fn segment_name(&self) -> &str {
-        &self.shared.name
+        &self.shared.node.name
     }
 
     /// The metadata store's segments (name, descriptor), or an error
     /// without one.
     pub fn list_segments(&self) -> Result<Vec<(String, SegmentDescriptor)>> {
-        list_segments(self.shared.metadata.as_deref())
+        list_segments(self.shared.node.metadata.as_deref())
     }
 
     pub fn control_addr(&self) -> SocketAddr {
@@ -59,7 +58,7 @@ impl Engine {
 
     /// Transports that were enabled but failed to start, with the error.
     pub fn transport_failures(&self) -> &[(String, Error)] {
-        &self.shared.transport_failures
+        &self.shared.transports.failures
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -68,74 +67,35 @@ impl Engine {
 
     /// Devices (GPUs) the device plugins report, in the driver's numbering.
     pub fn gpus(&self) -> &[Gpu] {
-        &self.shared.gpus
+        &self.shared.devices.gpus
     }
 
     /// Allocates device memory on `location` (e.g. cuda:0) through its device
     /// plugin; register it to move it. For tools and tests: applications
     /// normally bring their own (framework) allocations.
     pub fn allocate_device(&self, location: Location, len: u64) -> Result<u64> {
-        let (plugin, ordinal) = self.shared.device_of(location)?;
-        let addr = self.shared.devices[plugin].alloc_device(ordinal, len)?;
-        self.shared.device_allocations.lock().insert(addr, plugin);
-        Ok(addr)
+        self.shared.devices.allocate(location, len)
     }
 
     /// Frees memory from [`Engine::allocate_device`] (unregister it first).
     pub fn free_device(&self, addr: u64) -> Result<()> {
-        let plugin = self
-            .shared
-            .device_allocations
-            .lock()
-            .remove(&addr)
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorCode::NotFound,
-                    format!("{addr:#x} was not returned by allocate_device"),
-                )
-            })?;
-        self.shared.devices[plugin].free_device(addr);
-        Ok(())
+        self.shared.devices.free(addr)
     }
 
     /// A DMA-BUF fd for `[addr, addr + len)` of device memory (for RDMA
     /// registration), and `addr`'s offset inside the exported range.
     pub fn export_dmabuf(&self, addr: u64, len: u64) -> Result<(std::os::fd::OwnedFd, u64)> {
-        use std::os::fd::FromRawFd;
-        for d in &self.shared.devices {
-            if let Ok((PointerKind::Device(_), _, _)) = d.query_pointer(addr) {
-                let (fd, offset) = d.export_dmabuf(addr, len)?;
-                if fd < 0 {
-                    return Err(Error::new(
-                        ErrorCode::Plugin,
-                        format!("{}: exported no fd", d.name),
-                    ));
-                }
-                // SAFETY: the plugin hands ownership of a fresh fd to us.
-                return Ok((unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }, offset));
-            }
-        }
-        Err(Error::new(
-            ErrorCode::InvalidArgument,
-            format!("{addr:#x} is not device memory of any device plugin"),
-        ))
+        self.shared.devices.export_dmabuf(addr, len)
     }
 
     /// Host memory the first device copies to and from fastest (pinned);
     /// free it with [`Engine::free_pinned`].
     pub fn allocate_pinned(&self, len: u64) -> Result<u64> {
-        let d = self
-            .shared
-            .devices
-            .first()
-            .ok_or_else(|| Error::new(ErrorCode::Unsupported, "no device plugin is loaded"))?;
-        d.alloc_pinned(len)
+        self.shared.devices.allocate_pinned(len)
     }
 
     pub fn free_pinned(&self, addr: u64) {
-        if let Some(d) = self.shared.devices.first() {
-            d.free_pinned(addr);
-        }
+        self.shared.devices.free_pinned(addr)
     }
 
     /// Queues `(dst, src, len)` copies on one stream of device `location`
@@ -144,12 +104,8 @@ impl Engine {
     /// # Safety
     /// Every range must be valid memory of this process.
     pub unsafe fn copy_batch(&self, location: Location, copies: &[(u64, u64, u64)]) -> Result<()> {
-        let (plugin, ordinal) = self.shared.device_of(location)?;
-        let mut stream = self.shared.devices[plugin].stream(ordinal)?;
-        for &(dst, src, len) in copies {
-            stream.copy(dst, src, len)?;
-        }
-        stream.sync()
+        // SAFETY: the caller's contract is this function's.
+        unsafe { self.shared.devices.copy_batch(location, copies) }
     }
 
     /// Copies `len` bytes from `src` to `dst`, either of which may be device
@@ -159,21 +115,8 @@ impl Engine {
     /// Both ranges must be valid memory of this process for `len` bytes, and
     /// no transfer may be writing `dst` meanwhile.
     pub unsafe fn copy_memory(&self, dst: u64, src: u64, len: u64) -> Result<()> {
-        for d in &self.shared.devices {
-            let on_device = |a: u64| {
-                d.query_pointer(a)
-                    .map(|(k, _, _)| matches!(k, PointerKind::Device(_)))
-                    .unwrap_or(false)
-            };
-            if on_device(dst) || on_device(src) {
-                let mut stream = d.stream(0)?;
-                stream.copy(dst, src, len)?;
-                return stream.sync();
-            }
-        }
-        // SAFETY: host memory on both sides, valid per the caller's contract.
-        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
-        Ok(())
+        // SAFETY: the caller's contract is this function's.
+        unsafe { self.shared.devices.copy_memory(dst, src, len) }
     }
 
     /// The hardware topology this engine discovered at start.
@@ -192,10 +135,7 @@ impl Engine {
     /// why better methods were skipped (DESIGN.md's tiers), if it is a GPU
     /// this engine knows.
     pub fn gpu_direct(&self, location: Location) -> Option<String> {
-        self.shared
-            .gpu_direct
-            .get(&location.to_string())
-            .map(|d| d.explain())
+        self.shared.gpu_direct.explain(&location.to_string())
     }
 
     /// How the buffer registered at `addr` is registered: each transport's
@@ -239,23 +179,19 @@ impl Engine {
     /// Opens a peer's segment by name ("host:port"), fetching its descriptor.
     /// Opening a name that is already open returns the same id.
     pub fn open_segment(&self, name: &str) -> Result<SegmentId> {
-        self.shared.open_segment(name)
+        self.shared.segments.open(name, &self.shared.node)
     }
 
     /// Closes a segment; its connections are dropped and requests in flight
     /// to it fail.
     pub fn close_segment(&self, id: SegmentId) -> Result<()> {
-        let seg = self.shared.segments.write().remove(&id);
-        match seg {
-            Some(_) => Ok(()),
-            None => Err(unknown_segment(id)),
-        }
+        self.shared.segments.close(id)
     }
 
     /// Re-reads the peer's descriptor now (it is also re-read automatically
     /// when a request falls outside the known buffers).
     pub fn refresh_segment(&self, id: SegmentId) -> Result<()> {
-        let seg = self.shared.segment(id)?;
+        let seg = self.shared.segments.get(id)?;
         self.shared.refresh(&seg).map(|_| ())
     }
 
@@ -335,68 +271,12 @@ impl Engine {
         remote_addr: u64,
         len: u64,
     ) -> Result<Route> {
-        let seg = self.shared.segment(segment)?;
-        let local = self.shared.local_buffer(0, local_addr, len)?;
-        let view = seg.view.read().clone();
-        let remote = view
-            .find(remote_addr, len)
-            .ok_or_else(|| remote_out_of_bounds(0, &seg, remote_addr, len, view.buffers.len()))?;
-        let remote_on_device = !view.buffers[remote].location.starts_with("cpu");
-        let (t, reason) = match self.shared.select(&local, &seg, &view, remote, None, true) {
-            Ok(r) => r,
-            Err(e) if local.device.is_none() && !remote_on_device => return Err(e),
-            Err(_) => {
-                // Device memory that no transport moves directly is staged:
-                // the host leg runs between pinned slots.
-                let host_local = match local.device {
-                    Some(_) => self.shared.local_slot_buffer()?,
-                    None => local.clone(),
-                };
-                let (v, idx) = if remote_on_device {
-                    (self.shared.remote_staging(&seg)?.view().clone(), 0)
-                } else {
-                    (view.clone(), remote)
-                };
-                let (t, host_reason) =
-                    self.shared.select(&host_local, &seg, &v, idx, None, true)?;
-                let sides = match (local.device.is_some(), remote_on_device) {
-                    (true, true) => "on both sides",
-                    (true, false) => "on this side",
-                    _ => "at the peer",
-                };
-                (
-                    t,
-                    format!(
-                        "{} memory to {} memory: no transport moves device memory directly here, \
-                         so it is staged through pinned host memory {sides}, pipelined; host leg: {host_reason}",
-                        local.location, view.buffers[remote].location
-                    ),
-                )
-            }
-        };
-        let peer = self.shared.peer(&seg, t).ok();
-        let transport = &self.shared.transports[t];
-        // Socket transports go where the kernel routes; RDMA picks its NICs
-        // itself and same-host transports use none.
-        let nic = if transport.name.starts_with("rdma")
-            || transport.scopes & sys::FERRY_SCOPE_CROSS_HOST == 0
-        {
-            None
-        } else {
-            self.shared.route_nic(&seg, &local)
-        };
-        Ok(Route {
-            transport: transport.name.clone(),
-            scope: seg.scope,
-            reason,
-            peer_detail: peer.and_then(|p| transport.describe(&p)),
-            nic,
-        })
+        self.shared.route(segment, local_addr, remote_addr, len)
     }
 
     /// The descriptor of an open segment, as last fetched.
     pub fn descriptor_of(&self, id: SegmentId) -> Result<SegmentDescriptor> {
-        Ok(self.shared.segment(id)?.view.read().descriptor.clone())
+        Ok(self.shared.segments.get(id)?.view.read().descriptor.clone())
     }
 
     /// This engine's own descriptor, as peers see it.

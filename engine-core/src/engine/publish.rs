@@ -36,12 +36,13 @@ impl Shared {
             .collect();
         SegmentDescriptor {
             version: DESCRIPTOR_VERSION,
-            name: self.name.clone(),
-            control: self.control_addr.clone(),
-            engine_id: self.identity.engine_id.clone(),
-            machine_id: self.identity.machine_id.clone(),
-            process_id: self.identity.process_id.clone(),
+            name: self.node.name.clone(),
+            control: self.node.control_addr.clone(),
+            engine_id: self.node.identity.engine_id.clone(),
+            machine_id: self.node.identity.machine_id.clone(),
+            process_id: self.node.identity.process_id.clone(),
             transports: self
+                .transports
                 .endpoints
                 .iter()
                 .map(|(name, e)| TransportEndpoint {
@@ -52,13 +53,9 @@ impl Shared {
             buffers,
         }
     }
-    /// Stores this engine's descriptor in the metadata store, if any. A
-    /// failure is logged: the store's keeper stores it once etcd answers.
+
+    /// Stores this engine's descriptor in the metadata store, if any.
     pub(crate) fn publish(&self) {
-        if let Some(store) = &self.metadata {
-            if let Err(e) = store.publish(&self.name, self.describe().to_json()) {
-                log::warn!("metadata: {e}");
-            }
-        }
+        self.node.publish(|| self.describe());
     }
 }

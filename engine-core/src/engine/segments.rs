@@ -1,17 +1,18 @@
 //! Remote segments: peers' descriptors decoded for the data path, opened,
 //! re-read when a peer restarts or registers more memory, and closed; the
-//! connections each transport holds to a peer.
+//! connections each transport holds to a peer, and the staging sessions
+//! peers lent this engine.
 
+use super::node::Node;
 use super::request::{Scope, SegmentId};
-use super::shared::Shared;
-use super::staging::RemoteStaging;
-use crate::control;
+use crate::control::ControlClient;
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{Error, ErrorCode, Result};
-use crate::transport::PeerHandle;
+use crate::host::PeerControls;
+use crate::transport::{PeerHandle, Transport};
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// A remote buffer with its keys decoded once.
@@ -57,6 +58,7 @@ impl RemoteView {
         }
     }
 
+    /// The buffer holding all of `[addr, addr + len)`, by index.
     pub(crate) fn find(&self, addr: u64, len: u64) -> Option<usize> {
         let end = addr.checked_add(len)?;
         let idx = self
@@ -70,6 +72,15 @@ impl RemoteView {
 
 /// A transport's answer for each remote buffer key: served, or why not.
 pub(crate) type KeyVerdicts = HashMap<Vec<u8>, std::result::Result<(), String>>;
+
+/// A staging session a peer opened for us: a control connection of our own
+/// and the slots lent on it. One job uses a session at a time, so requests
+/// and replies on its connection never interleave with another job's.
+pub(crate) struct RemoteStaging {
+    pub(crate) client: Mutex<ControlClient>,
+    /// The lent slots, as a view the router understands.
+    pub(crate) view: Arc<RemoteView>,
+}
 
 pub(crate) struct RemoteSegment {
     pub(crate) id: SegmentId,
@@ -86,6 +97,143 @@ pub(crate) struct RemoteSegment {
     /// A connection to the peer failed: the next submit re-reads the
     /// descriptor first (the peer may have restarted with other memory).
     pub(crate) stale: AtomicBool,
+}
+
+impl RemoteSegment {
+    pub(crate) fn new(
+        id: SegmentId,
+        name: &str,
+        scope: Scope,
+        descriptor: SegmentDescriptor,
+    ) -> RemoteSegment {
+        RemoteSegment {
+            id,
+            name: name.to_string(),
+            scope,
+            view: RwLock::new(Arc::new(RemoteView::new(descriptor))),
+            peers: Mutex::new(HashMap::new()),
+            verdicts: Mutex::new(HashMap::new()),
+            staging: Mutex::new(Vec::new()),
+            stale: AtomicBool::new(false),
+        }
+    }
+
+    /// The peer handle of transport `i` (index `transport` of the engine's
+    /// list), connected on first use.
+    pub(crate) fn peer(&self, transport: usize, t: &Arc<Transport>) -> Result<Arc<PeerHandle>> {
+        if let Some(p) = self.peers.lock().get(&transport) {
+            return Ok(p.clone());
+        }
+        let view = self.view.read().clone();
+        let endpoint = view.endpoints.get(&t.name).cloned().unwrap_or_default();
+        let handle = Arc::new(t.connect(&self.name, self.scope.raw(), &endpoint)?);
+        let mut peers = self.peers.lock();
+        Ok(peers.entry(transport).or_insert(handle).clone())
+    }
+
+    /// Takes a newly read descriptor as the current view. A peer that
+    /// restarted (new engine id) has lost every connection: drop ours.
+    pub(crate) fn replace_view(&self, descriptor: SegmentDescriptor) -> Arc<RemoteView> {
+        let view = Arc::new(RemoteView::new(descriptor));
+        let mut current = self.view.write();
+        if current.descriptor.engine_id != view.descriptor.engine_id {
+            log::info!(
+                "segment {} restarted (engine {} -> {}); reconnecting",
+                self.name,
+                current.descriptor.engine_id,
+                view.descriptor.engine_id
+            );
+            self.peers.lock().clear();
+            self.verdicts.lock().clear();
+        }
+        *current = view.clone();
+        view
+    }
+}
+
+/// The segments this engine opened, by id, and their control addresses
+/// by name (shared with host services, for plugin messages).
+pub(crate) struct Segments {
+    open: RwLock<HashMap<SegmentId, Arc<RemoteSegment>>>,
+    next: AtomicU64,
+    /// Open segments' names -> their control addresses, for plugin
+    /// messages addressed by segment name.
+    controls: PeerControls,
+}
+
+impl Segments {
+    pub(crate) fn new(controls: PeerControls) -> Segments {
+        Segments {
+            open: RwLock::new(HashMap::new()),
+            next: AtomicU64::new(1),
+            controls,
+        }
+    }
+
+    pub(crate) fn get(&self, id: SegmentId) -> Result<Arc<RemoteSegment>> {
+        self.open
+            .read()
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| unknown_segment(id))
+    }
+
+    /// Opens a peer's segment by name, fetching its descriptor through
+    /// `node`; a name already open returns the same id.
+    pub(crate) fn open(&self, name: &str, node: &Node) -> Result<SegmentId> {
+        if let Some(seg) = self.open.read().values().find(|s| s.name == name) {
+            return Ok(seg.id);
+        }
+        let descriptor = node.fetch_descriptor(name)?;
+        self.controls
+            .write()
+            .insert(name.to_string(), descriptor.control_addr().to_string());
+        let scope = node.scope_of(&descriptor);
+        let id = self.next.fetch_add(1, Ordering::SeqCst);
+        log::info!(
+            "opened segment {name} (engine {}, {}, {} buffers, transports: {})",
+            descriptor.engine_id,
+            scope.as_str(),
+            descriptor.buffers.len(),
+            descriptor
+                .transports
+                .iter()
+                .map(|t| t.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        let seg = Arc::new(RemoteSegment::new(id, name, scope, descriptor));
+        Ok(self.insert(seg))
+    }
+
+    /// Adds an opened segment, unless another thread opened the same name
+    /// meanwhile: one is kept, and its id returned.
+    pub(crate) fn insert(&self, seg: Arc<RemoteSegment>) -> SegmentId {
+        let mut open = self.open.write();
+        if let Some(existing) = open.values().find(|s| s.name == seg.name) {
+            return existing.id;
+        }
+        let id = seg.id;
+        open.insert(id, seg);
+        id
+    }
+
+    /// Forgets a segment (`Engine::close_segment`).
+    pub(crate) fn close(&self, id: SegmentId) -> Result<()> {
+        match self.open.write().remove(&id) {
+            Some(_) => Ok(()),
+            None => Err(unknown_segment(id)),
+        }
+    }
+
+    /// Re-reads a segment's descriptor through `node`.
+    pub(crate) fn refresh(&self, seg: &RemoteSegment, node: &Node) -> Result<Arc<RemoteView>> {
+        let descriptor = node.fetch_descriptor(&seg.name)?;
+        self.controls
+            .write()
+            .insert(seg.name.clone(), descriptor.control_addr().to_string());
+        Ok(seg.replace_view(descriptor))
+    }
 }
 
 pub(crate) fn unknown_segment(id: SegmentId) -> Error {
@@ -111,150 +259,4 @@ pub(crate) fn remote_out_of_bounds(
             seg.name
         ),
     )
-}
-
-impl Shared {
-    pub(crate) fn segment(&self, id: SegmentId) -> Result<Arc<RemoteSegment>> {
-        self.segments
-            .read()
-            .get(&id)
-            .cloned()
-            .ok_or_else(|| unknown_segment(id))
-    }
-
-    /// A peer's descriptor: from the metadata store when there is one,
-    /// else from the peer itself (the name is its control address).
-    fn fetch_descriptor(&self, name: &str) -> Result<SegmentDescriptor> {
-        let Some(store) = &self.metadata else {
-            return control::fetch_descriptor(name, &self.link);
-        };
-        match store.fetch(name)? {
-            Some(bytes) => SegmentDescriptor::from_json(&bytes).map_err(|e| {
-                Error::new(
-                    e.code,
-                    format!(
-                        "segment {name} in etcd at {}: {}",
-                        store.endpoints(),
-                        e.message
-                    ),
-                )
-            }),
-            None => Err(Error::new(
-                ErrorCode::NotFound,
-                format!(
-                    "no such segment {name:?} in etcd at {} (its engine is not running, or \
-                     registered under another name or prefix; `ferry segments` lists them)",
-                    store.endpoints()
-                ),
-            )),
-        }
-    }
-
-    fn scope_of(&self, d: &SegmentDescriptor) -> Scope {
-        if d.machine_id != self.identity.machine_id {
-            Scope::CrossHost
-        } else if d.process_id == self.identity.process_id {
-            Scope::SameProcess
-        } else {
-            Scope::SameHost
-        }
-    }
-
-    pub(crate) fn open_segment(&self, name: &str) -> Result<SegmentId> {
-        if let Some(seg) = self.segments.read().values().find(|s| s.name == name) {
-            return Ok(seg.id);
-        }
-        let descriptor = self.fetch_descriptor(name)?;
-        self.peer_controls
-            .write()
-            .insert(name.to_string(), descriptor.control_addr().to_string());
-        let scope = self.scope_of(&descriptor);
-        let id = self.next_segment.fetch_add(1, Ordering::SeqCst);
-        log::info!(
-            "opened segment {name} (engine {}, {}, {} buffers, transports: {})",
-            descriptor.engine_id,
-            scope.as_str(),
-            descriptor.buffers.len(),
-            descriptor
-                .transports
-                .iter()
-                .map(|t| t.name.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        let seg = Arc::new(RemoteSegment {
-            id,
-            name: name.to_string(),
-            scope,
-            view: RwLock::new(Arc::new(RemoteView::new(descriptor))),
-            peers: Mutex::new(HashMap::new()),
-            verdicts: Mutex::new(HashMap::new()),
-            staging: Mutex::new(Vec::new()),
-            stale: AtomicBool::new(false),
-        });
-        let mut segments = self.segments.write();
-        // Another thread may have opened it meanwhile: keep one.
-        if let Some(existing) = segments.values().find(|s| s.name == name) {
-            return Ok(existing.id);
-        }
-        segments.insert(id, seg);
-        Ok(id)
-    }
-
-    /// Re-reads a segment's descriptor. A peer that restarted (new engine
-    /// id) has lost every connection: drop ours.
-    pub(crate) fn refresh(&self, seg: &RemoteSegment) -> Result<Arc<RemoteView>> {
-        let descriptor = self.fetch_descriptor(&seg.name)?;
-        self.peer_controls
-            .write()
-            .insert(seg.name.clone(), descriptor.control_addr().to_string());
-        let view = Arc::new(RemoteView::new(descriptor));
-        let mut current = seg.view.write();
-        if current.descriptor.engine_id != view.descriptor.engine_id {
-            log::info!(
-                "segment {} restarted (engine {} -> {}); reconnecting",
-                seg.name,
-                current.descriptor.engine_id,
-                view.descriptor.engine_id
-            );
-            seg.peers.lock().clear();
-            seg.verdicts.lock().clear();
-        }
-        *current = view.clone();
-        Ok(view)
-    }
-    pub(crate) fn peer(&self, seg: &RemoteSegment, transport: usize) -> Result<Arc<PeerHandle>> {
-        if let Some(p) = seg.peers.lock().get(&transport) {
-            return Ok(p.clone());
-        }
-        let view = seg.view.read().clone();
-        let t = &self.transports[transport];
-        let endpoint = view.endpoints.get(&t.name).cloned().unwrap_or_default();
-        let handle = Arc::new(t.connect(&seg.name, seg.scope.raw(), &endpoint)?);
-        let mut peers = seg.peers.lock();
-        Ok(peers.entry(transport).or_insert(handle).clone())
-    }
-}
-
-/// Segments stored in a metadata store, decoded; entries that do not decode
-/// are skipped with a warning.
-pub fn list_segments(
-    store: Option<&crate::metadata::EtcdStore>,
-) -> Result<Vec<(String, SegmentDescriptor)>> {
-    let store = store.ok_or_else(|| {
-        Error::new(
-            ErrorCode::Unsupported,
-            "no metadata store is configured (FERRY_METADATA=etcd://host:port): peer-to-peer \
-             segments are named by their control address and are not listed anywhere",
-        )
-    })?;
-    let mut out = Vec::new();
-    for (name, bytes) in store.list()? {
-        match SegmentDescriptor::from_json(&bytes) {
-            Ok(d) => out.push((name, d)),
-            Err(e) => log::warn!("metadata: segment {name}: {e}"),
-        }
-    }
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    Ok(out)
 }

@@ -1,27 +1,33 @@
-//! Start-up: an engine's listener, topology, plugins, devices, transports
-//! and GPU-direct decisions, wired into its shared state.
+//! Start-up and shut-down: an engine's listener, topology, plugins,
+//! devices, transports and GPU-direct decisions, wired into its shared
+//! state and its control plane; and what the engine gives back when the
+//! last handle goes.
 
+use super::allocations::Allocation;
 use super::api::Engine;
-use super::devices::discover_gpus;
-use super::registration::gpu_direct_decisions;
+use super::devices::Devices;
+use super::ladder::GpuDirect;
+use super::node::Node;
+use super::segments::Segments;
+use super::select::Transports;
 use super::shared::Shared;
-use super::staging;
+use super::staging::Staging;
 use crate::batch::BatchTable;
 use crate::config::EngineConfig;
 use crate::control::{self, ControlHandler, ControlServer};
 use crate::descriptor::SegmentDescriptor;
 use crate::device::Device;
 use crate::error::{Error, ErrorCode, Result};
-use crate::host::{CoreHost, PeerControls};
+use crate::gpudirect::{no_direct_transport, HostFacts, Policy};
+use crate::host::{load_plugins, CoreHost, PeerControls};
 use crate::identity::Identity;
 use crate::memory::MemoryRegistry;
 use crate::topology::Topology;
 use crate::transport::Transport;
 use ferry_loader::PluginKind;
-use parking_lot::{Mutex, RwLock};
-use std::collections::{HashMap, HashSet};
+use parking_lot::Mutex;
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Weak};
 
 impl ControlHandler for Shared {
@@ -47,7 +53,7 @@ impl ControlHandler for Shared {
                     .ok_or_else(|| {
                         Error::new(
                             ErrorCode::NotFound,
-                            format!("engine {} runs no transport {name}", self.name),
+                            format!("engine {} runs no transport {name}", self.node.name),
                         )
                     })?;
                 let reply = t.peer_request(&from, payload)?;
@@ -166,7 +172,7 @@ impl Engine {
             peer_controls.clone(),
         );
         let aliases = host.aliases();
-        let plugins = crate::load_plugins(&config.loader, host);
+        let plugins = load_plugins(&config.loader, host);
 
         // Devices first: transports may ask where a device sits.
         let mut devices = Vec::new();
@@ -177,8 +183,8 @@ impl Engine {
                 Err(e) => log::warn!("device plugin {} failed to start: {e}", plugin.report.name),
             }
         }
-        let gpus = discover_gpus(&devices, &topology);
-        for g in &gpus {
+        let devices = Devices::new(devices, &topology);
+        for g in &devices.gpus {
             if let Some(t) = &g.topology_name {
                 aliases.write().insert(g.location.to_string(), t.clone());
             }
@@ -226,68 +232,55 @@ impl Engine {
             );
         }
 
-        let (gpu_direct_policy, policy_warning) = crate::gpudirect::Policy::from_env();
+        let (policy, policy_warning) = Policy::from_env();
         if let Some(w) = policy_warning {
             log::warn!("{w}");
         }
-        let gpu_direct_host = crate::gpudirect::HostFacts::detect(
-            topology.sysfs_root(),
-            crate::gpudirect::no_direct_transport(&plugins),
-        );
-        let gpu_direct =
-            gpu_direct_decisions(&gpus, &topology, gpu_direct_policy, &gpu_direct_host);
+        let host = HostFacts::detect(topology.sysfs_root(), no_direct_transport(&plugins));
+        let gpu_direct = GpuDirect::decide(&devices.gpus, &topology, policy, host);
         let shared = Arc::new(Shared {
-            gpu_direct,
-            gpu_direct_host,
-            gpu_direct_policy,
-            direct_failures: Mutex::new(Vec::new()),
-            direct_logged: Mutex::new(HashSet::new()),
-            topology,
-            devices,
-            gpus,
-            staging: staging::Staging::from_env(),
-            identity: Identity::new(),
-            name,
-            control_addr,
-            metadata,
-            link,
-            peer_controls,
-            plugins,
-            transports,
-            transport_failures,
-            endpoints,
-            memory: MemoryRegistry::default(),
-            segments: RwLock::new(HashMap::new()),
-            next_segment: AtomicU64::new(1),
-            batches,
-            logged_routes: Mutex::new(HashSet::new()),
-            allocations: Mutex::new(HashMap::new()),
-            device_allocations: Mutex::new(HashMap::new()),
             config,
+            topology,
+            plugins,
+            node: Node {
+                identity: Identity::new(),
+                name,
+                control_addr,
+                link,
+                metadata,
+            },
+            transports: Transports::new(transports, transport_failures, endpoints),
+            devices,
+            gpu_direct,
+            memory: MemoryRegistry::default(),
+            allocations: Mutex::new(HashMap::new()),
+            segments: Segments::new(peer_controls),
+            staging: Staging::from_env(),
+            batches,
         });
         let weak: Weak<dyn ControlHandler> = Arc::downgrade(&shared) as Weak<dyn ControlHandler>;
-        let control = ControlServer::start(listener, weak, &shared.link)?;
-        if let Some(store) = &shared.metadata {
-            if let Ok(Some(old)) = store.fetch(&shared.name) {
+        let control = ControlServer::start(listener, weak, &shared.node.link)?;
+        if let Some(store) = &shared.node.metadata {
+            if let Ok(Some(old)) = store.fetch(&shared.node.name) {
                 if let Ok(d) = SegmentDescriptor::from_json(&old) {
                     log::warn!(
                         "metadata: segment {} was registered by engine {} (at {}); replacing it",
-                        shared.name,
+                        shared.node.name,
                         d.engine_id,
                         d.control_addr()
                     );
                 }
             }
-            store.publish(&shared.name, shared.describe().to_json())?;
+            store.publish(&shared.node.name, shared.describe().to_json())?;
             log::info!(
                 "metadata: registered segment {} in etcd at {}",
-                shared.name,
+                shared.node.name,
                 store.endpoints()
             );
         }
         log::info!(
             "engine {} listening; transports: {}",
-            shared.name,
+            shared.node.name,
             shared
                 .transports
                 .iter()
@@ -296,5 +289,26 @@ impl Engine {
                 .join(", ")
         );
         Ok(Engine { control, shared })
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Gone from the metadata store at once, not when the lease expires.
+        if let Some(store) = &self.node.metadata {
+            store.withdraw();
+        }
+        // Staging sessions peers opened here, and our own slots.
+        let conns: Vec<u64> = self.staging_connections();
+        for c in conns {
+            self.stage_close(c);
+        }
+        self.release_local_slots();
+        // Memory handed out by allocate_memory belongs to the engine.
+        let allocations: Vec<(u64, Allocation)> = self.allocations.lock().drain().collect();
+        for (addr, owner) in allocations {
+            let _ = self.unregister_memory(addr);
+            owner.release(addr, &self.transports);
+        }
     }
 }

@@ -3,10 +3,9 @@
 
 use super::protocol::{decode_open_reply, CopyRequest, OpenRequest};
 use super::slots::{slot_geometry, Piece, SlotPool, Space};
-use super::state::RemoteStaging;
 use crate::control::{ControlClient, MsgType};
 use crate::device::Stream;
-use crate::engine::segments::{RemoteSegment, RemoteView};
+use crate::engine::segments::{RemoteSegment, RemoteStaging, RemoteView};
 use crate::engine::shared::Shared;
 use crate::error::{Error, ErrorCode, Result};
 use crate::memory::{LocalBuffer, Visibility};
@@ -169,7 +168,7 @@ impl Shared {
             }
         }
         let control = seg.view.read().descriptor.control_addr().to_string();
-        let mut client = ControlClient::connect(&control, &self.link)?;
+        let mut client = ControlClient::connect(&control, &self.node.link)?;
         let body = serde_json::to_vec(&OpenRequest {
             slots: self.staging.depth,
             slot_len: slot_geometry(self.staging.chunk).1,
@@ -208,7 +207,7 @@ impl Shared {
             .and_then(|v| v.pop());
         let stream = match idle {
             Some(s) => s,
-            None => self.devices[device].stream(ordinal)?,
+            None => self.devices.plugins[device].stream(ordinal)?,
         };
         Ok((device, ordinal, stream))
     }

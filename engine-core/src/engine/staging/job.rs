@@ -6,8 +6,8 @@ use super::initiator::StagingLease;
 use super::slots::{slot_geometry, LocalSlot, Piece, SlotPool, Space};
 use crate::batch::{Batch, BatchId};
 use crate::device::Stream;
+use crate::engine::plan::StagedItem;
 use crate::engine::request::{Op, Request, SegmentId};
-use crate::engine::segments::RemoteSegment;
 use crate::engine::shared::Shared;
 use crate::error::{Error, ErrorCode, Result};
 use crate::location::Location;
@@ -18,18 +18,6 @@ use std::time::Instant;
 
 /// Most chunks of one job in flight (small requests share slots).
 const MAX_INFLIGHT: usize = 64;
-
-/// One request that goes through staging.
-pub(crate) struct StagedItem {
-    pub(crate) group: usize,
-    pub(crate) op: Op,
-    pub(crate) local: Arc<LocalBuffer>,
-    pub(crate) local_addr: u64,
-    pub(crate) segment: Arc<RemoteSegment>,
-    pub(crate) remote_addr: u64,
-    pub(crate) remote_on_device: bool,
-    pub(crate) length: u64,
-}
 
 /// Where a chunk is on its way.
 enum Phase {
@@ -252,7 +240,20 @@ impl Shared {
         };
         let b = self.batches.allocate(1)?;
         let r = Request::new(it.op, local, it.segment.id, remote, c.len);
-        match self.submit_with(b.id, std::slice::from_ref(&r), view.as_ref()) {
+        // Host memory on both sides: planned and dispatched, never staged.
+        let started = self
+            .planner()
+            .plan(std::slice::from_ref(&r), view.as_ref())
+            .and_then(|plan| {
+                if !plan.staged.is_empty() {
+                    return Err(Error::new(
+                        ErrorCode::Internal,
+                        "the host leg of a staged chunk would itself need staging",
+                    ));
+                }
+                self.dispatch(&b, plan).map(|_| ())
+            });
+        match started {
             Ok(()) => Ok(b.id),
             Err(e) => {
                 let _ = self.batches.free(b.id);

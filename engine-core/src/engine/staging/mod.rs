@@ -20,9 +20,8 @@ mod slots;
 mod state;
 mod target;
 
-pub(crate) use job::StagedItem;
 pub use protocol::{
     decode_copy_request, decode_open_reply, decode_open_request, CopyRequest, OpenReply,
     OpenRequest,
 };
-pub(crate) use state::{RemoteStaging, Staging};
+pub(crate) use state::Staging;

@@ -3,9 +3,7 @@
 
 use super::protocol::{MAX_SLOTS, MAX_SLOT_LEN};
 use super::slots::SlotPool;
-use crate::control::ControlClient;
 use crate::device::Stream;
-use crate::engine::segments::RemoteView;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -50,15 +48,6 @@ impl Staging {
             streams: Mutex::new(HashMap::new()),
         }
     }
-}
-
-/// A staging session a peer opened for us: a control connection of our own
-/// and the slots lent on it. One job uses a session at a time, so requests
-/// and replies on its connection never interleave with another job's.
-pub(crate) struct RemoteStaging {
-    pub(crate) client: Mutex<ControlClient>,
-    /// The lent slots, as a view the router understands.
-    pub(crate) view: Arc<RemoteView>,
 }
 
 /// Most bytes of slots one engine lends to all its peers together.

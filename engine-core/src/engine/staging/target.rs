@@ -19,7 +19,7 @@ impl Shared {
     /// Lends slots to the peer on control connection `conn`.
     pub(crate) fn stage_open(&self, conn: u64, body: &[u8]) -> Result<(MsgType, Vec<u8>)> {
         let req = decode_open_request(body)?;
-        if self.devices.is_empty() {
+        if self.devices.plugins.is_empty() {
             return Err(Error::new(
                 ErrorCode::Unsupported,
                 "this engine has no device plugin, so it has no device memory to stage",
@@ -157,7 +157,7 @@ impl Shared {
         let stream = match session.streams.entry(device) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(self.devices[device].stream(ordinal)?)
+                e.insert(self.devices.plugins[device].stream(ordinal)?)
             }
         };
         let slot = slot_addr + req.offset;
