@@ -308,3 +308,383 @@ fn rank_reason(t: &impl Candidate, scope: Scope) -> String {
         _ => format!("{name} is a vendor transport both ends run"),
     }
 }
+
+/// Fake transports and the plain data selection reads, for unit tests
+/// here and in planning: no plugin, no socket.
+#[cfg(test)]
+pub(crate) mod fakes {
+    use super::super::request::{Scope, SegmentId};
+    use super::super::segments::RemoteSegment;
+    use super::Candidate;
+    use crate::descriptor::{
+        encode_blob, BufferDescriptor, BufferKey, SegmentDescriptor, TransportEndpoint,
+        DESCRIPTOR_VERSION,
+    };
+    use crate::location::Location;
+    use crate::memory::{LocalBuffer, TransportRegistration, Visibility};
+    use ferry_plugins_abi::sys;
+    use std::sync::Arc;
+
+    pub(crate) const HOST: u64 = sys::FERRY_MEM_HOST;
+    pub(crate) const SAME_HOST: u32 = sys::FERRY_SCOPE_SAME_HOST;
+    pub(crate) const ANY_HOST: u32 = sys::FERRY_SCOPE_SAME_HOST | sys::FERRY_SCOPE_CROSS_HOST;
+    pub(crate) const CROSS_HOST: u32 = sys::FERRY_SCOPE_CROSS_HOST;
+
+    /// A transport as selection sees it: what it declares.
+    pub(crate) struct FakeTransport {
+        pub(crate) name: &'static str,
+        pub(crate) mem_kinds: u64,
+        pub(crate) scopes: u32,
+    }
+
+    impl Candidate for FakeTransport {
+        fn name(&self) -> &str {
+            self.name
+        }
+        fn mem_kinds(&self) -> u64 {
+            self.mem_kinds
+        }
+        fn scopes(&self) -> u32 {
+            self.scopes
+        }
+    }
+
+    pub(crate) fn fake(name: &'static str, mem_kinds: u64, scopes: u32) -> FakeTransport {
+        FakeTransport {
+            name,
+            mem_kinds,
+            scopes,
+        }
+    }
+
+    /// tcp (any host), shm (same host), rdma (any host), as the real ones
+    /// declare themselves.
+    pub(crate) fn usual() -> Vec<FakeTransport> {
+        vec![
+            fake("tcp", HOST, ANY_HOST),
+            fake("shm", HOST, SAME_HOST),
+            fake("rdma", HOST | sys::FERRY_MEM_CUDA_DMABUF, ANY_HOST),
+        ]
+    }
+
+    fn registrations(transports: &[usize], mem_kind: u64) -> Vec<TransportRegistration> {
+        transports
+            .iter()
+            .map(|&t| TransportRegistration {
+                transport: t,
+                handle: t as u64 + 1,
+                key: vec![t as u8],
+                mem_kind,
+            })
+            .collect()
+    }
+
+    /// Host memory on NUMA node 0, registered with `transports`.
+    pub(crate) fn host_buffer(addr: u64, len: u64, transports: &[usize]) -> Arc<LocalBuffer> {
+        Arc::new(LocalBuffer {
+            addr,
+            len,
+            location: Location::Cpu(0),
+            mem_kind: HOST,
+            device: None,
+            visibility: Visibility::Published,
+            registrations: registrations(transports, HOST),
+            inflight: Default::default(),
+        })
+    }
+
+    /// Memory of cuda:0, registered directly (DMA-BUF) with `transports`.
+    pub(crate) fn device_buffer(addr: u64, len: u64, transports: &[usize]) -> Arc<LocalBuffer> {
+        Arc::new(LocalBuffer {
+            addr,
+            len,
+            location: Location::Cuda(0),
+            mem_kind: sys::FERRY_MEM_CUDA_STAGED,
+            device: Some(0),
+            visibility: Visibility::Published,
+            registrations: registrations(transports, sys::FERRY_MEM_CUDA_DMABUF),
+            inflight: Default::default(),
+        })
+    }
+
+    /// A peer's descriptor: the transports it runs, and its buffers
+    /// (address, length, location, the transports that registered it).
+    pub(crate) fn descriptor(
+        engine_id: &str,
+        transports: &[&str],
+        buffers: &[(u64, u64, &str, &[&str])],
+    ) -> SegmentDescriptor {
+        SegmentDescriptor {
+            version: DESCRIPTOR_VERSION,
+            name: "peer:1".into(),
+            control: String::new(),
+            engine_id: engine_id.into(),
+            machine_id: "m".into(),
+            process_id: "p".into(),
+            transports: transports
+                .iter()
+                .map(|t| TransportEndpoint {
+                    name: t.to_string(),
+                    endpoint: encode_blob(t.as_bytes()),
+                })
+                .collect(),
+            buffers: buffers
+                .iter()
+                .map(|(addr, len, location, keys)| BufferDescriptor {
+                    addr: *addr,
+                    len: *len,
+                    location: location.to_string(),
+                    keys: keys
+                        .iter()
+                        .map(|t| BufferKey {
+                            transport: t.to_string(),
+                            key: encode_blob(format!("{t}@{addr:#x}").as_bytes()),
+                        })
+                        .collect(),
+                })
+                .collect(),
+        }
+    }
+
+    pub(crate) fn segment(id: SegmentId, scope: Scope, d: SegmentDescriptor) -> Arc<RemoteSegment> {
+        Arc::new(RemoteSegment::new(id, "peer:1", scope, d))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fakes::*;
+    use super::*;
+    use std::cell::Cell;
+
+    const ALL: &[&str] = &["tcp", "shm", "rdma"];
+
+    fn pick(
+        transports: &Transports<FakeTransport>,
+        local: &LocalBuffer,
+        seg: &RemoteSegment,
+        hint: Option<&str>,
+    ) -> Result<(usize, String)> {
+        let view = seg.view.read().clone();
+        let want = Want {
+            local,
+            segment: seg,
+            view: &view,
+            remote: 0,
+            hint,
+            explain: true,
+        };
+        transports.select(&want, |_, _| Ok(()))
+    }
+
+    fn with(list: Vec<FakeTransport>) -> Transports<FakeTransport> {
+        Transports::new(list, Vec::new(), Vec::new())
+    }
+
+    #[test]
+    fn a_same_host_peer_gets_the_same_host_transport() {
+        let t = with(usual());
+        let d = descriptor("e", ALL, &[(0x1000, 4096, "cpu:0", ALL)]);
+        let seg = segment(1, Scope::SameHost, d);
+        let (best, why) = pick(&t, &host_buffer(0x9000, 4096, &[0, 1, 2]), &seg, None).unwrap();
+        assert_eq!(t[best].name, "shm");
+        assert!(why.contains("same-host transport"), "{why}");
+        assert!(why.contains("preferred over rdma, tcp"), "{why}");
+    }
+
+    #[test]
+    fn a_cross_host_peer_gets_rdma_then_a_vendor_transport_then_tcp() {
+        let mut list = usual();
+        list.push(fake("acme", HOST, CROSS_HOST));
+        let t = with(list);
+        let local = host_buffer(0x9000, 4096, &[0, 1, 2, 3]);
+        let everything = &["tcp", "shm", "rdma", "acme"];
+        let d = descriptor("e", everything, &[(0x1000, 4096, "cpu:0", everything)]);
+        let (best, why) = pick(&t, &local, &segment(1, Scope::CrossHost, d), None).unwrap();
+        assert_eq!(t[best].name, "rdma");
+        assert!(
+            why.contains("shm cannot reach a peer on another host"),
+            "{why}"
+        );
+
+        let no_rdma = &["tcp", "acme"];
+        let d = descriptor("e", no_rdma, &[(0x1000, 4096, "cpu:0", no_rdma)]);
+        let (best, why) = pick(&t, &local, &segment(1, Scope::CrossHost, d), None).unwrap();
+        assert_eq!(t[best].name, "acme");
+        assert!(why.contains("rdma does not run at the peer"), "{why}");
+
+        let only_tcp_key = &["tcp"];
+        let d = descriptor("e", everything, &[(0x1000, 4096, "cpu:0", only_tcp_key)]);
+        let (best, why) = pick(&t, &local, &segment(1, Scope::CrossHost, d), None).unwrap();
+        assert_eq!(t[best].name, "tcp");
+        assert!(why.contains("only cross-host transport"), "{why}");
+        assert!(
+            why.contains("rdma did not register the peer's buffer at 0x1000"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn a_transport_that_declines_gives_way_to_the_next() {
+        let t = with(usual());
+        let d = descriptor("e", ALL, &[(0x1000, 4096, "cpu:0", ALL)]);
+        let seg = segment(1, Scope::CrossHost, d);
+        let view = seg.view.read().clone();
+        let local = host_buffer(0x9000, 4096, &[0, 1, 2]);
+        let want = Want {
+            local: &local,
+            segment: &seg,
+            view: &view,
+            remote: 0,
+            hint: None,
+            explain: true,
+        };
+        let mut asked = Vec::new();
+        let (best, why) = t
+            .select(&want, |i, key| {
+                asked.push((i, key.to_vec()));
+                if i == 2 {
+                    Err("no route to the peer's NIC".into())
+                } else {
+                    Ok(())
+                }
+            })
+            .unwrap();
+        assert_eq!(t[best].name, "tcp");
+        assert!(
+            why.contains("rdma declined: no route to the peer's NIC"),
+            "{why}"
+        );
+        // In rank order, each with its key for the remote buffer.
+        assert_eq!(
+            asked,
+            vec![(2, b"rdma@0x1000".to_vec()), (0, b"tcp@0x1000".to_vec())]
+        );
+    }
+
+    #[test]
+    fn a_requested_transport_is_used_or_refused() {
+        let t = with(usual());
+        let d = descriptor("e", ALL, &[(0x1000, 4096, "cpu:0", ALL)]);
+        let seg = segment(1, Scope::CrossHost, d);
+        let local = host_buffer(0x9000, 4096, &[0, 1, 2]);
+        let (best, why) = pick(&t, &local, &seg, Some("tcp")).unwrap();
+        assert_eq!((t[best].name, why.as_str()), ("tcp", "tcp was requested"));
+        let e = pick(&t, &local, &seg, Some("shm")).unwrap_err();
+        assert_eq!(e.code, ErrorCode::Unsupported);
+        assert!(
+            e.message
+                .starts_with("transport shm was requested but cannot serve this request"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn when_nothing_serves_every_reason_is_given() {
+        let t = with(vec![
+            fake("tcp", HOST, ANY_HOST),
+            fake("gpu-only", sys::FERRY_MEM_CUDA_DMABUF, ANY_HOST),
+        ]);
+        let d = descriptor(
+            "e",
+            &["gpu-only"],
+            &[(0x1000, 4096, "cpu:0", &["gpu-only"])],
+        );
+        let seg = segment(1, Scope::CrossHost, d);
+        let e = pick(&t, &host_buffer(0x9000, 4096, &[0]), &seg, None).unwrap_err();
+        assert_eq!(e.code, ErrorCode::Unavailable);
+        assert!(
+            e.message.contains("tcp does not run at the peer")
+                && e.message.contains("gpu-only cannot move cpu:0 memory"),
+            "{}",
+            e.message
+        );
+
+        let none = with(Vec::new());
+        let e = pick(&none, &host_buffer(0x9000, 4096, &[]), &seg, None).unwrap_err();
+        assert!(
+            e.message.contains("no transport plugin that can move data"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn device_memory_goes_only_to_transports_that_registered_it() {
+        let t = with(usual());
+        let d = descriptor("e", ALL, &[(0x1000, 4096, "cpu:0", ALL)]);
+        let seg = segment(1, Scope::SameHost, d);
+        let (best, why) = pick(&t, &device_buffer(0x9000, 4096, &[2]), &seg, None).unwrap();
+        assert_eq!(t[best].name, "rdma");
+        assert!(
+            why.contains("shm did not register this cuda:0 memory directly"),
+            "{why}"
+        );
+        assert!(
+            why.contains("local cuda:0 memory registered as cuda-dmabuf"),
+            "{why}"
+        );
+        let e = pick(&t, &device_buffer(0x9000, 4096, &[]), &seg, None).unwrap_err();
+        assert_eq!(e.code, ErrorCode::Unavailable);
+    }
+
+    #[test]
+    fn the_per_request_path_does_not_explain() {
+        let t = with(usual());
+        let d = descriptor("e", ALL, &[(0x1000, 4096, "cpu:0", ALL)]);
+        let seg = segment(1, Scope::SameHost, d);
+        let view = seg.view.read().clone();
+        let local = host_buffer(0x9000, 4096, &[0, 1, 2]);
+        let want = Want {
+            local: &local,
+            segment: &seg,
+            view: &view,
+            remote: 0,
+            hint: None,
+            explain: false,
+        };
+        assert_eq!(t.select(&want, |_, _| Ok(())).unwrap(), (1, String::new()));
+    }
+
+    #[test]
+    fn a_peer_is_asked_once_per_key_and_a_peer_that_cannot_be_asked_is_not_remembered() {
+        let seg = segment(1, Scope::CrossHost, descriptor("e", ALL, &[]));
+        let asked = Cell::new(0);
+        let ask = |answer: Option<std::result::Result<(), String>>| {
+            let asked = &asked;
+            move || {
+                asked.set(asked.get() + 1);
+                answer
+            }
+        };
+        // Unreachable for now: let the request try, and ask again later.
+        assert_eq!(acceptance(&seg, 2, "rdma", b"k", ask(None)), Ok(()));
+        let no = Err("too far".to_string());
+        assert_eq!(acceptance(&seg, 2, "rdma", b"k", ask(Some(no.clone()))), no);
+        assert_eq!(acceptance(&seg, 2, "rdma", b"k", ask(Some(Ok(())))), no);
+        assert_eq!(asked.get(), 2);
+        // Another key, or another transport, is another question.
+        assert_eq!(
+            acceptance(&seg, 2, "rdma", b"k2", ask(Some(Ok(())))),
+            Ok(())
+        );
+        assert_eq!(acceptance(&seg, 0, "tcp", b"k", ask(Some(Ok(())))), Ok(()));
+        assert_eq!(asked.get(), 4);
+        // A restarted peer is asked again.
+        seg.replace_view(descriptor("restarted", ALL, &[]));
+        assert_eq!(acceptance(&seg, 2, "rdma", b"k", ask(Some(Ok(())))), Ok(()));
+        assert_eq!(asked.get(), 5);
+    }
+
+    #[test]
+    fn ranks_order_scope_first_then_kind() {
+        let r = |name, scopes| rank(&fake(name, HOST, scopes));
+        let in_process = r("loopback", sys::FERRY_SCOPE_SAME_PROCESS);
+        let shm = r("shm", SAME_HOST);
+        let rdma = r("rdma", ANY_HOST);
+        let vendor = r("acme", ANY_HOST);
+        let tcp = r("tcp", ANY_HOST);
+        assert!(in_process < shm && shm < rdma && rdma < vendor && vendor < tcp);
+    }
+}

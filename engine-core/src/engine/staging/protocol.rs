@@ -83,3 +83,63 @@ pub fn decode_open_reply(body: &[u8], slot_len: u64) -> Result<OpenReply> {
 pub(crate) fn bad(msg: &str) -> Error {
     Error::new(ErrorCode::Protocol, format!("bad staging request: {msg}"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_asks_for_1_to_16_slots_of_at_most_64_mib() {
+        let open = |slots: usize, slot_len: u64| {
+            decode_open_request(format!(r#"{{"slots":{slots},"slot_len":{slot_len}}}"#).as_bytes())
+        };
+        assert!(open(4, 4 << 20).is_ok());
+        assert!(open(16, 64 << 20).is_ok());
+        for (slots, len) in [(0, 4096), (17, 4096), (4, 0), (4, (64 << 20) + 1)] {
+            let e = open(slots, len).unwrap_err();
+            assert_eq!(e.code, ErrorCode::Protocol);
+            assert!(e.message.contains("out of range"), "{}", e.message);
+        }
+        assert!(decode_open_request(b"{\"slots\":-1}").is_err());
+    }
+
+    #[test]
+    fn a_copy_is_a_non_empty_range_that_does_not_wrap() {
+        let copy = |offset: u64, len: u64, device_addr: u64| {
+            decode_copy_request(
+                format!(
+                    r#"{{"to_device":true,"slot":0,"offset":{offset},"len":{len},"device_addr":{device_addr}}}"#
+                )
+                .as_bytes(),
+            )
+        };
+        assert_eq!(copy(4096, 8192, 0x1000).unwrap().len, 8192);
+        assert!(copy(0, 0, 0x1000).is_err());
+        assert!(copy(u64::MAX, 1, 0x1000).is_err());
+        assert!(copy(0, 2, u64::MAX).is_err());
+    }
+
+    #[test]
+    fn lent_slots_are_1_to_16_and_as_large_as_asked() {
+        let slot = |len: u64| BufferDescriptor {
+            addr: 0x1000,
+            len,
+            location: "cpu:0".into(),
+            keys: Vec::new(),
+        };
+        let reply =
+            |slots: Vec<BufferDescriptor>| serde_json::to_vec(&OpenReply { slots }).unwrap();
+        assert_eq!(
+            decode_open_reply(&reply(vec![slot(8192)]), 4096)
+                .unwrap()
+                .slots
+                .len(),
+            1
+        );
+        assert!(decode_open_reply(&reply(Vec::new()), 4096).is_err());
+        assert!(decode_open_reply(&reply(vec![slot(8192); 17]), 4096).is_err());
+        let e = decode_open_reply(&reply(vec![slot(8192), slot(2048)]), 4096).unwrap_err();
+        assert!(e.message.contains("smaller than asked"), "{}", e.message);
+        assert!(decode_open_reply(b"[]", 4096).is_err());
+    }
+}

@@ -103,3 +103,74 @@ impl Drop for LocalSlot {
         self.pool.available.notify_all();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_holds_one_chunk_or_many_small_pieces() {
+        let (unit, slot) = slot_geometry(4 << 20);
+        assert_eq!((unit, slot), (256 << 10, 4 << 20));
+        // Units are whole pages, so a slot may exceed the chunk a little.
+        let (unit, slot) = slot_geometry(1_000_000);
+        assert_eq!(unit % 4096, 0);
+        assert!((1_000_000..1_000_000 + 16 * 4096).contains(&slot));
+
+        let mut space = Space::new(2, 4096);
+        let whole = space.take(16 * 4096).unwrap();
+        assert_eq!(
+            (whole.slot, whole.offset, whole.mask),
+            (0, 0, u32::from(u16::MAX))
+        );
+        // Small pieces fill the second slot, first fit, a unit at least.
+        let a = space.take(1).unwrap();
+        let b = space.take(3 * 4096).unwrap();
+        assert_eq!((a.slot, a.offset), (1, 0));
+        assert_eq!((b.slot, b.offset, b.mask), (1, 4096, 0b1110));
+        // 12 units are left in slot 1: 13 do not fit anywhere.
+        assert!(space.take(13 * 4096).is_none());
+        let c = space.take(12 * 4096).unwrap();
+        assert_eq!((c.slot, c.offset), (1, 4 * 4096));
+        assert!(space.take(1).is_none());
+        // Given back, the room is taken again.
+        space.give(b);
+        let d = space.take(2 * 4096).unwrap();
+        assert_eq!((d.slot, d.offset), (1, 4096));
+        space.give(whole);
+        assert_eq!(space.take(16 * 4096).unwrap().slot, 0);
+    }
+
+    #[test]
+    fn a_pool_hands_out_room_and_takes_it_back_when_dropped() {
+        let pool = Arc::new(SlotPool {
+            bases: vec![0x10_0000, 0x20_0000],
+            space: Mutex::new(Space::new(2, 4096)),
+            available: Condvar::new(),
+        });
+        let first = pool.take(16 * 4096, false).unwrap();
+        let second = pool.take(4096, false).unwrap();
+        assert_eq!((first.addr, second.addr), (0x10_0000, 0x20_0000));
+        let third = pool.take(4096, false).unwrap();
+        assert_eq!(third.addr, 0x20_0000 + 4096);
+        assert!(pool.take(16 * 4096, false).is_none());
+        drop(first);
+        assert_eq!(pool.take(16 * 4096, false).unwrap().addr, 0x10_0000);
+    }
+
+    #[test]
+    fn a_waiting_taker_wakes_when_room_is_given_back() {
+        let pool = Arc::new(SlotPool {
+            bases: vec![0x10_0000],
+            space: Mutex::new(Space::new(1, 4096)),
+            available: Condvar::new(),
+        });
+        let held = pool.take(16 * 4096, false).unwrap();
+        let waiter = {
+            let pool = pool.clone();
+            std::thread::spawn(move || pool.take(4096, true).map(|s| s.addr))
+        };
+        drop(held);
+        assert_eq!(waiter.join().unwrap(), Some(0x10_0000));
+    }
+}
