@@ -559,7 +559,10 @@ fn the_checker_sees_a_cycle() {
     let c = File {
         path: "c.rs".into(),
         module: vec!["c".into()],
-        toks: lex("pub(crate) struct Y<'a>(&'a u8); const Q: char = '\"';"),
+        toks: lex(concat!(
+            "pub(crate) struct Y<'a>(&'a u8); const Q: char = '\"';",
+            "macro_rules! m { () => { $crate::a::A } }"
+        )),
         children: BTreeSet::new(),
     };
     let edges = imports(&[a, b, c]);
