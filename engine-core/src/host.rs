@@ -10,6 +10,10 @@ use parking_lot::RwLock;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+/// Segment name -> control address ("host:port"): filled by the engine as
+/// it opens segments, read by plugin messaging to reach a peer by name.
+pub type PeerControls = Arc<RwLock<HashMap<String, String>>>;
+
 /// Host services backed by explicit settings, then the environment, and by
 /// the topology when one was discovered.
 #[derive(Clone, Debug, Default)]
@@ -32,7 +36,7 @@ struct EngineLink {
     name: String,
     link: crate::control::Link,
     /// Segment names -> control addresses, as the engine opened them.
-    peers: crate::engine::PeerControls,
+    peers: PeerControls,
 }
 
 impl CoreHost {
@@ -59,7 +63,7 @@ impl CoreHost {
         mut self,
         name: &str,
         link: crate::control::Link,
-        peers: crate::engine::PeerControls,
+        peers: PeerControls,
     ) -> CoreHost {
         self.engine = Some(EngineLink {
             name: name.to_string(),
@@ -163,4 +167,13 @@ impl HostServices for CoreHost {
             }
         }
     }
+}
+
+/// Loads every plugin the configuration finds, with host services backed by
+/// `host`. Never fails; see each plugin's state and reason.
+pub fn load_plugins(
+    config: &ferry_loader::LoaderConfig,
+    host: CoreHost,
+) -> ferry_loader::PluginSet {
+    ferry_loader::PluginSet::load(config, Arc::new(host))
 }

@@ -42,15 +42,8 @@ pub use config::EngineConfig;
 pub use engine::{Engine, Op, Request, Route, RouteNic, Scope, SegmentId};
 pub use error::{Error, ErrorCode, Result};
 pub use ferry_loader as loader;
+pub use host::load_plugins;
 pub use location::Location;
-
-use std::sync::Arc;
-
-/// Loads every plugin the configuration finds, with host services backed by
-/// `host`. Never fails; see each plugin's state and reason.
-pub fn load_plugins(config: &loader::LoaderConfig, host: host::CoreHost) -> loader::PluginSet {
-    loader::PluginSet::load(config, Arc::new(host))
-}
 
 /// Logging to stderr, filtered by FERRY_LOG (env_logger syntax, default
 /// `warn`), with millisecond timestamps: what the `ferry` binary, the C

@@ -8,7 +8,7 @@
 //! falls back to the engine's own choice, said once in the log, and stays
 //! there.
 
-use crate::{ferry_err, invalid};
+use crate::errors::{ferry_err, invalid};
 use ferry_core::{BatchId, BatchStatus, Engine, EngineConfig, Error, ErrorCode, Op, Request};
 use parking_lot::{Mutex, RwLock};
 use pyo3::prelude::*;

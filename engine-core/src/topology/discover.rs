@@ -5,45 +5,34 @@
 //! know, records a warning.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use super::class::{classify_devices, classify_host_memory, MemoryNode, PathClass, Placement};
 use super::config::TopologyConfig;
 use super::error::TopologyError;
 use super::model::{
-    natural_order, Gpu, GpuVendor, LinkState, MemoryLocation, Nic, NicKind, NumaNode,
+    natural_order, Gpu, GpuVendor, LinkState, MemoryLocation, Nic, NicKind, NumaNode, Topology,
 };
 use super::nic_discovery::prune_virtual_functions;
 use super::nic_filter::NicFilter;
 use super::override_file::TopologyFile;
-use super::pci::{PciAddress, PciPath};
+use super::pci::PciAddress;
 use super::rank::{rank_locations, RankInput};
-use super::sysfs::{parse_decimal, parse_hex, Resolved, Sysfs};
+use super::scan::{Discovery, PciFunction};
+use super::sysfs::{Resolved, Sysfs};
 use super::visible::visible_gpu_indices;
-use super::Topology;
 
 /// PCI base classes that GPUs use: display controller (0x03), and processing
 /// accelerator (0x12), which some AMD Instinct parts report.
 const GPU_BASE_CLASSES: [u32; 2] = [0x03, 0x12];
 
-/// What sysfs says about one PCI function.
-#[derive(Debug, Clone)]
-pub(super) struct PciFunction {
-    pub(super) address: PciAddress,
-    pub(super) path: PciPath,
-    pub(super) vendor: Option<u32>,
-    pub(super) device: Option<u32>,
-    pub(super) class: Option<u32>,
-    pub(super) raw_numa: Option<i64>,
-    pub(super) physical_function: Option<PciAddress>,
-}
-
-pub(super) struct Discovery<'a> {
-    pub(super) sysfs: Sysfs,
-    pub(super) config: &'a TopologyConfig,
-    pub(super) numa_nodes: Vec<NumaNode>,
-    pub(super) functions: BTreeMap<PciAddress, PciFunction>,
-    pub(super) warnings: Vec<String>,
+impl Topology {
+    /// Discovers the topology under `config.sysfs_root`. Logs only at debug
+    /// level; the caller decides what to say about the result and the
+    /// [`Topology::warnings`].
+    pub fn discover(config: &TopologyConfig) -> Result<Topology, TopologyError> {
+        discover(config)
+    }
 }
 
 pub(crate) fn discover(config: &TopologyConfig) -> Result<Topology, TopologyError> {
@@ -115,15 +104,6 @@ pub(crate) fn discover(config: &TopologyConfig) -> Result<Topology, TopologyErro
 }
 
 impl Discovery<'_> {
-    pub(super) fn resolve_numa(&self, raw: Option<i64>) -> Option<u32> {
-        match raw.and_then(|value| u32::try_from(value).ok()) {
-            Some(node) => Some(node),
-            // With one node, "unknown" can only mean that node.
-            None if self.numa_nodes.len() == 1 => Some(self.numa_nodes[0].id),
-            None => None,
-        }
-    }
-
     fn discover_numa_nodes(&mut self) -> Vec<NumaNode> {
         let base = Path::new("devices/system/node");
         let mut ids: Vec<u32> = self
@@ -234,48 +214,6 @@ impl Discovery<'_> {
             }
             Resolved::Missing => None,
         }
-    }
-
-    pub(super) fn warn_escape(&mut self, link: &Path, target: &Path) {
-        self.warnings.push(format!(
-            "{} resolves to {}, outside the sysfs root {}; ignored",
-            self.sysfs.show(link),
-            target.display(),
-            self.sysfs.root().display()
-        ));
-    }
-
-    /// The PCI function at or above a canonical root-relative path.
-    pub(super) fn function_containing(&self, canonical: &Path) -> Option<PciFunction> {
-        let path = PciPath::containing(canonical)?;
-        let address = path.address()?;
-        if let Some(known) = self.functions.get(&address) {
-            if known.path == path {
-                return Some(known.clone());
-            }
-        }
-        let directory = PathBuf::from(path.display());
-        let hex = |attribute: &str| {
-            self.sysfs
-                .read_attribute(&directory.join(attribute))
-                .and_then(|text| parse_hex(&text))
-        };
-        let physical_function = match self.sysfs.resolve(&directory.join("physfn")) {
-            Resolved::Inside(target) => PciPath::containing(&target).and_then(|pf| pf.address()),
-            _ => None,
-        };
-        Some(PciFunction {
-            address,
-            vendor: hex("vendor"),
-            device: hex("device"),
-            class: hex("class"),
-            raw_numa: self
-                .sysfs
-                .read_attribute(&directory.join("numa_node"))
-                .and_then(|text| parse_decimal(&text)),
-            physical_function,
-            path,
-        })
     }
 
     fn discover_gpus(&mut self) -> Vec<Gpu> {

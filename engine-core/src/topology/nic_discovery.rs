@@ -5,10 +5,10 @@
 
 use std::path::{Path, PathBuf};
 
-use super::discover::{Discovery, PciFunction};
 use super::model::{LinkState, Nic, NicKind, RdmaPort};
 use super::nic_filter::NicFilter;
 use super::pci::PciAddress;
+use super::scan::{Discovery, PciFunction};
 use super::sysfs::{parse_decimal, Resolved};
 
 /// A network interface backed by a device, before it is matched with RDMA devices.

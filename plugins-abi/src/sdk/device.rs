@@ -1,7 +1,8 @@
 //! Device plugins in Rust (memory owners such as CUDA): the safe traits and
 //! the trampolines that the export macro puts in the C table.
 
-use super::{boundary, catch, Host, PluginError, PluginResult, ProbeReport};
+use super::boundary::{boundary, catch, PluginError, PluginResult};
+use super::host::{Host, ProbeReport};
 use crate::status::ErrorCode;
 use crate::sys;
 use std::ffi::{c_char, c_void, CStr};

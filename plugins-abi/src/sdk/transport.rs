@@ -1,7 +1,8 @@
 //! Transport plugins in Rust: the safe traits and the trampolines that the
 //! export macro puts in the C table.
 
-use super::{boundary, catch, to_cstring_lossy, Host, PluginError, PluginResult, ProbeReport};
+use super::boundary::{boundary, catch, to_cstring_lossy, PluginError, PluginResult};
+use super::host::{Host, ProbeReport};
 use crate::status::ErrorCode;
 use crate::sys;
 use std::ffi::{c_char, c_void, CStr};

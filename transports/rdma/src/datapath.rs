@@ -5,10 +5,11 @@
 //! too); path errors move the slice to another NIC pair and count against
 //! the NICs, which are paused with a back-off when they keep failing.
 
-use crate::err;
 use crate::health::{Health, Verdict};
-use crate::instance::{Inner, Region, LOCAL_PAUSE_AFTER, REMOTE_PAUSE_AFTER};
 use crate::rails::{self, Pair};
+use crate::state::{
+    Channel, Inner, Peer, Region, RemoteNic, Req, Slice, LOCAL_PAUSE_AFTER, REMOTE_PAUSE_AFTER,
+};
 use crate::verbs::{self, Link, Qp, QpAddress, RdmaOp, Wc};
 use crate::wire::{self, BufferKey, ConnectReply, Endpoint, Message, QpReply, QpRequest};
 use ferry_plugins_abi::sdk::{Op, PeerInfo, PluginError, PluginResult, TransferRequest};
@@ -25,20 +26,6 @@ const MAX_ATTEMPTS: usize = 8;
 const MAX_CACHED_KEYS: usize = 65536;
 const MAX_PAUSE: Duration = Duration::from_secs(60);
 
-/// A NIC of the peer, from its endpoint.
-struct RemoteNic {
-    name: String,
-    link: Link,
-}
-
-/// One RC queue pair to the peer, between two of the NICs.
-pub struct Channel {
-    qp: Mutex<Qp>,
-    outstanding: AtomicUsize,
-    broken: AtomicBool,
-    depth: usize,
-}
-
 impl Channel {
     fn usable(&self) -> bool {
         !self.broken.load(Ordering::Acquire)
@@ -51,57 +38,16 @@ impl Channel {
     }
 }
 
-/// A peer this instance sends to.
-pub struct Peer {
-    pub name: String,
-    remote: Vec<RemoteNic>,
-    channels: Mutex<HashMap<Pair, Arc<Channel>>>,
-    connect_lock: Mutex<()>,
-    keys: Mutex<HashMap<Vec<u8>, Arc<BufferKey>>>,
-    remote_health: Vec<Health>,
-    /// Bytes and slices completed per local NIC.
-    sent: Vec<AtomicU64>,
-    slices: Vec<AtomicU64>,
-    retried: AtomicU64,
-    cursor: AtomicUsize,
-    closed: AtomicBool,
-}
-
-/// One request as the engine gave it.
-pub struct Req {
-    token: u64,
-    remaining: AtomicUsize,
-    error: Mutex<Option<PluginError>>,
-}
-
 impl Req {
     fn failed(&self) -> bool {
         self.error.lock().is_some()
     }
 }
 
-/// A piece of a request on one NIC pair: one work request.
-pub struct Slice {
-    req: Arc<Req>,
-    peer: Arc<Peer>,
-    op: RdmaOp,
-    local: Arc<Region>,
-    local_addr: u64,
-    key: Arc<BufferKey>,
-    remote_addr: u64,
-    len: u32,
-    rails: Arc<Vec<Pair>>,
-    pair: Pair,
-    tried: Vec<Pair>,
-    channel: Option<Arc<Channel>>,
-    posted: Option<Instant>,
-    last_error: Option<String>,
-}
-
 impl Peer {
     pub fn new(inner: &Arc<Inner>, info: &PeerInfo) -> PluginResult<Arc<Peer>> {
         let endpoint = Endpoint::decode(&info.endpoint)
-            .map_err(|e| err(e.code, format!("{}: {}", info.name, e.message)))?;
+            .map_err(|e| PluginError::new(e.code, format!("{}: {}", info.name, e.message)))?;
         let remote: Vec<RemoteNic> = endpoint
             .nics
             .iter()
@@ -119,7 +65,7 @@ impl Peer {
             .iter()
             .any(|l| remote.iter().any(|r| r.link == l.link()))
         {
-            return Err(err(
+            return Err(PluginError::new(
                 ErrorCode::Unavailable,
                 format!(
                     "{}: no NIC here shares a link layer with the peer's ({})",
@@ -167,7 +113,7 @@ impl Peer {
         }
         let k = Arc::new(
             BufferKey::decode(bytes, self.remote.len())
-                .map_err(|e| err(e.code, format!("{}: {}", self.name, e.message)))?,
+                .map_err(|e| PluginError::new(e.code, format!("{}: {}", self.name, e.message)))?,
         );
         let mut keys = self.keys.lock();
         if keys.len() >= MAX_CACHED_KEYS {
@@ -188,7 +134,7 @@ impl Peer {
         if reachable {
             Ok(())
         } else {
-            Err(err(
+            Err(PluginError::new(
                 ErrorCode::Unavailable,
                 "none of this engine's NICs shares a link layer with the NICs that registered the \
                  peer's buffer",
@@ -316,13 +262,13 @@ impl Peer {
                 qps: asks,
             })
             .map_err(|e| {
-                err(
+                PluginError::new(
                     ErrorCode::Internal,
                     format!("encoding a connect message: {e}"),
                 )
             })?;
             let reply = inner.host.peer_request(&self.name, &body).map_err(|e| {
-                err(
+                PluginError::new(
                     e.code,
                     format!(
                         "cannot set up RDMA queue pairs with {}: {}",
@@ -331,7 +277,7 @@ impl Peer {
                 )
             })?;
             let reply = ConnectReply::decode(&reply, created.len())
-                .map_err(|e| err(e.code, format!("{}: {}", self.name, e.message)))?;
+                .map_err(|e| PluginError::new(e.code, format!("{}: {}", self.name, e.message)))?;
             for ((p, mut qp), answer) in created.into_iter().zip(reply.qps) {
                 let nic = &inner.nics[p.0];
                 let result = match answer {
@@ -431,7 +377,7 @@ pub fn submit(
     requests: &[TransferRequest<'_>],
 ) -> PluginResult<()> {
     if peer.closed.load(Ordering::SeqCst) {
-        return Err(err(
+        return Err(PluginError::new(
             ErrorCode::Connection,
             format!("{}: disconnected", peer.name),
         ));
@@ -442,13 +388,13 @@ pub fn submit(
     let mut reqs: Vec<(Arc<Req>, usize)> = Vec::with_capacity(requests.len());
     for (i, r) in requests.iter().enumerate() {
         let region = inner.region(r.local_mem).ok_or_else(|| {
-            err(
+            PluginError::new(
                 ErrorCode::InvalidArgument,
                 format!("request {i}: its local buffer is not registered with rdma"),
             )
         })?;
         if r.length == 0 || !region.covers(r.local_addr, r.length) {
-            return Err(err(
+            return Err(PluginError::new(
                 ErrorCode::OutOfBounds,
                 format!(
                     "request {i}: local range [{:#x}, +{}) is outside its registered buffer",
@@ -458,7 +404,7 @@ pub fn submit(
         }
         let key = peer.key(r.remote_key)?;
         if !key.covers(r.remote_addr, r.length) {
-            return Err(err(
+            return Err(PluginError::new(
                 ErrorCode::OutOfBounds,
                 format!(
                     "request {i}: remote range [{:#x}, +{}) is outside the buffer {} registered \
@@ -469,7 +415,7 @@ pub fn submit(
         }
         let rails = peer.rails_for(inner, &region, &key);
         if rails.is_empty() {
-            return Err(err(
+            return Err(PluginError::new(
                 ErrorCode::Unavailable,
                 format!("request {i}: no NIC pair links this buffer to the peer's"),
             ));
@@ -686,7 +632,7 @@ pub fn on_completion(inner: &Inner, nic: usize, wc: Wc) {
         c.break_it();
     }
     if inner.stopping() || peer.closed.load(Ordering::SeqCst) {
-        let e = err(
+        let e = PluginError::new(
             ErrorCode::Cancelled,
             format!(
                 "{}: the request was cancelled (disconnect or shutdown)",
@@ -711,7 +657,7 @@ pub fn on_completion(inner: &Inner, nic: usize, wc: Wc) {
     match wc.status {
         // The peer's NIC refused the access itself: every NIC would.
         verbs::WC_REM_ACCESS_ERR | verbs::WC_REM_INV_REQ_ERR | verbs::WC_REM_OP_ERR => {
-            let e = err(
+            let e = PluginError::new(
                 ErrorCode::OutOfBounds,
                 format!(
                     "{} refused [{:#x}, +{}) of its buffer: {why} (the buffer was unregistered or \
@@ -727,7 +673,7 @@ pub fn on_completion(inner: &Inner, nic: usize, wc: Wc) {
         | verbs::WC_LOC_QP_OP_ERR
         | verbs::WC_LOC_PROT_ERR
         | verbs::WC_LOC_ACCESS_ERR => {
-            let e = err(
+            let e = PluginError::new(
                 ErrorCode::Io,
                 format!(
                     "the local NIC refused [{:#x}, +{}): {why} (local memory not accessible to \
@@ -807,7 +753,7 @@ fn retry(inner: &Inner, mut s: Slice) {
         }
         let peer = s.peer.clone();
         if peer.closed.load(Ordering::SeqCst) {
-            let e = err(ErrorCode::Cancelled, format!("{}: disconnected", peer.name));
+            let e = PluginError::new(ErrorCode::Cancelled, format!("{}: disconnected", peer.name));
             finish(inner, s, Some(e));
             return;
         }
@@ -885,7 +831,7 @@ fn retry(inner: &Inner, mut s: Slice) {
 }
 
 fn give_up(s: &Slice) -> PluginError {
-    err(
+    PluginError::new(
         ErrorCode::Connection,
         format!(
             "{} could not be reached on any of {} NIC pairs tried (last: {})",
@@ -957,7 +903,7 @@ pub fn check_timeouts(inner: &Inner) {
         {
             let mut g = req.error.lock();
             if g.is_none() {
-                *g = Some(err(
+                *g = Some(PluginError::new(
                     ErrorCode::Timeout,
                     format!(
                         "no completion within {} ms on {what}: the peer or the fabric stopped \
@@ -1012,7 +958,7 @@ pub fn fail_everything(inner: &Inner, why: &str) {
         left.extend(n.backlog.lock().drain(..));
     }
     for s in left {
-        let e = err(ErrorCode::Cancelled, why.to_string());
+        let e = PluginError::new(ErrorCode::Cancelled, why.to_string());
         finish(inner, s, Some(e));
     }
 }

@@ -2,9 +2,12 @@
 //! pairs peers asked it to create (it is their target), the settings, and
 //! the thread that polls completion queues.
 
-use crate::datapath::{self, Peer, Slice};
-use crate::err;
+use crate::datapath;
 use crate::health::Health;
+use crate::state::{
+    Inner, Nic, Peer, Region, Responder, Responders, Settings, DEFAULT_PAUSE_MS,
+    DEFAULT_QUEUE_DEPTH, DEFAULT_SLICE_BYTES,
+};
 use crate::verbs::{self, Device, Link, Mr, PortInfo, Qp, QpAddress};
 use crate::wire::{self, BufferKey, ConnectReply, Endpoint, EndpointNic, Message, QpReply};
 use ferry_plugins_abi::sdk::{
@@ -13,47 +16,22 @@ use ferry_plugins_abi::sdk::{
 use ferry_plugins_abi::sys;
 use ferry_plugins_abi::ErrorCode;
 use parking_lot::{Condvar, Mutex, RwLock};
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// Defaults of the settings (key -> FERRY_ variable).
-pub const DEFAULT_SLICE_BYTES: u64 = 1 << 20;
-pub const DEFAULT_QUEUE_DEPTH: u32 = 128;
-pub const DEFAULT_PAUSE_MS: u64 = 1000;
 /// Work completions one CQ holds (the sum of all its QPs' outstanding WRs
 /// stays below this).
 const CQ_ENTRIES: u32 = 4096;
 /// Queue pairs peers may have this instance create; the oldest goes first.
 const MAX_RESPONDERS: usize = 4096;
-/// Failures in a row that pause a peer's NIC / one of ours.
-pub const REMOTE_PAUSE_AFTER: u32 = 3;
-pub const LOCAL_PAUSE_AFTER: u32 = 6;
-
-/// The plugin's settings.
-#[derive(Clone, Debug)]
-pub struct Settings {
-    /// rdma.slice_bytes: requests are cut into slices of this size.
-    pub slice_bytes: u64,
-    /// rdma.rails: NIC pairs per request (0: all equally close NICs).
-    pub rails: usize,
-    /// rdma.gid_index: the GID index on RoCE ports (None: chosen).
-    pub gid_index: Option<u8>,
-    /// rdma.queue_depth: work requests in flight per queue pair.
-    pub queue_depth: u32,
-    /// rdma.pause_ms: first pause of a failing NIC (doubles, up to 60 s).
-    pub pause: Duration,
-    pub timeout: Duration,
-}
-
 fn setting<T: std::str::FromStr>(host: &Host<'_>, key: &str, default: T) -> PluginResult<T> {
     match host.config(key) {
         None => Ok(default),
         Some(v) if v.trim().is_empty() => Ok(default),
         Some(v) => v.trim().parse().map_err(|_| {
-            err(
+            PluginError::new(
                 ErrorCode::InvalidArgument,
                 format!("setting {key} = {v:?} is not a valid number"),
             )
@@ -65,14 +43,14 @@ impl Settings {
     pub fn from_host(host: &Host<'_>) -> PluginResult<Settings> {
         let slice_bytes: u64 = setting(host, "rdma.slice_bytes", DEFAULT_SLICE_BYTES)?;
         if !(4096..=1 << 30).contains(&slice_bytes) {
-            return Err(err(
+            return Err(PluginError::new(
                 ErrorCode::InvalidArgument,
                 format!("rdma.slice_bytes = {slice_bytes}: use 4096 to 1073741824"),
             ));
         }
         let rails: usize = setting(host, "rdma.rails", 0)?;
         if rails > 64 {
-            return Err(err(
+            return Err(PluginError::new(
                 ErrorCode::InvalidArgument,
                 format!("rdma.rails = {rails}: use 0 (all equally close NICs) to 64"),
             ));
@@ -83,7 +61,7 @@ impl Settings {
         {
             None => None,
             Some(v) => Some(v.trim().parse::<u8>().map_err(|_| {
-                err(
+                PluginError::new(
                     ErrorCode::InvalidArgument,
                     format!("rdma.gid_index = {v:?}: use a GID table index, 0 to 255"),
                 )
@@ -91,7 +69,7 @@ impl Settings {
         };
         let queue_depth: u32 = setting(host, "rdma.queue_depth", DEFAULT_QUEUE_DEPTH)?;
         if !(1..=4096).contains(&queue_depth) {
-            return Err(err(
+            return Err(PluginError::new(
                 ErrorCode::InvalidArgument,
                 format!("rdma.queue_depth = {queue_depth}: use 1 to 4096"),
             ));
@@ -105,93 +83,6 @@ impl Settings {
             timeout: Duration::from_millis(setting(host, "timeout_ms", 15_000u64)?.max(1)),
         })
     }
-}
-
-/// One NIC this instance uses.
-pub struct Nic {
-    pub name: String,
-    pub dev: Device,
-    pub port: PortInfo,
-    pub lid: u16,
-    pub gid: [u8; 16],
-    pub dmabuf: Result<(), String>,
-    pub health: Health,
-    /// Work requests posted on this NIC and not yet completed.
-    pub outstanding: AtomicUsize,
-    /// Slices waiting for room on this NIC (its CQ or a queue pair).
-    pub backlog: Mutex<VecDeque<Slice>>,
-    pub cq_budget: usize,
-}
-
-impl Nic {
-    pub fn link(&self) -> Link {
-        self.port.link
-    }
-}
-
-/// Memory registered with this instance.
-pub struct Region {
-    pub addr: u64,
-    pub len: u64,
-    pub location: String,
-    /// By local NIC index.
-    pub mrs: Vec<Option<Mr>>,
-    /// Local NICs that registered it, closest first; the first `best` are
-    /// equally close (the rails).
-    pub ranked: Vec<usize>,
-    pub best: usize,
-}
-
-impl Region {
-    pub fn lkey(&self, nic: usize) -> Option<u32> {
-        self.mrs.get(nic).and_then(|m| m.as_ref()).map(Mr::lkey)
-    }
-
-    pub fn covers(&self, addr: u64, len: u64) -> bool {
-        addr >= self.addr
-            && addr
-                .checked_add(len)
-                .is_some_and(|e| e <= self.addr + self.len)
-    }
-}
-
-/// A queue pair a peer asked us to create: we are its target.
-struct Responder {
-    seq: u64,
-    _qp: Qp,
-}
-
-#[derive(Default)]
-struct Responders {
-    by_key: HashMap<(String, String, usize), Responder>,
-    order: BTreeMap<u64, (String, String, usize)>,
-    next: u64,
-}
-
-pub struct Inner {
-    pub host: Host<'static>,
-    pub completer: Completer,
-    pub settings: Settings,
-    pub engine_name: String,
-    pub engine_id: String,
-    pub nics: Vec<Nic>,
-    pub endpoint: Endpoint,
-    regions: RwLock<HashMap<u64, Arc<Region>>>,
-    next_handle: AtomicU64,
-    /// Posted slices by work request id.
-    pub inflight: Mutex<HashMap<u64, Slice>>,
-    pub next_wr: AtomicU64,
-    /// Slices to move to another NIC pair (done by the poller thread,
-    /// which may have to connect).
-    pub retries: Mutex<VecDeque<Slice>>,
-    pub peers: Mutex<Vec<Weak<Peer>>>,
-    responders: Mutex<Responders>,
-    logged: Mutex<HashSet<String>>,
-    wake: (Mutex<bool>, Condvar),
-    stop: AtomicBool,
-    poller: Mutex<Option<JoinHandle<()>>>,
-    /// Requests completed since progress() last looked.
-    pub completed: AtomicUsize,
 }
 
 fn random_id() -> String {
@@ -258,7 +149,7 @@ impl Inner {
     ) -> PluginResult<Arc<Inner>> {
         let settings = Settings::from_host(&host)?;
         let names = verbs::device_names()
-            .map_err(|e| PluginError::unavailable(crate::no_device_reason(&e)))?;
+            .map_err(|e| PluginError::unavailable(verbs::no_device_reason(&e)))?;
         // The engine's topology (FERRY_NICS, a topology file) decides which
         // NICs exist; with no RDMA NIC in it, every verbs device counts.
         let topo: Vec<String> = host
@@ -366,7 +257,7 @@ impl Inner {
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| poll_loop(weak)));
             })
             .map_err(|e| {
-                err(
+                PluginError::new(
                     ErrorCode::NoMemory,
                     format!("cannot start the rdma poller thread: {e}"),
                 )
@@ -375,28 +266,14 @@ impl Inner {
         Ok(inner)
     }
 
-    /// Logs `msg` at info the first time `key` is seen.
-    pub fn info_once(&self, key: String, msg: impl FnOnce() -> String) {
-        if self.logged.lock().insert(key) {
-            self.host.info(&msg());
-        }
-    }
-
-    pub fn wake_poller(&self) {
-        let (lock, cv) = &self.wake;
-        *lock.lock() = true;
-        cv.notify_one();
-    }
-
-    pub fn region(&self, handle: u64) -> Option<Arc<Region>> {
-        self.regions.read().get(&handle).cloned()
-    }
-
     // ---- memory ------------------------------------------------------
 
     pub fn register(&self, r: &MemRegion) -> PluginResult<Registration> {
         if r.len == 0 || r.addr.checked_add(r.len).is_none() {
-            return Err(err(ErrorCode::InvalidArgument, "empty or wrapping range"));
+            return Err(PluginError::new(
+                ErrorCode::InvalidArgument,
+                "empty or wrapping range",
+            ));
         }
         let remote = !r.local_only;
         let method = match r.mem_kind {
@@ -404,14 +281,14 @@ impl Inner {
             sys::FERRY_MEM_CUDA_DMABUF => "DMA-BUF",
             sys::FERRY_MEM_CUDA_PEERMEM => "nvidia-peermem",
             _ => {
-                return Err(err(
+                return Err(PluginError::new(
                     ErrorCode::Unsupported,
                     "rdma registers host memory, or device memory by DMA-BUF or nvidia-peermem",
                 ))
             }
         };
         if r.mem_kind == sys::FERRY_MEM_CUDA_DMABUF && r.dmabuf_fd.is_none() {
-            return Err(err(
+            return Err(PluginError::new(
                 ErrorCode::InvalidArgument,
                 "DMA-BUF registration without an fd",
             ));
@@ -470,7 +347,7 @@ impl Inner {
             } else {
                 ErrorCode::Unavailable
             };
-            return Err(err(
+            return Err(PluginError::new(
                 code,
                 format!(
                     "registering {} at {:#x} (+{}) by {method} failed on every NIC: {}",
@@ -604,7 +481,7 @@ impl Inner {
             // Dropping the region deregisters its MRs (once no slice holds
             // it: the engine unregisters only when none is in flight).
             Some(_) => Ok(()),
-            None => Err(err(
+            None => Err(PluginError::new(
                 ErrorCode::NotFound,
                 format!("no rdma registration {handle}"),
             )),
@@ -635,7 +512,7 @@ impl Inner {
             replies.push(reply);
         }
         serde_json::to_vec(&ConnectReply { qps: replies })
-            .map_err(|e| err(ErrorCode::Internal, format!("encoding the reply: {e}")))
+            .map_err(|e| PluginError::new(ErrorCode::Internal, format!("encoding the reply: {e}")))
     }
 
     /// Creates and connects the target's end of one queue pair.
@@ -646,7 +523,7 @@ impl Inner {
             .enumerate()
             .find(|(_, n)| n.name == q.to)
             .ok_or_else(|| {
-                err(
+                PluginError::new(
                     ErrorCode::NotFound,
                     format!("this engine has no RDMA NIC {}", q.to),
                 )
@@ -658,9 +535,9 @@ impl Inner {
             mtu: q.mtu,
         };
         let mut qp = Qp::create(&nic.dev.pd, &nic.dev.cq, &nic.port, 1)
-            .map_err(|e| err(ErrorCode::NoMemory, format!("{}: {e}", nic.name)))?;
+            .map_err(|e| PluginError::new(ErrorCode::NoMemory, format!("{}: {e}", nic.name)))?;
         qp.connect(&nic.port, &remote)
-            .map_err(|e| err(ErrorCode::Connection, format!("{}: {e}", nic.name)))?;
+            .map_err(|e| PluginError::new(ErrorCode::Connection, format!("{}: {e}", nic.name)))?;
         let mine = QpAddress {
             qpn: qp.qpn,
             lid: nic.lid,
@@ -725,10 +602,6 @@ impl Inner {
         }
         datapath::fail_everything(self, "the rdma transport is shutting down");
         self.responders.lock().by_key.clear();
-    }
-
-    pub fn stopping(&self) -> bool {
-        self.stop.load(Ordering::SeqCst)
     }
 }
 

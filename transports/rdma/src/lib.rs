@@ -14,6 +14,7 @@ mod datapath;
 mod health;
 mod instance;
 mod rails;
+mod state;
 mod verbs;
 pub mod wire;
 
@@ -22,11 +23,10 @@ use ferry_plugins_abi::sdk::{
     ProbeReport, Registration, TransferRequest, TransportInstance, TransportPlugin,
 };
 use ferry_plugins_abi::sys;
-use ferry_plugins_abi::ErrorCode;
 use std::ffi::CStr;
 use std::sync::Arc;
 
-pub use instance::Settings;
+pub use state::Settings;
 
 pub struct RdmaTransport;
 
@@ -67,19 +67,6 @@ pub(crate) fn peermem_loaded(host: &Host<'_>) -> Option<String> {
     .map(|p| p.display().to_string())
 }
 
-/// "no RDMA device" in operator words, from what libibverbs said.
-pub(crate) fn no_device_reason(e: &verbs::ListError) -> String {
-    match e {
-        verbs::ListError::NoKernelSupport => "libibverbs loads, but there is no RDMA device: the \
-             kernel offers no RDMA support here (ibv_get_device_list: ENOSYS; no ib_uverbs \
-             module, or no RDMA NIC)"
-            .to_string(),
-        verbs::ListError::Other(io) => {
-            format!("libibverbs loads, but listing RDMA devices failed: {io}")
-        }
-    }
-}
-
 fn report_methods(
     report: &mut ProbeReport<'_>,
     dmabuf: &Result<String, String>,
@@ -113,7 +100,7 @@ impl TransportPlugin for RdmaTransport {
         let names = match verbs::device_names() {
             Ok(n) => n,
             Err(e) => {
-                let why = no_device_reason(&e);
+                let why = verbs::no_device_reason(&e);
                 let off = Err("no RDMA device".to_string());
                 report_methods(report, &off, &off);
                 return Err(PluginError::unavailable(why));
@@ -240,7 +227,7 @@ impl TransportPlugin for RdmaTransport {
         completer: Completer,
     ) -> PluginResult<RdmaInstance> {
         open_libibverbs().map_err(PluginError::unavailable)?;
-        let inner = instance::Inner::start(host, params, completer)?;
+        let inner = state::Inner::start(host, params, completer)?;
         Ok(RdmaInstance { inner })
     }
 }
@@ -249,11 +236,11 @@ ferry_plugins_abi::export_transport_plugin!(RdmaTransport);
 
 /// One engine's RDMA transport.
 pub struct RdmaInstance {
-    inner: Arc<instance::Inner>,
+    inner: Arc<state::Inner>,
 }
 
 impl TransportInstance for RdmaInstance {
-    type Peer = Arc<datapath::Peer>;
+    type Peer = Arc<state::Peer>;
 
     fn endpoint(&self) -> PluginResult<Vec<u8>> {
         Ok(self.inner.endpoint.encode())
@@ -267,23 +254,23 @@ impl TransportInstance for RdmaInstance {
         self.inner.unregister(handle)
     }
 
-    fn connect(&self, peer: &PeerInfo) -> PluginResult<Arc<datapath::Peer>> {
-        datapath::Peer::new(&self.inner, peer)
+    fn connect(&self, peer: &PeerInfo) -> PluginResult<Arc<state::Peer>> {
+        state::Peer::new(&self.inner, peer)
     }
 
-    fn disconnect(&self, peer: Arc<datapath::Peer>) {
+    fn disconnect(&self, peer: Arc<state::Peer>) {
         peer.close();
     }
 
     fn submit(
         &self,
-        peer: &Arc<datapath::Peer>,
+        peer: &Arc<state::Peer>,
         requests: &[TransferRequest<'_>],
     ) -> PluginResult<()> {
         self.inner.submit(peer, requests)
     }
 
-    fn describe_peer(&self, peer: &Arc<datapath::Peer>) -> Option<String> {
+    fn describe_peer(&self, peer: &Arc<state::Peer>) -> Option<String> {
         Some(peer.describe(&self.inner))
     }
 
@@ -291,7 +278,7 @@ impl TransportInstance for RdmaInstance {
         self.inner.progress()
     }
 
-    fn accepts(&self, peer: &Arc<datapath::Peer>, remote_key: &[u8]) -> PluginResult<()> {
+    fn accepts(&self, peer: &Arc<state::Peer>, remote_key: &[u8]) -> PluginResult<()> {
         peer.accepts(&self.inner, remote_key)
     }
 
@@ -304,8 +291,4 @@ impl Drop for RdmaInstance {
     fn drop(&mut self) {
         self.inner.shutdown();
     }
-}
-
-pub(crate) fn err(code: ErrorCode, msg: impl Into<String>) -> PluginError {
-    PluginError::new(code, msg)
 }

@@ -618,3 +618,16 @@ pub const WC_LOC_ACCESS_ERR: u32 = 8;
 pub const WC_REM_INV_REQ_ERR: u32 = 9;
 pub const WC_REM_ACCESS_ERR: u32 = 10;
 pub const WC_REM_OP_ERR: u32 = 11;
+
+/// "no RDMA device" in operator words, from what libibverbs said.
+pub fn no_device_reason(e: &ListError) -> String {
+    match e {
+        ListError::NoKernelSupport => "libibverbs loads, but there is no RDMA device: the \
+             kernel offers no RDMA support here (ibv_get_device_list: ENOSYS; no ib_uverbs \
+             module, or no RDMA NIC)"
+            .to_string(),
+        ListError::Other(io) => {
+            format!("libibverbs loads, but listing RDMA devices failed: {io}")
+        }
+    }
+}

@@ -1,0 +1,286 @@
+//! The `Engine` facade: the public API, each call handed to the part of
+//! the engine that does it.
+
+use super::devices::Gpu;
+use super::node::list_segments;
+use super::plan::Peers;
+use super::request::{Request, Route, SegmentId};
+use super::shared::Shared;
+use crate::batch::{BatchId, BatchStatus, RequestStatus};
+use crate::config::EngineConfig;
+use crate::control::ControlServer;
+use crate::descriptor::SegmentDescriptor;
+use crate::error::{Error, ErrorCode, Result};
+use crate::location::Location;
+use crate::topology::Topology;
+use ferry_loader::PluginSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A Ferry engine. Share it between threads with `Arc<Engine>`; dropping
+/// the last handle stops its listener and fails whatever is still in flight.
+pub struct Engine {
+    // Declared first: stops serving before the shared state goes.
+    pub(super) control: ControlServer,
+    pub(super) shared: Arc<Shared>,
+}
+
+impl Engine {
+    /// This engine's segment name for peers to open: "host:port", or its
+    /// name in the metadata store.
+    pub fn segment_name(&self) -> &str {
+        &self.shared.node.name
+    }
+
+    /// The metadata store's segments (name, descriptor), or an error
+    /// without one.
+    pub fn list_segments(&self) -> Result<Vec<(String, SegmentDescriptor)>> {
+        list_segments(self.shared.node.metadata.as_deref())
+    }
+
+    pub fn control_addr(&self) -> SocketAddr {
+        self.control.local_addr()
+    }
+
+    pub fn plugins(&self) -> &PluginSet {
+        &self.shared.plugins
+    }
+
+    /// Names of the transports that can move data, in load order.
+    pub fn transports(&self) -> Vec<String> {
+        self.shared
+            .transports
+            .iter()
+            .map(|t| t.name.clone())
+            .collect()
+    }
+
+    /// Transports that were enabled but failed to start, with the error.
+    pub fn transport_failures(&self) -> &[(String, Error)] {
+        &self.shared.transports.failures
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.shared.config
+    }
+
+    /// Devices (GPUs) the device plugins report, in the driver's numbering.
+    pub fn gpus(&self) -> &[Gpu] {
+        &self.shared.devices.gpus
+    }
+
+    /// Allocates device memory on `location` (e.g. cuda:0) through its device
+    /// plugin; register it to move it. For tools and tests: applications
+    /// normally bring their own (framework) allocations.
+    pub fn allocate_device(&self, location: Location, len: u64) -> Result<u64> {
+        self.shared.devices.allocate(location, len)
+    }
+
+    /// Frees memory from [`Engine::allocate_device`] (unregister it first).
+    pub fn free_device(&self, addr: u64) -> Result<()> {
+        self.shared.devices.free(addr)
+    }
+
+    /// A DMA-BUF fd for `[addr, addr + len)` of device memory (for RDMA
+    /// registration), and `addr`'s offset inside the exported range.
+    pub fn export_dmabuf(&self, addr: u64, len: u64) -> Result<(std::os::fd::OwnedFd, u64)> {
+        self.shared.devices.export_dmabuf(addr, len)
+    }
+
+    /// Host memory the first device copies to and from fastest (pinned);
+    /// free it with [`Engine::free_pinned`].
+    pub fn allocate_pinned(&self, len: u64) -> Result<u64> {
+        self.shared.devices.allocate_pinned(len)
+    }
+
+    pub fn free_pinned(&self, addr: u64) {
+        self.shared.devices.free_pinned(addr)
+    }
+
+    /// Queues `(dst, src, len)` copies on one stream of device `location`
+    /// and waits for all of them: for measuring copy bandwidth.
+    ///
+    /// # Safety
+    /// Every range must be valid memory of this process.
+    pub unsafe fn copy_batch(&self, location: Location, copies: &[(u64, u64, u64)]) -> Result<()> {
+        // SAFETY: the caller's contract is this function's.
+        unsafe { self.shared.devices.copy_batch(location, copies) }
+    }
+
+    /// Copies `len` bytes from `src` to `dst`, either of which may be device
+    /// memory (through its device plugin), and waits for the copy.
+    ///
+    /// # Safety
+    /// Both ranges must be valid memory of this process for `len` bytes, and
+    /// no transfer may be writing `dst` meanwhile.
+    pub unsafe fn copy_memory(&self, dst: u64, src: u64, len: u64) -> Result<()> {
+        // SAFETY: the caller's contract is this function's.
+        unsafe { self.shared.devices.copy_memory(dst, src, len) }
+    }
+
+    /// The hardware topology this engine discovered at start.
+    pub fn topology(&self) -> &Arc<Topology> {
+        &self.shared.topology
+    }
+
+    /// Registers `[addr, addr + len)` so that it can be a local buffer and
+    /// peers can read and write it. `location` is detected when `None`
+    /// (host memory: the NUMA node of its first page).
+    pub fn register_memory(&self, addr: u64, len: u64, location: Option<Location>) -> Result<()> {
+        self.shared.register_memory(addr, len, location)
+    }
+
+    /// How memory of `location` (a GPU) would be registered for RDMA and
+    /// why better methods were skipped (DESIGN.md's tiers), if it is a GPU
+    /// this engine knows.
+    pub fn gpu_direct(&self, location: Location) -> Option<String> {
+        self.shared.gpu_direct.explain(&location.to_string())
+    }
+
+    /// How the buffer registered at `addr` is registered: each transport's
+    /// name with the `FERRY_MEM_*` bit it registered it as (for device
+    /// memory, DMA-BUF or nvidia-peermem; none at all means staged).
+    pub fn registrations(&self, addr: u64) -> Result<Vec<(String, u64)>> {
+        let b = self.shared.memory.find(addr, 1).ok_or_else(|| {
+            Error::new(
+                ErrorCode::NotFound,
+                format!("no buffer registered at {addr:#x}"),
+            )
+        })?;
+        Ok(b.registrations
+            .iter()
+            .map(|r| (self.shared.transports[r.transport].name.clone(), r.mem_kind))
+            .collect())
+    }
+
+    /// Allocates `len` bytes of host memory (near NUMA node `numa_node` when
+    /// given) and registers it. The memory comes from the transport that
+    /// shares it best (shm maps it into same-host peers, so they copy with
+    /// plain loads and stores); without such a transport, from the kernel.
+    /// Free it with [`Engine::free_memory`]; what is left is freed with the
+    /// engine.
+    pub fn allocate_memory(&self, len: u64, numa_node: Option<u32>) -> Result<u64> {
+        self.shared.allocate_memory(len, numa_node)
+    }
+
+    /// Unregisters and frees memory from [`Engine::allocate_memory`].
+    pub fn free_memory(&self, addr: u64) -> Result<()> {
+        self.shared.free_memory(addr)
+    }
+
+    /// Unregisters the buffer that starts at `addr`. Transfers in flight that
+    /// use it locally finish first (they complete or fail within the
+    /// timeout); afterwards peers can no longer reach it.
+    pub fn unregister_memory(&self, addr: u64) -> Result<()> {
+        self.shared.unregister_memory(addr)
+    }
+
+    /// Opens a peer's segment by name ("host:port"), fetching its descriptor.
+    /// Opening a name that is already open returns the same id.
+    pub fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        self.shared.segments.open(name, &self.shared.node)
+    }
+
+    /// Closes a segment; its connections are dropped and requests in flight
+    /// to it fail.
+    pub fn close_segment(&self, id: SegmentId) -> Result<()> {
+        self.shared.segments.close(id)
+    }
+
+    /// Re-reads the peer's descriptor now (it is also re-read automatically
+    /// when a request falls outside the known buffers).
+    pub fn refresh_segment(&self, id: SegmentId) -> Result<()> {
+        let seg = self.shared.segments.get(id)?;
+        self.shared.refresh(&seg).map(|_| ())
+    }
+
+    /// A new batch with room for `capacity` requests.
+    pub fn allocate_batch(&self, capacity: usize) -> Result<BatchId> {
+        Ok(self.shared.batches.allocate(capacity)?.id)
+    }
+
+    /// Adds requests to a batch and starts them. Requests are checked first;
+    /// if any is invalid (zero length, memory not registered here or at the
+    /// peer, unknown segment, no transport can serve it), the call fails and
+    /// nothing is submitted. Requests a transport then refuses (an unreachable
+    /// peer) are marked failed in the batch.
+    pub fn submit(&self, batch: BatchId, requests: &[Request]) -> Result<()> {
+        self.shared.submit(batch, requests)
+    }
+
+    /// The batch's status now (after completing what has already arrived).
+    pub fn batch_status(&self, batch: BatchId) -> Result<BatchStatus> {
+        let batch = self.shared.batches.get(batch)?;
+        if batch.pending() != 0 {
+            self.shared.progress();
+        }
+        Ok(batch.status())
+    }
+
+    pub fn request_status(&self, batch: BatchId, index: usize) -> Result<RequestStatus> {
+        self.shared.batches.get(batch)?.request_status(index)
+    }
+
+    /// Waits for every request of the batch to finish, or for `timeout`.
+    pub fn wait(&self, batch: BatchId, timeout: Duration) -> Result<BatchStatus> {
+        let batch = self.shared.batches.get(batch)?;
+        Ok(self.shared.wait(&batch, timeout))
+    }
+
+    /// Frees a batch whose requests have all finished.
+    pub fn free_batch(&self, batch: BatchId) -> Result<()> {
+        self.shared.batches.free(batch)
+    }
+
+    /// Submits `requests` as one batch and waits for them (up to twice the
+    /// configured timeout); the first failure is the error.
+    pub fn transfer_sync(&self, requests: &[Request]) -> Result<()> {
+        let batch = self.allocate_batch(requests.len().max(1))?;
+        let result = self
+            .submit(batch, requests)
+            .and_then(|_| self.wait(batch, self.shared.config.timeout * 2));
+        let status = match result {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = self.wait(batch, self.shared.config.timeout * 2);
+                let _ = self.free_batch(batch);
+                return Err(e);
+            }
+        };
+        if !status.is_done() {
+            // Leave the batch allocated: its requests are still in flight.
+            return Err(Error::new(
+                ErrorCode::Timeout,
+                format!("{} requests did not finish in time", status.pending),
+            ));
+        }
+        let _ = self.free_batch(batch);
+        match status.first_error {
+            Some((i, e)) => Err(Error::new(e.code, format!("request {i}: {}", e.message))),
+            None => Ok(()),
+        }
+    }
+
+    /// Which transport would carry a request from `local_addr` to this
+    /// segment, and why.
+    pub fn route(
+        &self,
+        segment: SegmentId,
+        local_addr: u64,
+        remote_addr: u64,
+        len: u64,
+    ) -> Result<Route> {
+        self.shared.route(segment, local_addr, remote_addr, len)
+    }
+
+    /// The descriptor of an open segment, as last fetched.
+    pub fn descriptor_of(&self, id: SegmentId) -> Result<SegmentDescriptor> {
+        Ok(self.shared.segments.get(id)?.view.read().descriptor.clone())
+    }
+
+    /// This engine's own descriptor, as peers see it.
+    pub fn descriptor(&self) -> SegmentDescriptor {
+        self.shared.describe()
+    }
+}

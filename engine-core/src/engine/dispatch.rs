@@ -1,0 +1,138 @@
+//! Dispatch: a plan handed to the transports. The batch's slots are
+//! reserved, each coalesced request becomes a completion group, and each
+//! transport gets its groups in one call; what it refuses fails in the
+//! batch. Staged requests get their groups here and run elsewhere.
+
+use super::plan::{Plan, StagedItem};
+use super::request::SegmentId;
+use super::shared::Shared;
+use crate::batch::{group_of, Batch};
+use crate::error::{Error, ErrorCode, Result};
+use ferry_plugins_abi::sys;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// Requests for one (segment, transport), each with its index in the
+/// plan's `routed`.
+type TargetGroup = (
+    (SegmentId, usize),
+    Vec<(sys::ferry_transfer_request_t, usize)>,
+);
+
+impl Shared {
+    /// Starts a plan's requests in `batch` and returns its staged requests,
+    /// each with its completion group, for a staging job to run. Fails,
+    /// with nothing left in flight, when a local buffer was unregistered
+    /// meanwhile, or when every routed request failed and none is staged.
+    pub(crate) fn dispatch(&self, batch: &Batch, plan: Plan) -> Result<Vec<StagedItem>> {
+        let Plan {
+            requests,
+            routed,
+            mut staged,
+        } = plan;
+        // Reserve the batch slots and create one completion group per
+        // coalesced request.
+        let base = batch.reserve(requests)?;
+        for (i, item) in &mut staged {
+            item.group = group_of(batch.add_group(base + *i, 1, item.local.clone()));
+        }
+        let mut by_target: Vec<TargetGroup> = Vec::new();
+        for (n, p) in routed.iter().enumerate() {
+            let token = batch.add_group(base + p.first, p.count, p.local.clone());
+            let local_mem = p
+                .local
+                .registration(p.transport)
+                .map(|r| r.handle)
+                .unwrap_or(0);
+            let raw = sys::ferry_transfer_request_t {
+                op: p.op.raw(),
+                reserved: 0,
+                local_addr: p.local_addr,
+                local_mem,
+                remote_addr: p.remote_addr,
+                length: p.length,
+                remote_key: p.remote_key.as_ptr(),
+                remote_key_len: p.remote_key.len(),
+                token,
+            };
+            let key = (p.segment.id, p.transport);
+            match by_target.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, list)) => list.push((raw, n)),
+                None => by_target.push((key, vec![(raw, n)])),
+            }
+        }
+
+        // Every group now counts in its local buffer's `inflight`.
+        // `unregister_memory` first removes a buffer from the registry and
+        // then waits for its `inflight` to drain; a buffer found while
+        // planning may have been unregistered since, with nothing in flight
+        // yet to hold it back, and a read would then land in memory the
+        // caller has taken back (found by reading the code while writing
+        // tests/faults.rs). Checked after counting, so one side always sees
+        // the other: either the buffer is still registered here (and its
+        // unregister waits for these requests), or nothing is handed to a
+        // transport.
+        let gone = routed
+            .iter()
+            .map(|p| (p.first, &p.local))
+            .chain(staged.iter().map(|(i, it)| (*i, &it.local)))
+            .find(|(_, local)| {
+                !self
+                    .memory
+                    .find(local.addr, 1)
+                    .is_some_and(|b| Arc::ptr_eq(&b, local))
+            })
+            .map(|(i, local)| (i, local.addr));
+        if let Some((i, addr)) = gone {
+            let e = Error::new(
+                ErrorCode::OutOfBounds,
+                format!(
+                    "request {i}: the local buffer at {addr:#x} was unregistered while the \
+                     request was being submitted"
+                ),
+            );
+            for (_, list) in &by_target {
+                for (r, _) in list {
+                    batch.complete_group(group_of(r.token), Err(e.clone()));
+                }
+            }
+            for (_, it) in &staged {
+                batch.complete_group(it.group, Err(e.clone()));
+            }
+            return Err(e);
+        }
+
+        // Hand each group list to its transport.
+        let mut failures = 0usize;
+        let mut first_failure = None;
+        for ((seg_id, transport), list) in by_target {
+            let Some(p) = list.first().map(|(_, n)| &routed[*n]) else {
+                continue;
+            };
+            let seg = p.segment.clone();
+            let raw: Vec<sys::ferry_transfer_request_t> = list.iter().map(|(r, _)| *r).collect();
+            let t = &self.transports[transport];
+            let result = seg
+                .peer(transport, t)
+                .and_then(|peer| t.submit(&peer, &raw));
+            if let Err(e) = result {
+                if e.code == ErrorCode::Connection {
+                    // A broken peer handle is not reused, and the next
+                    // submit re-reads the peer's descriptor.
+                    seg.peers.lock().remove(&transport);
+                    seg.stale.store(true, Ordering::Relaxed);
+                }
+                log::debug!("segment {seg_id}: {e}");
+                for r in &raw {
+                    batch.complete_group(group_of(r.token), Err(e.clone()));
+                }
+                failures += raw.len();
+                first_failure.get_or_insert(e);
+            }
+        }
+        match first_failure {
+            Some(e) if failures == routed.len() && staged.is_empty() => Err(e),
+            _ => Ok(staged.into_iter().map(|(_, it)| it).collect()),
+        }
+    }
+}

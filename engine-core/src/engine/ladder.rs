@@ -1,0 +1,241 @@
+//! The GPU-direct ladder: how each GPU's memory is registered with RDMA
+//! transports. Decided per GPU at start (DESIGN.md's tiers: DMA-BUF >
+//! nvidia-peermem > staging, judged against the GPU's closest RDMA NIC),
+//! then proven per transport by a trial registration that falls back one
+//! step when it fails.
+
+use super::devices::Gpu;
+use crate::device::Device;
+use crate::gpudirect::{decide, Decision, GpuFacts, HostFacts, Method, PairFacts, Policy};
+use crate::memory::TransportRegistration;
+use crate::topology::Topology;
+use crate::transport::{RegionSpec, Transport};
+use ferry_plugins_abi::sys;
+use parking_lot::Mutex;
+use std::collections::{HashMap, HashSet};
+
+pub(crate) struct GpuDirect {
+    /// How each device's memory ("cuda:0") would be registered for RDMA.
+    decisions: HashMap<String, Decision>,
+    /// The host facts and the policy behind the decisions.
+    pub(crate) host: HostFacts,
+    pub(crate) policy: Policy,
+    /// (device, transport, method) whose trial registration failed: not
+    /// tried again.
+    failures: Mutex<Vec<(String, usize, Method)>>,
+    /// (device, transport, method) successes already logged.
+    logged: Mutex<HashSet<(String, usize, Method)>>,
+}
+
+impl GpuDirect {
+    /// How each GPU's memory would be registered for RDMA (DESIGN.md's tiers,
+    /// judged against the GPU's closest RDMA NIC), logged once per GPU.
+    pub(crate) fn decide(
+        gpus: &[Gpu],
+        topology: &Topology,
+        policy: Policy,
+        host: HostFacts,
+    ) -> GpuDirect {
+        let mut out = HashMap::new();
+        for g in gpus {
+            let location = g.location.to_string();
+            let topo_name = g.topology_name.clone().unwrap_or_else(|| location.clone());
+            let pair = topology
+                .preferred_nics(&topo_name)
+                .unwrap_or_default()
+                .iter()
+                .find(|r| {
+                    r.usable
+                        && topology
+                            .nic(&r.name)
+                            .is_some_and(|n| n.kind == crate::topology::NicKind::Rdma)
+                })
+                .map(|r| PairFacts {
+                    nic: r.name.clone(),
+                    class: r.class,
+                    nic_dmabuf: None,
+                });
+            let facts = GpuFacts {
+                gpu_direct_rdma: g.info.gpu_direct_rdma,
+                dmabuf: g.info.dmabuf,
+                dmabuf_export: g.info.dmabuf_export,
+            };
+            let d = decide(policy, &facts, &host, pair.as_ref());
+            log::info!("{location} memory for RDMA: {}", d.explain());
+            out.insert(location, d);
+        }
+        GpuDirect {
+            decisions: out,
+            host,
+            policy,
+            failures: Mutex::new(Vec::new()),
+            logged: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// Why memory of `location` is registered the way it is, if it is a GPU
+    /// this engine knows.
+    pub(crate) fn explain(&self, location: &str) -> Option<String> {
+        self.decisions.get(location).map(|d| d.explain())
+    }
+
+    /// Registers device memory directly with transport `t` (an RDMA NIC
+    /// reading and writing GPU memory), by the methods the GPU-direct
+    /// decision allows, best first: DMA-BUF, then nvidia-peermem. The trial
+    /// registration is the ground truth: a method that fails falls back one
+    /// step (and is not tried again for this device), and `None` means the
+    /// memory is staged through host memory for this transport.
+    pub(crate) fn register(
+        &self,
+        i: usize,
+        t: &Transport,
+        device: &Device,
+        spec: &RegionSpec<'_>,
+    ) -> Option<TransportRegistration> {
+        let direct = sys::FERRY_MEM_CUDA_DMABUF | sys::FERRY_MEM_CUDA_PEERMEM;
+        if t.mem_kinds & direct == 0 {
+            return None;
+        }
+        let ladder = self.methods(spec.location);
+        let failed_before: Vec<Method> = self
+            .failures
+            .lock()
+            .iter()
+            .filter(|(loc, ti, _)| loc == spec.location && *ti == i)
+            .map(|(_, _, m)| *m)
+            .collect();
+        let mut first_try = true;
+        for (n, method) in ladder.iter().enumerate() {
+            let bit = match method {
+                Method::DmaBuf => sys::FERRY_MEM_CUDA_DMABUF,
+                Method::PeerMem => sys::FERRY_MEM_CUDA_PEERMEM,
+                Method::Staged => continue,
+            };
+            let next = ladder
+                .get(n + 1..)
+                .unwrap_or_default()
+                .iter()
+                .find(|m| !failed_before.contains(m))
+                .copied()
+                .unwrap_or(Method::Staged);
+            if failed_before.contains(method) {
+                continue;
+            }
+            if t.mem_kinds & bit == 0 {
+                first_try = false;
+                let key = (spec.location.to_string(), i, *method);
+                if self.logged.lock().insert(key) {
+                    log::info!(
+                        "{}: does not register {} memory by {} on this host (`ferry info` says \
+                         why); trying {}",
+                        t.name,
+                        spec.location,
+                        method.as_str(),
+                        next.as_str()
+                    );
+                }
+                continue;
+            }
+            let exported = if *method == Method::DmaBuf {
+                let why = match device.export_dmabuf(spec.addr, spec.len) {
+                    Ok((fd, offset)) if fd >= 0 => {
+                        use std::os::fd::FromRawFd;
+                        // SAFETY: the device plugin hands us a fresh fd we own.
+                        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+                        Ok((fd, offset))
+                    }
+                    Ok(_) => Err("the device plugin exported no fd".to_string()),
+                    Err(e) => Err(e.message),
+                };
+                match why {
+                    Ok(pair) => Some(pair),
+                    Err(why) => {
+                        first_try = false;
+                        log::info!(
+                            "{}: cannot export {} memory at {:#x} as DMA-BUF ({why}); falling \
+                             back to {}",
+                            t.name,
+                            spec.location,
+                            spec.addr,
+                            next.as_str()
+                        );
+                        continue;
+                    }
+                }
+            } else {
+                None
+            };
+            let attempt = RegionSpec {
+                mem_kind: bit,
+                dmabuf: exported.as_ref().map(|(fd, off)| {
+                    use std::os::fd::AsRawFd;
+                    (fd.as_raw_fd(), *off)
+                }),
+                ..*spec
+            };
+            // The fd is closed when `exported` drops: the NIC's registration
+            // holds its own reference to the buffer.
+            match t.register(&attempt) {
+                Ok((handle, key)) => {
+                    let newly = self
+                        .logged
+                        .lock()
+                        .insert((spec.location.to_string(), i, *method));
+                    if newly {
+                        log::info!(
+                            "{}: {} memory is registered by {} (trial registration succeeded{})",
+                            t.name,
+                            spec.location,
+                            method.as_str(),
+                            if first_try {
+                                String::new()
+                            } else {
+                                "; better methods failed, see above".to_string()
+                            }
+                        );
+                    }
+                    return Some(TransportRegistration {
+                        transport: i,
+                        handle,
+                        key,
+                        mem_kind: bit,
+                    });
+                }
+                Err(e) => {
+                    first_try = false;
+                    log::info!(
+                        "{}: registering {} memory by {} failed ({}); falling back to {}",
+                        t.name,
+                        spec.location,
+                        method.as_str(),
+                        e.message,
+                        next.as_str()
+                    );
+                    self.failures
+                        .lock()
+                        .push((spec.location.to_string(), i, *method));
+                }
+            }
+        }
+        None
+    }
+
+    /// The direct registration methods the GPU-direct decision allows for
+    /// device memory at `location`, best first.
+    fn methods(&self, location: &str) -> Vec<Method> {
+        let Some(d) = self.decisions.get(location) else {
+            return Vec::new();
+        };
+        match d.method {
+            Method::DmaBuf => {
+                let mut m = vec![Method::DmaBuf];
+                if self.host.peermem.is_some() && self.policy != Policy::DmaBuf {
+                    m.push(Method::PeerMem);
+                }
+                m
+            }
+            Method::PeerMem => vec![Method::PeerMem],
+            Method::Staged => Vec::new(),
+        }
+    }
+}

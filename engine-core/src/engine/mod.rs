@@ -1,0 +1,56 @@
+//! The engine: registered memory, remote segments, batches, and the choice
+//! of transport for each request.
+//!
+//! An engine loads plugins, starts an instance of every enabled transport,
+//! and serves its segment descriptor on a control listener whose address is
+//! the segment name ("host:port"). Opening a peer's segment fetches the
+//! peer's descriptor; submitting a batch checks every request against local
+//! and remote registered memory, picks a transport, coalesces adjacent
+//! requests, and hands them to the transports, which complete them.
+//!
+//! The files, lower floors first (a file names only files above it in this
+//! list, never one below):
+//! - `request`: what applications ask (requests) and are told (routes);
+//! - `node`: who this engine is to peers, the metadata store;
+//! - `segments`: peers' segments, their views and connections;
+//! - `select`: the transports and which one serves a request, and why;
+//! - `plan`: a batch checked, routed and coalesced, before anything moves;
+//! - `devices`, `ladder`, `allocations`: devices and what memory an address
+//!   is, the GPU-direct ladder, memory the engine allocates;
+//! - `staging/{protocol,slots,state}`: staging's messages, slots and state;
+//! - `shared`: the state all of the above make up, behind one `Arc`;
+//! - `registration`, `publish`, `peers`, `dispatch`, `submit`, `route`,
+//!   `staging/{target,initiator,job}`: what the engine does with it;
+//! - `startup` and `api`: `Engine::new` and the rest of the public API.
+
+mod allocations;
+mod api;
+mod devices;
+mod dispatch;
+mod ladder;
+mod node;
+mod peers;
+mod plan;
+mod publish;
+mod registration;
+mod request;
+mod route;
+mod segments;
+mod select;
+mod shared;
+mod staging;
+mod startup;
+mod submit;
+
+pub use crate::host::PeerControls;
+pub use api::Engine;
+pub(crate) use devices::discover_gpus;
+pub use devices::Gpu;
+pub use node::list_segments;
+pub use request::{Op, Request, Route, RouteNic, Scope, SegmentId};
+/// The staging requests peers send on the control plane, and their
+/// decoders (exercised by the fuzz targets).
+pub use staging::{
+    decode_copy_request, decode_open_reply, decode_open_request, CopyRequest, OpenReply,
+    OpenRequest,
+};

@@ -1,0 +1,577 @@
+//! Planning a batch: every request checked against local and remote
+//! registered memory and routed to a transport, adjacent requests
+//! coalesced, and device memory that no transport moves directly set
+//! aside for staging. Nothing is handed to a transport here (that is
+//! dispatch); a plan either covers every request or is an error.
+
+use super::request::{Op, Request, SegmentId};
+use super::segments::{remote_out_of_bounds, RemoteSegment, RemoteView, Segments};
+use super::select::{Candidate, Transports, Want};
+use crate::error::{Error, ErrorCode, Result};
+use crate::memory::{LocalBuffer, MemoryRegistry};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// What planning asks of live peers: only an engine with connections can
+/// answer these (tests answer them from tables).
+pub(crate) trait Peers {
+    /// Re-reads a segment's descriptor (the peer may have restarted, or
+    /// registered more memory).
+    fn refresh(&self, seg: &RemoteSegment) -> Result<Arc<RemoteView>>;
+    /// Whether transport `transport` serves the segment's buffer with
+    /// `key` (connecting on first use, remembering the answer).
+    fn accepts(
+        &self,
+        seg: &RemoteSegment,
+        transport: usize,
+        key: &[u8],
+    ) -> std::result::Result<(), String>;
+}
+
+/// A group of adjacent requests for one transport and segment.
+pub(crate) struct Pending {
+    pub(crate) segment: Arc<RemoteSegment>,
+    pub(crate) transport: usize,
+    pub(crate) op: Op,
+    /// Index of its first request in the submitted list.
+    pub(crate) first: usize,
+    /// How many requests it covers.
+    pub(crate) count: usize,
+    pub(crate) local: Arc<LocalBuffer>,
+    pub(crate) local_addr: u64,
+    pub(crate) remote_addr: u64,
+    pub(crate) length: u64,
+    pub(crate) remote_key: Arc<[u8]>,
+}
+
+/// One request that goes through staging.
+pub(crate) struct StagedItem {
+    /// Its completion group in the batch (set by dispatch).
+    pub(crate) group: usize,
+    pub(crate) op: Op,
+    pub(crate) local: Arc<LocalBuffer>,
+    pub(crate) local_addr: u64,
+    pub(crate) segment: Arc<RemoteSegment>,
+    pub(crate) remote_addr: u64,
+    pub(crate) remote_on_device: bool,
+    pub(crate) length: u64,
+}
+
+/// Every request of a submission, routed.
+pub(crate) struct Plan {
+    /// How many requests were submitted.
+    pub(crate) requests: usize,
+    pub(crate) routed: Vec<Pending>,
+    /// Staged requests, each with its index in the submitted list.
+    pub(crate) staged: Vec<(usize, StagedItem)>,
+}
+
+/// What a route depends on: segment, remote buffer, local buffer, hint.
+type RouteMemo = (SegmentId, usize, *const LocalBuffer, Option<String>);
+
+/// Plans requests over an engine's state (or a test's).
+pub(crate) struct Planner<'a, T> {
+    pub(crate) transports: &'a Transports<T>,
+    pub(crate) memory: &'a MemoryRegistry,
+    pub(crate) segments: &'a Segments,
+    pub(crate) peers: &'a dyn Peers,
+    /// Whether this engine has device plugins (for a log line only).
+    pub(crate) has_devices: bool,
+}
+
+impl<T: Candidate> Planner<'_, T> {
+    /// The registered local buffer holding `[addr, addr + len)`.
+    pub(crate) fn local_buffer(&self, i: usize, addr: u64, len: u64) -> Result<Arc<LocalBuffer>> {
+        self.memory.find(addr, len).ok_or_else(|| {
+            Error::new(
+                ErrorCode::OutOfBounds,
+                format!(
+                    "request {i}: local range [{addr:#x}, {:#x}) is not inside one buffer \
+                     registered with this engine",
+                    addr.saturating_add(len)
+                ),
+            )
+        })
+    }
+
+    /// Selection for one request, asking live peers what only they know.
+    pub(crate) fn select(
+        &self,
+        local: &LocalBuffer,
+        seg: &RemoteSegment,
+        view: &RemoteView,
+        remote: usize,
+        hint: Option<&str>,
+        explain: bool,
+    ) -> Result<(usize, String)> {
+        let want = Want {
+            local,
+            segment: seg,
+            view,
+            remote,
+            hint,
+            explain,
+        };
+        self.transports
+            .select(&want, |t, key| self.peers.accepts(seg, t, key))
+    }
+
+    /// Checks and routes every request. With `slots`, remote addresses are
+    /// in staging slots a peer lent us rather than in its published
+    /// buffers (the host leg of a staged chunk).
+    pub(crate) fn plan(
+        &self,
+        requests: &[Request],
+        slots: Option<&Arc<RemoteView>>,
+    ) -> Result<Plan> {
+        let mut routed: Vec<Pending> = Vec::with_capacity(requests.len());
+        let mut segs: HashMap<SegmentId, (Arc<RemoteSegment>, Arc<RemoteView>, bool)> =
+            HashMap::new();
+        let mut last_route: Option<(RouteMemo, usize, Arc<[u8]>)> = None;
+        let mut staged: Vec<(usize, StagedItem)> = Vec::new();
+        for (i, r) in requests.iter().enumerate() {
+            if r.length == 0 {
+                return Err(Error::new(
+                    ErrorCode::InvalidArgument,
+                    format!("request {i}: length is 0"),
+                ));
+            }
+            let local = self.local_buffer(i, r.local_addr, r.length)?;
+            let entry = match segs.entry(r.segment) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    let seg = self.segments.get(r.segment)?;
+                    // After a failed connection, look again once: a
+                    // restarted peer's requests then fail (or succeed) on
+                    // its current memory, not on the old process's. A peer
+                    // still unreachable keeps the old view.
+                    let refreshed = seg.stale.swap(false, Ordering::Relaxed);
+                    let view = match refreshed.then(|| self.peers.refresh(&seg)) {
+                        Some(Ok(v)) => v,
+                        _ => seg.view.read().clone(),
+                    };
+                    e.insert((seg, view, refreshed))
+                }
+            };
+            let mut view = slots.unwrap_or(&entry.1).clone();
+            let mut remote = view.find(r.remote_addr, r.length);
+            if remote.is_none() && !entry.2 && slots.is_none() {
+                // The peer may have registered memory since we last looked.
+                entry.2 = true;
+                if let Ok(v) = self.peers.refresh(&entry.0) {
+                    entry.1 = v;
+                    view = entry.1.clone();
+                    remote = view.find(r.remote_addr, r.length);
+                }
+            }
+            let Some(remote) = remote else {
+                return Err(remote_out_of_bounds(
+                    i,
+                    &entry.0,
+                    r.remote_addr,
+                    r.length,
+                    entry.1.buffers.len(),
+                ));
+            };
+            let hint = r.transport.as_deref();
+            // Device memory on either side that no transport moves directly
+            // goes through staging.
+            let remote_on_device = !view.buffers[remote].location.starts_with("cpu");
+            if (local.device.is_some() || remote_on_device)
+                && self
+                    .select(&local, &entry.0, &view, remote, hint, false)
+                    .is_err()
+            {
+                if !self.has_devices && local.device.is_none() {
+                    // Only the peer has device memory: it stages for us.
+                    log::debug!("request {i}: the peer's device memory is staged at the peer");
+                }
+                staged.push((
+                    i,
+                    StagedItem {
+                        group: 0,
+                        op: r.op,
+                        local,
+                        local_addr: r.local_addr,
+                        segment: entry.0.clone(),
+                        remote_addr: r.remote_addr,
+                        remote_on_device,
+                        length: r.length,
+                    },
+                ));
+                continue;
+            }
+            // Requests of one batch mostly share their buffers: route the
+            // first of a run, reuse the answer for the rest.
+            let memo_key = (r.segment, remote, Arc::as_ptr(&local), r.transport.clone());
+            let (transport, remote_key) = match &last_route {
+                Some((k, t, key)) if *k == memo_key => (*t, key.clone()),
+                _ => {
+                    let (transport, _) = self
+                        .select(&local, &entry.0, &view, remote, hint, false)
+                        .map_err(|e| Error::new(e.code, format!("request {i}: {}", e.message)))?;
+                    let name = self.transports[transport].name();
+                    if self.transports.first_use(r.segment, transport) {
+                        if let Ok((_, reason)) =
+                            self.select(&local, &entry.0, &view, remote, hint, true)
+                        {
+                            log::info!("segment {}: using {name} ({reason})", entry.0.name);
+                        }
+                    }
+                    let remote_key = view.buffers[remote]
+                        .keys
+                        .get(name)
+                        .cloned()
+                        .unwrap_or_else(|| Arc::from(&[][..]));
+                    last_route = Some((memo_key, transport, remote_key.clone()));
+                    (transport, remote_key)
+                }
+            };
+            // Coalesce with the previous request when both sides are
+            // contiguous in the same buffers.
+            if let Some(prev) = routed.last_mut() {
+                if prev.segment.id == r.segment
+                    && prev.transport == transport
+                    && prev.op == r.op
+                    && Arc::ptr_eq(&prev.local, &local)
+                    && prev.local_addr + prev.length == r.local_addr
+                    && prev.remote_addr + prev.length == r.remote_addr
+                    && prev.remote_key == remote_key
+                    && view
+                        .find(prev.remote_addr, prev.length + r.length)
+                        .is_some()
+                {
+                    prev.length += r.length;
+                    prev.count += 1;
+                    continue;
+                }
+            }
+            routed.push(Pending {
+                segment: entry.0.clone(),
+                transport,
+                op: r.op,
+                first: i,
+                count: 1,
+                local,
+                local_addr: r.local_addr,
+                remote_addr: r.remote_addr,
+                length: r.length,
+                remote_key,
+            });
+        }
+        Ok(Plan {
+            requests: requests.len(),
+            routed,
+            staged,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::request::Scope;
+    use super::super::select::fakes::*;
+    use super::*;
+    use crate::descriptor::SegmentDescriptor;
+    use parking_lot::Mutex;
+
+    const LOCAL: u64 = 0x10_0000;
+    const REMOTE: u64 = 0x1000;
+
+    /// Peers answered from tables: what a refresh reads, who declines.
+    #[derive(Default)]
+    struct FakePeers {
+        /// The descriptor a refresh reads (none: the peer is unreachable).
+        reread: Mutex<Option<SegmentDescriptor>>,
+        refreshes: Mutex<usize>,
+        declined: Vec<usize>,
+        asked: Mutex<usize>,
+    }
+
+    impl Peers for FakePeers {
+        fn refresh(&self, seg: &RemoteSegment) -> Result<Arc<RemoteView>> {
+            *self.refreshes.lock() += 1;
+            match self.reread.lock().clone() {
+                Some(d) => Ok(seg.replace_view(d)),
+                None => Err(Error::new(ErrorCode::Connection, "unreachable")),
+            }
+        }
+        fn accepts(
+            &self,
+            _seg: &RemoteSegment,
+            transport: usize,
+            _key: &[u8],
+        ) -> std::result::Result<(), String> {
+            *self.asked.lock() += 1;
+            match self.declined.contains(&transport) {
+                true => Err("declined".into()),
+                false => Ok(()),
+            }
+        }
+    }
+
+    /// An engine's state without an engine: fake transports, registered
+    /// local memory, and segment 1 (a same-host peer) open.
+    struct World {
+        transports: Transports<FakeTransport>,
+        memory: MemoryRegistry,
+        segments: Segments,
+        peers: FakePeers,
+    }
+
+    impl World {
+        fn new(transports: Vec<FakeTransport>, peer: SegmentDescriptor) -> World {
+            let segments = Segments::new(Default::default());
+            segments.insert(segment(1, Scope::SameHost, peer));
+            World {
+                transports: Transports::new(transports, Vec::new(), Vec::new()),
+                memory: MemoryRegistry::default(),
+                segments,
+                peers: FakePeers::default(),
+            }
+        }
+
+        fn planner(&self) -> Planner<'_, FakeTransport> {
+            Planner {
+                transports: &self.transports,
+                memory: &self.memory,
+                segments: &self.segments,
+                peers: &self.peers,
+                has_devices: true,
+            }
+        }
+
+        fn plan(&self, requests: &[Request]) -> Result<Plan> {
+            self.planner().plan(requests, None)
+        }
+    }
+
+    /// tcp and shm at both ends; the peer has two adjacent host buffers of
+    /// 64 KiB; 1 MiB of local host memory is registered with both.
+    fn world() -> World {
+        let both: &[&str] = &["tcp", "shm"];
+        let peer = descriptor(
+            "e1",
+            both,
+            &[
+                (REMOTE, 64 << 10, "cpu:0", both),
+                (REMOTE + (64 << 10), 64 << 10, "cpu:0", both),
+            ],
+        );
+        let w = World::new(
+            vec![fake("tcp", HOST, ANY_HOST), fake("shm", HOST, SAME_HOST)],
+            peer,
+        );
+        w.memory.insert(host_buffer(LOCAL, 1 << 20, &[0, 1]));
+        w
+    }
+
+    fn write(local: u64, remote: u64, len: u64) -> Request {
+        Request::new(Op::Write, LOCAL + local, 1, REMOTE + remote, len)
+    }
+
+    fn shape(plan: &Plan) -> Vec<(usize, usize, u64, u64, usize)> {
+        plan.routed
+            .iter()
+            .map(|p| {
+                (
+                    p.first,
+                    p.count,
+                    p.local_addr - LOCAL,
+                    p.length,
+                    p.transport,
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn adjacent_requests_become_one() {
+        let w = world();
+        let plan = w
+            .plan(&[
+                write(0, 0, 4096),
+                write(4096, 4096, 4096),
+                write(8192, 8192, 4096),
+                write(65536, 16384, 4096),
+            ])
+            .unwrap();
+        assert_eq!(plan.requests, 4);
+        assert!(plan.staged.is_empty());
+        // Both to shm (the same-host transport).
+        assert_eq!(
+            shape(&plan),
+            vec![(0, 3, 0, 12288, 1), (3, 1, 65536, 4096, 1)]
+        );
+        assert_eq!(&plan.routed[0].remote_key[..], b"shm@0x1000");
+    }
+
+    #[test]
+    fn requests_are_not_joined_across_an_op_a_buffer_or_a_transport() {
+        let w = world();
+        let read = Request::new(Op::Read, LOCAL + 4096, 1, REMOTE + 4096, 4096);
+        let plan = w.plan(&[write(0, 0, 4096), read]).unwrap();
+        assert_eq!(plan.routed.len(), 2);
+        // Contiguous on both sides, but in two remote buffers.
+        let edge = (64 << 10) - 4096;
+        let plan = w
+            .plan(&[write(0, edge, 4096), write(4096, edge + 4096, 4096)])
+            .unwrap();
+        assert_eq!(plan.routed.len(), 2);
+        assert_ne!(plan.routed[0].remote_key, plan.routed[1].remote_key);
+        let mut by_tcp = write(4096, 4096, 4096);
+        by_tcp.transport = Some("tcp".into());
+        let plan = w.plan(&[write(0, 0, 4096), by_tcp]).unwrap();
+        assert_eq!(
+            shape(&plan),
+            vec![(0, 1, 0, 4096, 1), (1, 1, 4096, 4096, 0)]
+        );
+    }
+
+    #[test]
+    fn one_bad_request_fails_the_whole_plan() {
+        let w = world();
+        let e = w.plan(&[write(0, 0, 4096), write(0, 0, 0)]).err().unwrap();
+        assert_eq!(
+            (e.code, e.message.as_str()),
+            (ErrorCode::InvalidArgument, "request 1: length is 0")
+        );
+        let e = w.plan(&[write((1 << 20) - 4096, 0, 8192)]).err().unwrap();
+        assert_eq!(e.code, ErrorCode::OutOfBounds);
+        assert!(
+            e.message.starts_with("request 0: local range"),
+            "{}",
+            e.message
+        );
+        let mut elsewhere = write(0, 0, 4096);
+        elsewhere.segment = 7;
+        assert_eq!(
+            w.plan(&[elsewhere]).err().unwrap().code,
+            ErrorCode::NotFound
+        );
+        let mut by_rdma = write(0, 0, 4096);
+        by_rdma.transport = Some("rdma".into());
+        let e = w.plan(&[by_rdma]).err().unwrap();
+        assert_eq!(e.code, ErrorCode::Unsupported);
+        assert!(
+            e.message.starts_with("request 0: transport rdma"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn a_range_outside_the_peers_buffers_is_looked_up_again_once() {
+        let w = world();
+        let beyond = write(0, 128 << 10, 4096);
+        let e = w.plan(&[beyond.clone(), beyond.clone()]).err().unwrap();
+        assert_eq!(e.code, ErrorCode::OutOfBounds);
+        assert!(e.message.contains("it has 2 buffers"), "{}", e.message);
+        assert_eq!(*w.peers.refreshes.lock(), 1);
+        // The peer registered more memory meanwhile.
+        let all: &[&str] = &["tcp", "shm"];
+        *w.peers.reread.lock() = Some(descriptor("e1", all, &[(REMOTE, 256 << 10, "cpu:0", all)]));
+        let plan = w.plan(&[beyond.clone(), write(4096, (128 << 10) + 4096, 4096)]);
+        assert_eq!(shape(&plan.unwrap()), vec![(0, 2, 0, 8192, 1)]);
+        assert_eq!(*w.peers.refreshes.lock(), 2);
+    }
+
+    #[test]
+    fn a_segment_whose_connection_failed_is_read_again_first() {
+        let w = world();
+        let seg = w.segments.get(1).unwrap();
+        seg.stale.store(true, Ordering::Relaxed);
+        // Unreachable still: the old view serves.
+        assert_eq!(w.plan(&[write(0, 0, 4096)]).unwrap().routed.len(), 1);
+        assert_eq!(*w.peers.refreshes.lock(), 1);
+        assert!(!seg.stale.load(Ordering::Relaxed));
+        // Restarted without the buffer: the request fails on the new view,
+        // not on the old process's memory.
+        seg.stale.store(true, Ordering::Relaxed);
+        *w.peers.reread.lock() = Some(descriptor("e2", &["tcp", "shm"], &[]));
+        let e = w.plan(&[write(0, 0, 4096)]).err().unwrap();
+        assert_eq!(e.code, ErrorCode::OutOfBounds);
+        assert_eq!(*w.peers.refreshes.lock(), 2);
+    }
+
+    #[test]
+    fn device_memory_no_transport_moves_directly_is_staged() {
+        let gpu = &["tcp", "shm"];
+        let peer = descriptor(
+            "e1",
+            gpu,
+            &[
+                (REMOTE, 64 << 10, "cpu:0", gpu),
+                (0x100_0000, 1 << 20, "cuda:0", &[]),
+            ],
+        );
+        let w = World::new(
+            vec![fake("tcp", HOST, ANY_HOST), fake("shm", HOST, SAME_HOST)],
+            peer,
+        );
+        w.memory.insert(host_buffer(LOCAL, 1 << 20, &[0, 1]));
+        w.memory.insert(device_buffer(0x800_0000, 1 << 20, &[]));
+        let plan = w
+            .plan(&[
+                // Local device memory to a host buffer.
+                Request::new(Op::Write, 0x800_0000, 1, REMOTE, 4096),
+                // Local host memory to the peer's device memory.
+                Request::new(Op::Read, LOCAL, 1, 0x100_0000, 8192),
+                // Host to host: routed as usual.
+                write(8192, 8192, 4096),
+            ])
+            .unwrap();
+        assert_eq!(shape(&plan), vec![(2, 1, 8192, 4096, 1)]);
+        let staged: Vec<(usize, bool, u64)> = plan
+            .staged
+            .iter()
+            .map(|(i, it)| (*i, it.remote_on_device, it.length))
+            .collect();
+        assert_eq!(staged, vec![(0, false, 4096), (1, true, 8192)]);
+    }
+
+    #[test]
+    fn a_run_of_requests_between_the_same_buffers_is_routed_once() {
+        let w = world();
+        let run: Vec<Request> = (0..8).map(|k| write(k * 8192, k * 8192, 4096)).collect();
+        let plan = w.plan(&run).unwrap();
+        assert_eq!(plan.routed.len(), 8);
+        // One selection (one question to the peer), and one more to put the
+        // first use of the route into words for the log.
+        assert_eq!(*w.peers.asked.lock(), 2);
+        w.plan(&run).unwrap();
+        assert_eq!(*w.peers.asked.lock(), 3);
+    }
+
+    #[test]
+    fn a_declined_transport_is_passed_over() {
+        let mut w = world();
+        w.peers.declined = vec![1];
+        let plan = w.plan(&[write(0, 0, 4096)]).unwrap();
+        assert_eq!(shape(&plan), vec![(0, 1, 0, 4096, 0)]);
+        assert_eq!(&plan.routed[0].remote_key[..], b"tcp@0x1000");
+    }
+
+    #[test]
+    fn staging_slots_replace_the_peers_buffers() {
+        let w = world();
+        let slots = Arc::new(RemoteView::new(descriptor(
+            "e1",
+            &["tcp", "shm"],
+            &[(0x5000_0000, 1 << 20, "cpu:0", &["tcp"])],
+        )));
+        let leg = Request::new(Op::Write, LOCAL, 1, 0x5000_0000, 4096);
+        let plan = w.planner().plan(&[leg], Some(&slots)).unwrap();
+        assert_eq!(shape(&plan), vec![(0, 1, 0, 4096, 0)]);
+        assert_eq!(&plan.routed[0].remote_key[..], b"tcp@0x50000000");
+        // Outside the slots: no second look at the peer's descriptor.
+        let e = w
+            .planner()
+            .plan(&[write(0, 0, 4096)], Some(&slots))
+            .err()
+            .unwrap();
+        assert_eq!(e.code, ErrorCode::OutOfBounds);
+        assert_eq!(*w.peers.refreshes.lock(), 0);
+    }
+}

@@ -1,0 +1,61 @@
+//! What peers see of this engine: its segment descriptor (identity,
+//! transport endpoints, published buffers), also stored in the metadata
+//! store when there is one.
+
+use super::shared::Shared;
+use crate::descriptor::{
+    encode_blob, BufferDescriptor, BufferKey, SegmentDescriptor, TransportEndpoint,
+    DESCRIPTOR_VERSION,
+};
+use crate::memory::{LocalBuffer, Visibility};
+
+impl Shared {
+    pub(crate) fn buffer_descriptor(&self, b: &LocalBuffer) -> BufferDescriptor {
+        BufferDescriptor {
+            addr: b.addr,
+            len: b.len,
+            location: b.location.to_string(),
+            keys: b
+                .registrations
+                .iter()
+                .map(|r| BufferKey {
+                    transport: self.transports[r.transport].name.clone(),
+                    key: encode_blob(&r.key),
+                })
+                .collect(),
+        }
+    }
+
+    pub(crate) fn describe(&self) -> SegmentDescriptor {
+        let buffers = self
+            .memory
+            .all()
+            .iter()
+            .filter(|b| b.visibility == Visibility::Published)
+            .map(|b| self.buffer_descriptor(b))
+            .collect();
+        SegmentDescriptor {
+            version: DESCRIPTOR_VERSION,
+            name: self.node.name.clone(),
+            control: self.node.control_addr.clone(),
+            engine_id: self.node.identity.engine_id.clone(),
+            machine_id: self.node.identity.machine_id.clone(),
+            process_id: self.node.identity.process_id.clone(),
+            transports: self
+                .transports
+                .endpoints
+                .iter()
+                .map(|(name, e)| TransportEndpoint {
+                    name: name.clone(),
+                    endpoint: encode_blob(e),
+                })
+                .collect(),
+            buffers,
+        }
+    }
+
+    /// Stores this engine's descriptor in the metadata store, if any.
+    pub(crate) fn publish(&self) {
+        self.node.publish(|| self.describe());
+    }
+}

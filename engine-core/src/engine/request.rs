@@ -1,0 +1,102 @@
+//! What an application asks of the engine (requests, operations) and what
+//! it is told back about a route (where the peer is, which transport, why).
+
+use crate::topology::PathClass;
+use ferry_plugins_abi::sys;
+use std::net::IpAddr;
+
+/// Identifies an open remote segment within one engine.
+pub type SegmentId = u64;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Remote -> local.
+    Read,
+    /// Local -> remote.
+    Write,
+}
+
+impl Op {
+    pub(crate) fn raw(self) -> u32 {
+        match self {
+            Op::Read => sys::FERRY_OP_READ,
+            Op::Write => sys::FERRY_OP_WRITE,
+        }
+    }
+}
+
+/// One transfer between local memory and a remote segment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request {
+    pub op: Op,
+    pub local_addr: u64,
+    pub segment: SegmentId,
+    pub remote_addr: u64,
+    pub length: u64,
+    /// Use this transport if it can serve the request (else an error).
+    pub transport: Option<String>,
+}
+
+impl Request {
+    pub fn new(op: Op, local_addr: u64, segment: SegmentId, remote_addr: u64, length: u64) -> Self {
+        Request {
+            op,
+            local_addr,
+            segment,
+            remote_addr,
+            length,
+            transport: None,
+        }
+    }
+}
+
+/// Where a peer is, relative to this engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    SameProcess,
+    SameHost,
+    CrossHost,
+}
+
+impl Scope {
+    pub(crate) fn raw(self) -> u32 {
+        match self {
+            Scope::SameProcess => sys::FERRY_SCOPE_SAME_PROCESS,
+            Scope::SameHost => sys::FERRY_SCOPE_SAME_HOST,
+            Scope::CrossHost => sys::FERRY_SCOPE_CROSS_HOST,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::SameProcess => "same process",
+            Scope::SameHost => "same host",
+            Scope::CrossHost => "another host",
+        }
+    }
+}
+
+/// Why a transport was chosen, for logs and `ferry demo`.
+#[derive(Clone, Debug)]
+pub struct Route {
+    pub transport: String,
+    pub scope: Scope,
+    pub reason: String,
+    /// The plugin's own description of how it reaches the peer.
+    pub peer_detail: Option<String>,
+    /// For socket transports: the interface the kernel routes through.
+    pub nic: Option<RouteNic>,
+}
+
+/// The local interface toward a peer and where it sits in the topology.
+#[derive(Clone, Debug)]
+pub struct RouteNic {
+    pub interface: String,
+    pub local_ip: IpAddr,
+    pub loopback: bool,
+    /// The topology's NIC behind the interface (its PCI function), if any.
+    pub nic: Option<String>,
+    pub pci: Option<String>,
+    /// Path class from the local buffer's location to that NIC.
+    pub class: Option<PathClass>,
+}

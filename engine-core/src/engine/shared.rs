@@ -1,0 +1,58 @@
+//! The state every part of the engine shares, behind one `Arc` (held by
+//! the facade, the control plane and staging threads), grouped by concern
+//! so that each part can be built and tested alone.
+
+use super::allocations::Allocation;
+use super::devices::Devices;
+use super::ladder::GpuDirect;
+use super::node::Node;
+use super::segments::Segments;
+use super::select::Transports;
+use super::staging::Staging;
+use crate::batch::{Batch, BatchStatus, BatchTable};
+use crate::config::EngineConfig;
+use crate::memory::MemoryRegistry;
+use crate::topology::Topology;
+use crate::transport::Transport;
+use ferry_loader::PluginSet;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Fields drop in this order (after `Drop for Shared`, in startup.rs):
+/// devices before transports, as the engine always did.
+pub(crate) struct Shared {
+    pub(crate) config: EngineConfig,
+    pub(crate) topology: Arc<Topology>,
+    /// Device plugins, their devices, and device memory handed out.
+    pub(crate) devices: Devices,
+    pub(crate) staging: Staging,
+    /// Who this engine is to peers, and how it reaches them.
+    pub(crate) node: Node,
+    pub(crate) plugins: PluginSet,
+    /// The transports that move data, and selection's memory of them.
+    pub(crate) transports: Transports<Arc<Transport>>,
+    /// Registered local memory.
+    pub(crate) memory: MemoryRegistry,
+    /// Open remote segments.
+    pub(crate) segments: Segments,
+    pub(crate) batches: Arc<BatchTable>,
+    /// Memory this engine allocated for the application, by address.
+    pub(crate) allocations: Mutex<HashMap<u64, Allocation>>,
+    /// How each GPU's memory is registered for RDMA, and what failed.
+    pub(crate) gpu_direct: GpuDirect,
+}
+
+impl Shared {
+    /// Lets every transport deliver the completions it has.
+    pub(crate) fn progress(&self) {
+        for t in self.transports.iter() {
+            t.progress();
+        }
+    }
+
+    pub(crate) fn wait(&self, batch: &Batch, timeout: Duration) -> BatchStatus {
+        batch.wait(timeout, self.config.spin, || self.progress())
+    }
+}

@@ -1,0 +1,223 @@
+//! The initiator side of staging: this engine's own pinned slots, the
+//! sessions peers lend it (leased one job at a time), and copy streams.
+
+use super::protocol::{decode_open_reply, CopyRequest, OpenRequest};
+use super::slots::{slot_geometry, Piece, SlotPool, Space};
+use crate::control::{ControlClient, MsgType};
+use crate::device::Stream;
+use crate::engine::segments::{RemoteSegment, RemoteStaging, RemoteView};
+use crate::engine::shared::Shared;
+use crate::error::{Error, ErrorCode, Result};
+use crate::memory::{LocalBuffer, Visibility};
+use parking_lot::{Condvar, Mutex};
+use std::sync::Arc;
+
+/// A session borrowed from a segment's idle sessions; given back when
+/// dropped unless its connection broke.
+pub(crate) struct StagingLease {
+    pub(crate) segment: Arc<RemoteSegment>,
+    pub(crate) session: Option<Arc<RemoteStaging>>,
+    pub(crate) broken: bool,
+}
+
+impl StagingLease {
+    pub(crate) fn view(&self) -> &Arc<RemoteView> {
+        &self.session().view
+    }
+
+    fn session(&self) -> &RemoteStaging {
+        self.session
+            .as_deref()
+            .expect("a lease holds its session until dropped")
+    }
+
+    pub(crate) fn send_copy(
+        &mut self,
+        to_device: bool,
+        at: Piece,
+        len: u64,
+        device_addr: u64,
+    ) -> Result<()> {
+        let body = serde_json::to_vec(&CopyRequest {
+            to_device,
+            slot: at.slot,
+            offset: at.offset,
+            len,
+            device_addr,
+        })
+        .map_err(|e| Error::new(ErrorCode::Internal, e.to_string()))?;
+        let sent = self.session().client.lock().send(MsgType::StageCopy, &body);
+        self.broken |= sent.is_err();
+        sent
+    }
+
+    /// Whether a reply has arrived (or the connection ended).
+    pub(crate) fn reply_ready(&self) -> bool {
+        self.session().client.lock().reply_ready()
+    }
+
+    pub(crate) fn recv_copy(&mut self) -> Result<()> {
+        let reply = self.session().client.lock().recv_reply();
+        match reply {
+            Ok(Ok((MsgType::StageDone, _))) => Ok(()),
+            Ok(Ok(_)) => {
+                self.broken = true;
+                Err(Error::new(
+                    ErrorCode::Protocol,
+                    "unexpected reply to a staging copy",
+                ))
+            }
+            Ok(Err(refused)) => Err(refused),
+            Err(e) => {
+                self.broken = true;
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for StagingLease {
+    fn drop(&mut self) {
+        if let Some(s) = self.session.take() {
+            if !self.broken {
+                self.segment.staging.lock().push(s);
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// Unregisters and frees this engine's own slots (at shutdown).
+    pub(crate) fn release_local_slots(&self) {
+        self.staging.streams.lock().clear();
+        let Some(pool) = self.staging.local.lock().take() else {
+            return;
+        };
+        let Some(device) = self.devices.first() else {
+            return;
+        };
+        for &addr in &pool.bases {
+            let _ = self.unregister_memory(addr);
+            device.free_pinned(addr);
+        }
+    }
+
+    /// This engine's pinned slots (made on first use), registered as local
+    /// sources and destinations only.
+    pub(crate) fn local_slots(&self) -> Result<Arc<SlotPool>> {
+        let mut local = self.staging.local.lock();
+        if let Some(p) = local.as_ref() {
+            return Ok(p.clone());
+        }
+        let device = self
+            .devices
+            .first()
+            .ok_or_else(|| Error::new(ErrorCode::Unsupported, "staging needs a device plugin"))?;
+        let (unit, len) = slot_geometry(self.staging.chunk);
+        let mut free = Vec::new();
+        for _ in 0..self.staging.depth * 2 {
+            let made = device.alloc_pinned(len).and_then(|addr| {
+                self.register(addr, len, None, Visibility::LocalOnly)
+                    .map(|_| addr)
+                    .inspect_err(|_| device.free_pinned(addr))
+            });
+            match made {
+                Ok(addr) => free.push(addr),
+                Err(e) => {
+                    for addr in free {
+                        let _ = self.unregister_memory(addr);
+                        device.free_pinned(addr);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let pool = Arc::new(SlotPool {
+            space: Mutex::new(Space::new(free.len(), unit)),
+            bases: free,
+            available: Condvar::new(),
+        });
+        *local = Some(pool.clone());
+        Ok(pool)
+    }
+
+    /// One of this engine's pinned slots, as a registered buffer (to route
+    /// the host leg of staged transfers).
+    pub(crate) fn local_slot_buffer(&self) -> Result<Arc<LocalBuffer>> {
+        let pool = self.local_slots()?;
+        let addr = pool.bases.first().copied().unwrap_or(0);
+        self.memory
+            .find(addr, 1)
+            .ok_or_else(|| Error::new(ErrorCode::Internal, "a staging slot is not registered"))
+    }
+
+    /// A staging session with a peer: an idle one, or a new one.
+    pub(crate) fn remote_staging(&self, seg: &Arc<RemoteSegment>) -> Result<StagingLease> {
+        // An idle session whose connection the peer closed (or is about to
+        // close: FERRY_IDLE_TIMEOUT_S) is dropped, and its slots with it.
+        loop {
+            let Some(s) = seg.staging.lock().pop() else {
+                break;
+            };
+            if s.client.lock().reusable() {
+                return Ok(StagingLease {
+                    segment: seg.clone(),
+                    session: Some(s),
+                    broken: false,
+                });
+            }
+        }
+        let control = seg.view.read().descriptor.control_addr().to_string();
+        let mut client = ControlClient::connect(&control, &self.node.link)?;
+        let body = serde_json::to_vec(&OpenRequest {
+            slots: self.staging.depth,
+            slot_len: slot_geometry(self.staging.chunk).1,
+        })
+        .map_err(|e| Error::new(ErrorCode::Internal, e.to_string()))?;
+        let (kind, reply) = client.call(MsgType::StageOpen, &body)?;
+        if kind != MsgType::StageOpened {
+            return Err(Error::new(
+                ErrorCode::Protocol,
+                "unexpected reply to a staging session",
+            ));
+        }
+        let reply = decode_open_reply(&reply, slot_geometry(self.staging.chunk).1)?;
+        let main = seg.view.read().clone();
+        let mut descriptor = main.descriptor.clone();
+        descriptor.buffers = reply.slots;
+        descriptor.validate()?;
+        // Slot i is the i-th buffer, in address order.
+        let view = Arc::new(RemoteView::new(descriptor));
+        Ok(StagingLease {
+            segment: seg.clone(),
+            session: Some(Arc::new(RemoteStaging {
+                client: Mutex::new(client),
+                view,
+            })),
+            broken: false,
+        })
+    }
+
+    pub(crate) fn take_stream(&self, device: usize, ordinal: u32) -> Result<(usize, u32, Stream)> {
+        let idle = self
+            .staging
+            .streams
+            .lock()
+            .get_mut(&(device, ordinal))
+            .and_then(|v| v.pop());
+        let stream = match idle {
+            Some(s) => s,
+            None => self.devices.plugins[device].stream(ordinal)?,
+        };
+        Ok((device, ordinal, stream))
+    }
+
+    pub(crate) fn give_stream(&self, (device, ordinal, stream): (usize, u32, Stream)) {
+        self.staging
+            .streams
+            .lock()
+            .entry((device, ordinal))
+            .or_default()
+            .push(stream);
+    }
+}

@@ -1,0 +1,314 @@
+//! Start-up and shut-down: an engine's listener, topology, plugins,
+//! devices, transports and GPU-direct decisions, wired into its shared
+//! state and its control plane; and what the engine gives back when the
+//! last handle goes.
+
+use super::allocations::Allocation;
+use super::api::Engine;
+use super::devices::Devices;
+use super::ladder::GpuDirect;
+use super::node::Node;
+use super::segments::Segments;
+use super::select::Transports;
+use super::shared::Shared;
+use super::staging::Staging;
+use crate::batch::BatchTable;
+use crate::config::EngineConfig;
+use crate::control::{self, ControlHandler, ControlServer};
+use crate::descriptor::SegmentDescriptor;
+use crate::device::Device;
+use crate::error::{Error, ErrorCode, Result};
+use crate::gpudirect::{no_direct_transport, HostFacts, Policy};
+use crate::host::{load_plugins, CoreHost, PeerControls};
+use crate::identity::Identity;
+use crate::memory::MemoryRegistry;
+use crate::topology::Topology;
+use crate::transport::Transport;
+use ferry_loader::PluginKind;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Weak};
+
+impl ControlHandler for Shared {
+    fn descriptor(&self) -> SegmentDescriptor {
+        self.describe()
+    }
+
+    fn request(
+        &self,
+        conn: u64,
+        kind: control::MsgType,
+        body: &[u8],
+    ) -> Result<(control::MsgType, Vec<u8>)> {
+        match kind {
+            control::MsgType::StageOpen => self.stage_open(conn, body),
+            control::MsgType::StageCopy => self.stage_copy(conn, body),
+            control::MsgType::PluginRequest => {
+                let (name, from, payload) = control::decode_plugin_request(body)?;
+                let t = self
+                    .transports
+                    .iter()
+                    .find(|t| t.name == name)
+                    .ok_or_else(|| {
+                        Error::new(
+                            ErrorCode::NotFound,
+                            format!("engine {} runs no transport {name}", self.node.name),
+                        )
+                    })?;
+                let reply = t.peer_request(&from, payload)?;
+                Ok((control::MsgType::PluginReply, reply))
+            }
+            _ => Err(Error::new(ErrorCode::Protocol, "unexpected request")),
+        }
+    }
+
+    fn connection_closed(&self, conn: u64) {
+        self.stage_close(conn);
+    }
+}
+
+fn advertised_host(config: &EngineConfig, bound: SocketAddr) -> String {
+    if let Some(h) = &config.hostname {
+        return h.clone();
+    }
+    let ip = bound.ip();
+    if !ip.is_unspecified() {
+        return ip.to_string();
+    }
+    first_non_loopback_ipv4()
+        .map(|ip| ip.to_string())
+        .unwrap_or_else(|| "127.0.0.1".to_string())
+}
+
+fn first_non_loopback_ipv4() -> Option<IpAddr> {
+    // The source address the kernel would use to reach a public address,
+    // found without sending anything (UDP connect only sets the route).
+    let sock = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    sock.connect("192.0.2.1:9").ok()?;
+    let ip = sock.local_addr().ok()?.ip();
+    (!ip.is_loopback() && !ip.is_unspecified()).then_some(ip)
+}
+
+impl Engine {
+    /// Loads plugins, starts every enabled transport and the control listener.
+    pub fn new(config: EngineConfig) -> Result<Engine> {
+        let listener = ControlServer::bind(&config.listen)?;
+        let bound = listener.local_addr().map_err(|e| {
+            Error::new(
+                ErrorCode::Io,
+                format!("cannot read the control address: {e}"),
+            )
+        })?;
+        let control_addr = format!("{}:{}", advertised_host(&config, bound), bound.port());
+        if !bound.ip().is_loopback() && config.auth_token.is_none() {
+            if !config.auth_off {
+                return Err(Error::new(
+                    ErrorCode::Permission,
+                    format!(
+                        "listening on {bound} (reachable from other hosts) without an auth token: \
+                         set FERRY_AUTH_TOKEN (or FERRY_AUTH_TOKEN_FILE) to a secret shared by \
+                         the cluster, or FERRY_AUTH=off to let anyone who can reach the port \
+                         read and write registered memory"
+                    ),
+                ));
+            }
+            log::warn!(
+                "listening on {bound} without an auth token (FERRY_AUTH=off): anyone who can \
+                 reach this port can read and write registered memory"
+            );
+        }
+        let link = control::Link::new(
+            config.connect_timeout,
+            config.timeout,
+            config.auth_token.clone(),
+        )
+        .with_idle_timeout(config.idle_timeout);
+        let metadata = match &config.metadata {
+            crate::metadata::MetadataConfig::P2p => {
+                if let Some(n) = &config.name {
+                    log::warn!(
+                        "name {n:?} ignored: without a metadata store (FERRY_METADATA) a \
+                         segment's name is its control address, {control_addr}"
+                    );
+                }
+                None
+            }
+            m => Some(crate::metadata::EtcdStore::connect(
+                m,
+                config.connect_timeout,
+            )?),
+        };
+        let name = match (&metadata, &config.name) {
+            (Some(_), Some(n)) => n.clone(),
+            _ => control_addr.clone(),
+        };
+
+        let mut settings = config.settings.clone();
+        settings
+            .entry("timeout_ms".into())
+            .or_insert_with(|| config.timeout.as_millis().to_string());
+        settings
+            .entry("connect_timeout_ms".into())
+            .or_insert_with(|| config.connect_timeout.as_millis().to_string());
+        settings
+            .entry("idle_timeout_s".into())
+            .or_insert_with(|| config.idle_timeout.as_secs().to_string());
+        // Plugins authenticate their own connections with the same token.
+        if let Some(t) = &config.auth_token {
+            settings.insert("auth.token".into(), t.expose());
+        }
+        let topology = Arc::new(
+            Topology::discover(&config.topology)
+                .map_err(|e| Error::new(ErrorCode::InvalidArgument, format!("topology: {e}")))?,
+        );
+        for w in topology.warnings() {
+            log::warn!("topology: {w}");
+        }
+        let peer_controls: PeerControls = Arc::default();
+        let host = CoreHost::new(settings, Some(topology.clone())).for_engine(
+            &name,
+            link.clone(),
+            peer_controls.clone(),
+        );
+        let aliases = host.aliases();
+        let plugins = load_plugins(&config.loader, host);
+
+        // Devices first: transports may ask where a device sits.
+        let mut devices = Vec::new();
+        for plugin in plugins.enabled(PluginKind::Device) {
+            match Device::init(plugin) {
+                Ok(Some(d)) => devices.push(Arc::new(d)),
+                Ok(None) => {}
+                Err(e) => log::warn!("device plugin {} failed to start: {e}", plugin.report.name),
+            }
+        }
+        let devices = Devices::new(devices, &topology);
+        for g in &devices.gpus {
+            if let Some(t) = &g.topology_name {
+                aliases.write().insert(g.location.to_string(), t.clone());
+            }
+        }
+
+        let batches = Arc::new(BatchTable::default());
+        let listen_host = bound.ip().to_string();
+        let mut transports = Vec::new();
+        let mut transport_failures = Vec::new();
+        let mut endpoints = Vec::new();
+        for plugin in plugins.enabled(PluginKind::Transport) {
+            let started = Transport::init(plugin, &name, &listen_host, batches.clone()).and_then(
+                |t| match t {
+                    Some(t) => t.endpoint().map(|e| Some((t, e))),
+                    None => Ok(None),
+                },
+            );
+            match started {
+                Ok(Some((t, endpoint))) => {
+                    log::info!(
+                        "engine {name}: transport {} started ({} bytes of endpoint data)",
+                        t.name,
+                        endpoint.len()
+                    );
+                    endpoints.push((t.name.clone(), endpoint));
+                    transports.push(Arc::new(t));
+                }
+                Ok(None) => log::info!(
+                    "engine {name}: transport {} is probe-only (no data path); not used",
+                    plugin.report.name
+                ),
+                Err(e) => {
+                    log::warn!(
+                        "engine {name}: transport {} failed to start: {e}",
+                        plugin.report.name
+                    );
+                    transport_failures.push((plugin.report.name.clone(), e));
+                }
+            }
+        }
+        if transports.is_empty() {
+            log::warn!(
+                "engine {name}: no transport can move data; run `ferry info` to see why each \
+                 plugin is disabled"
+            );
+        }
+
+        let (policy, policy_warning) = Policy::from_env();
+        if let Some(w) = policy_warning {
+            log::warn!("{w}");
+        }
+        let host = HostFacts::detect(topology.sysfs_root(), no_direct_transport(&plugins));
+        let gpu_direct = GpuDirect::decide(&devices.gpus, &topology, policy, host);
+        let shared = Arc::new(Shared {
+            config,
+            topology,
+            plugins,
+            node: Node {
+                identity: Identity::new(),
+                name,
+                control_addr,
+                link,
+                metadata,
+            },
+            transports: Transports::new(transports, transport_failures, endpoints),
+            devices,
+            gpu_direct,
+            memory: MemoryRegistry::default(),
+            allocations: Mutex::new(HashMap::new()),
+            segments: Segments::new(peer_controls),
+            staging: Staging::from_env(),
+            batches,
+        });
+        let weak: Weak<dyn ControlHandler> = Arc::downgrade(&shared) as Weak<dyn ControlHandler>;
+        let control = ControlServer::start(listener, weak, &shared.node.link)?;
+        if let Some(store) = &shared.node.metadata {
+            if let Ok(Some(old)) = store.fetch(&shared.node.name) {
+                if let Ok(d) = SegmentDescriptor::from_json(&old) {
+                    log::warn!(
+                        "metadata: segment {} was registered by engine {} (at {}); replacing it",
+                        shared.node.name,
+                        d.engine_id,
+                        d.control_addr()
+                    );
+                }
+            }
+            store.publish(&shared.node.name, shared.describe().to_json())?;
+            log::info!(
+                "metadata: registered segment {} in etcd at {}",
+                shared.node.name,
+                store.endpoints()
+            );
+        }
+        log::info!(
+            "engine {} listening; transports: {}",
+            shared.node.name,
+            shared
+                .transports
+                .iter()
+                .map(|t| t.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        Ok(Engine { control, shared })
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Gone from the metadata store at once, not when the lease expires.
+        if let Some(store) = &self.node.metadata {
+            store.withdraw();
+        }
+        // Staging sessions peers opened here, and our own slots.
+        let conns: Vec<u64> = self.staging_connections();
+        for c in conns {
+            self.stage_close(c);
+        }
+        self.release_local_slots();
+        // Memory handed out by allocate_memory belongs to the engine.
+        let allocations: Vec<(u64, Allocation)> = self.allocations.lock().drain().collect();
+        for (addr, owner) in allocations {
+            let _ = self.unregister_memory(addr);
+            owner.release(addr, &self.transports);
+        }
+    }
+}

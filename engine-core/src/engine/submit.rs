@@ -1,0 +1,37 @@
+//! Submitting a batch: plan every request, dispatch the plan to the
+//! transports, and start a staging job for what must be staged.
+
+use super::request::Request;
+use super::shared::Shared;
+use crate::batch::BatchId;
+use crate::error::{Error, ErrorCode, Result};
+use std::sync::Arc;
+
+impl Shared {
+    pub(crate) fn submit(self: &Arc<Self>, batch_id: BatchId, requests: &[Request]) -> Result<()> {
+        let batch = self.batches.get(batch_id)?;
+        if requests.is_empty() {
+            return Ok(());
+        }
+        let plan = self.planner().plan(requests, None)?;
+        let staged = self.dispatch(&batch, plan)?;
+        if staged.is_empty() {
+            return Ok(());
+        }
+        let (me, b) = (self.clone(), batch.clone());
+        let groups: Vec<usize> = staged.iter().map(|it| it.group).collect();
+        let spawned = std::thread::Builder::new()
+            .name("ferry-staging".into())
+            .spawn(move || me.run_staged(b, staged));
+        if let Err(e) = spawned {
+            let e = Error::new(
+                ErrorCode::NoMemory,
+                format!("cannot start a staging thread: {e}"),
+            );
+            for g in groups {
+                batch.complete_group(g, Err(e.clone()));
+            }
+        }
+        Ok(())
+    }
+}
