@@ -113,8 +113,12 @@ mod tests {
     fn a_trickling_peer_cannot_stretch_the_deadline() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
+        let (go, wait) = std::sync::mpsc::channel::<()>();
         let writer = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
+            // Nothing is sent until the client has checked that an idle
+            // connection reads as alive.
+            let _ = wait.recv();
             // One byte every 50 ms: each read finishes, the whole never does.
             for _ in 0..40 {
                 if s.write_all(b"x").is_err() {
@@ -125,6 +129,7 @@ mod tests {
         });
         let client = TcpStream::connect(addr).unwrap();
         assert!(!idle_connection_is_dead(&client));
+        go.send(()).unwrap();
         let started = Instant::now();
         let mut buf = [0u8; 100];
         let err = DeadlineStream::new(&client, Duration::from_millis(300))
