@@ -46,7 +46,14 @@ impl EtcdCluster {
     /// Starts `n` members and returns once the cluster answers a
     /// linearizable read.
     pub fn start(n: usize) -> EtcdCluster {
-        let mut c = EtcdCluster {
+        let mut c = EtcdCluster::planned(n);
+        c.start_all();
+        c
+    }
+
+    /// A cluster of `n` members with their ports chosen, none started.
+    pub fn planned(n: usize) -> EtcdCluster {
+        EtcdCluster {
             dir: tempfile::tempdir().unwrap(),
             members: (0..n)
                 .map(|i| Member {
@@ -56,12 +63,15 @@ impl EtcdCluster {
                     child: None,
                 })
                 .collect(),
-        };
-        for i in 0..n {
-            c.launch(i);
         }
-        c.wait_answering(Duration::from_secs(30));
-        c
+    }
+
+    /// Starts every member; returns once the cluster answers.
+    pub fn start_all(&mut self) {
+        for i in 0..self.members.len() {
+            self.launch(i);
+        }
+        self.wait_answering(Duration::from_secs(30));
     }
 
     fn launch(&mut self, i: usize) {
@@ -143,18 +153,7 @@ impl EtcdCluster {
 
     /// etcdctl against every member, with a 1 s command timeout.
     pub fn etcdctl(&self, args: &[&str]) -> Result<String, String> {
-        let out = Command::new(tool("etcdctl", "etcd-client"))
-            .env("ETCDCTL_API", "3")
-            .args(["--endpoints", &self.endpoints(), "--command-timeout", "1s"])
-            .args(["--dial-timeout", "500ms"])
-            .args(args)
-            .output()
-            .map_err(|e| e.to_string())?;
-        if out.status.success() {
-            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-        } else {
-            Err(String::from_utf8_lossy(&out.stderr).into_owned())
-        }
+        etcdctl(&self.endpoints(), args)
     }
 
     /// Whether a linearizable read succeeds now (the cluster has quorum).
@@ -178,7 +177,13 @@ impl EtcdCluster {
 
     /// The index of the member that leads now, as the members say.
     pub fn leader(&self) -> Option<usize> {
-        let text = self.etcdctl(&["endpoint", "status", "-w", "json"]).ok()?;
+        // Only the members running: etcdctl fails as a whole when one of
+        // its endpoints is down.
+        let live: Vec<String> = (0..self.members.len())
+            .filter(|&i| self.members[i].child.is_some())
+            .map(|i| self.endpoint(i))
+            .collect();
+        let text = etcdctl(&live.join(","), &["endpoint", "status", "-w", "json"]).ok()?;
         let v: serde_json::Value = serde_json::from_str(&text).ok()?;
         let leader = v
             .as_array()?
@@ -210,6 +215,22 @@ impl Drop for EtcdCluster {
         for i in 0..self.members.len() {
             self.kill(i);
         }
+    }
+}
+
+/// etcdctl against `endpoints`, with a 1 s command timeout.
+fn etcdctl(endpoints: &str, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(tool("etcdctl", "etcd-client"))
+        .env("ETCDCTL_API", "3")
+        .args(["--endpoints", endpoints, "--command-timeout", "1s"])
+        .args(["--dial-timeout", "500ms"])
+        .args(args)
+        .output()
+        .map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
     }
 }
 
