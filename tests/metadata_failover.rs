@@ -254,8 +254,10 @@ fn segments_stay_findable_when_the_leader_dies_and_quorum_comes_back() {
     let listing = {
         let url = url.clone();
         std::thread::spawn(move || loop {
-            if segments(&url, DEADLINE_MS).is_ok_and(|l| l.iter().any(|n| n == "t-0")) {
-                return back.elapsed();
+            match segments(&url, DEADLINE_MS) {
+                Ok(l) if l.iter().any(|n| n == "t-0") => return back.elapsed(),
+                Ok(l) => eprintln!("ferry segments after quorum returned: {l:?}"),
+                Err(e) => eprintln!("ferry segments after quorum returned: {e}"),
             }
             assert!(
                 back.elapsed() < Duration::from_secs(30),
@@ -265,9 +267,11 @@ fn segments_stay_findable_when_the_leader_dies_and_quorum_comes_back() {
         })
     };
     let looked = loop {
-        if looker.ask("open t-0") == "open ok" {
+        let a = looker.ask("open t-0");
+        if a == "open ok" {
             break back.elapsed();
         }
+        eprintln!("look-up after quorum returned: {a}");
         assert!(
             back.elapsed() < Duration::from_secs(30),
             "look-ups never recovered"

@@ -117,6 +117,10 @@ impl Keeper {
         let s = &self.shared;
         {
             let mut st = s.state.lock();
+            if st.stop {
+                // The engine is going away: nothing to keep.
+                return Ok(());
+            }
             st.generations += 1;
             let generation = st.generations;
             match st.entries.iter_mut().find(|e| e.name == name) {

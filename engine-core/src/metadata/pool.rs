@@ -6,13 +6,17 @@
 //! fails is marked down and the call moves on to the next member, within
 //! the same deadline:
 //!
-//! - members that answered last come first, then those not tried yet, then
-//!   those marked down, longest down first: a down member is skipped while
-//!   any other can serve, and tried again (re-probed) when its back-off
-//!   (250 ms doubling to 5 s) is over or nothing else is left;
-//! - each attempt gets half of the time left while other members remain
-//!   (a member being re-probed an equal share of it), and a member answering that it cannot serve is asked (status, local to
-//!   the member) whether it has a leader, so the error can say "no quorum";
+//! - members that answered last come first, then those not tried yet (or
+//!   re-probed), then those marked down: the ones that answered (without a
+//!   leader, or slowly) before the ones that did not answer at all, which
+//!   may still be starting. A down member is skipped while any other can
+//!   serve; when its back-off (250 ms doubling to 5 s) is over it is
+//!   re-probed (the keeper asks it for its status each round);
+//! - the member that answered last gets half of the time left while other
+//!   members remain, any other an equal share (a member still catching up
+//!   after a restart may hang until its share is over); members that
+//!   answered but could not serve are asked (status, local to the member)
+//!   whether they have a leader, so that the error can say "no quorum";
 //! - no call waits longer than its deadline: every connect, read and the
 //!   gateway's own gRPC deadline are cut to the time left.
 
@@ -132,12 +136,20 @@ impl Pool {
         // Stable: ties keep the rotation that starts at the preferred one.
         order.sort_by_key(|&i| {
             let h = &health[i];
-            let silent = u8::from(!h.answered);
             match h.state {
-                State::Good => (0, 0, Duration::ZERO),
-                State::Unknown => (1, 0, Duration::ZERO),
-                State::Down if h.retry_at <= now => (2, silent, Duration::MAX - (now - h.since)),
-                State::Down => (3, silent, h.retry_at - now),
+                State::Good => (0, Duration::ZERO),
+                State::Unknown => (1, Duration::ZERO),
+                // Down: those that answered (without a leader, or slowly)
+                // before those that did not answer at all, which may still
+                // be starting; back-off over before back-off running.
+                State::Down => {
+                    let rank = 2 + 2 * u8::from(!h.answered);
+                    if h.retry_at <= now {
+                        (rank, Duration::MAX - (now - h.since))
+                    } else {
+                        (rank + 1, h.retry_at - now)
+                    }
+                }
             }
         });
         order
@@ -150,7 +162,7 @@ impl Pool {
     fn mark_good(&self, i: usize) {
         let mut health = self.health.lock();
         let h = &mut health[i];
-        if h.state == State::Down {
+        if h.failures > 0 {
             log::info!(
                 "metadata: etcd endpoint {} answers again",
                 self.members[i].shown
@@ -191,15 +203,26 @@ impl Pool {
             }
             let left = deadline - now;
             let others = order.len() - k - 1;
-            // A member that answered last gets half of the time left; one
-            // being re-probed, an equal share.
+            // The member that answered last gets half of the time left,
+            // any other an equal share (one restarting may hang until its
+            // share is over); the last keeps a tenth to ask members that
+            // failed whether they have a leader.
             let budget = match (others, self.state(i)) {
-                (0, _) => left,
-                (_, State::Down) => left / (others as u32 + 1),
-                _ => left / 2,
+                (0, _) => left - (left / 10).min(PROBE),
+                (_, State::Good) => left / 2,
+                _ => left / (others as u32 + 1),
             };
             let connect = left / (others as u32 + 1);
-            match self.post(i, path, &body, budget, connect) {
+            let attempt = Instant::now();
+            let outcome = self.post(i, path, &body, budget, connect);
+            if let Outcome::Failed(f) = &outcome {
+                log::debug!(
+                    "metadata: {path} on etcd endpoint {}: {f} after {:?} (of {budget:?})",
+                    self.members[i].shown,
+                    attempt.elapsed()
+                );
+            }
+            match outcome {
                 Outcome::Ok(v) => {
                     self.mark_good(i);
                     if i != previous {
@@ -223,20 +246,18 @@ impl Pool {
                     });
                 }
                 Outcome::Failed(f) => {
-                    // A member that answers but cannot serve: does it have
-                    // a leader at all?
-                    let f = match f {
-                        Failure::TimedOut | Failure::Unavailable(_) => {
-                            match self.leader_known(i, deadline) {
-                                Some(false) => Failure::NoLeader,
-                                _ => f,
-                            }
-                        }
-                        f => f,
-                    };
                     self.mark_down(i, f.reachable());
                     attempts.push((i, f));
                 }
+            }
+        }
+        // Members that answered but could not serve: have they a leader at
+        // all? (Their own status, answered locally.)
+        for (i, f) in attempts.iter_mut() {
+            if matches!(f, Failure::TimedOut | Failure::Unavailable(_))
+                && self.leader_known(*i, deadline) == Some(false)
+            {
+                *f = Failure::NoLeader;
             }
         }
         let tried: Vec<usize> = attempts.iter().map(|(i, _)| *i).collect();
@@ -267,7 +288,8 @@ impl Pool {
         };
         for i in due {
             match self.leader_known(i, deadline) {
-                Some(true) => self.mark_good(i),
+                // Eligible again; "answers again" once a call succeeds.
+                Some(true) => self.health.lock()[i].state = State::Unknown,
                 known => self.mark_down(i, known.is_some()),
             }
         }
@@ -333,17 +355,13 @@ impl Pool {
                 Some((code, message)) => classify(code, message),
                 None => Outcome::Ok(v),
             },
-            (_, Some(v)) if v.get("code").is_some() || v.get("error").is_some() => {
-                let code = v.get("code").and_then(int).unwrap_or(0);
-                let message = v
-                    .get("message")
-                    .or_else(|| v.get("error"))
-                    .and_then(Value::as_str)
-                    .unwrap_or("no message")
-                    .to_string();
-                classify(code, message)
-            }
-            (status, _) => Outcome::Failed(Failure::NotGateway(format!(
+            (_, Some(v)) => match stream_error(&v).or_else(|| flat_error(&v)) {
+                Some((code, message)) => classify(code, message),
+                None => Outcome::Failed(Failure::NotGateway(format!(
+                    "HTTP {status} for POST {path}"
+                ))),
+            },
+            (status, None) => Outcome::Failed(Failure::NotGateway(format!(
                 "HTTP {status} for POST {path}"
             ))),
         }
@@ -362,10 +380,21 @@ pub fn int(v: &Value) -> Option<i64> {
     }
 }
 
+/// A unary call's error: `{"error": ..., "code": 14, "message": ...}`.
+fn flat_error(v: &Value) -> Option<(i64, String)> {
+    let code = v.get("code").and_then(int)?;
+    let message = v
+        .get("message")
+        .or_else(|| v.get("error"))
+        .and_then(Value::as_str)
+        .unwrap_or("no message");
+    Some((code, message.to_string()))
+}
+
 /// A streamed reply (lease keep-alive) carries its error inside:
 /// `{"error": {"grpc_code": 14, "message": ...}}`.
 fn stream_error(v: &Value) -> Option<(i64, String)> {
-    let e = v.get("error")?;
+    let e = v.get("error").filter(|e| e.is_object())?;
     Some((
         e.get("grpc_code").and_then(int).unwrap_or(0),
         e.get("message")
@@ -381,9 +410,10 @@ fn classify(code: i64, message: String) -> Outcome {
     match code {
         // DEADLINE_EXCEEDED: the share of the deadline ran out there.
         4 => Outcome::Failed(Failure::TimedOut),
-        // UNAVAILABLE: no leader, leader changed, request timed out; and
-        // UNKNOWN, which the gateway uses for its own context ending.
-        14 | 2 => Outcome::Failed(Failure::Unavailable(message)),
+        // UNAVAILABLE (no leader, leader changed, request timed out),
+        // UNKNOWN (the gateway's own context ending), CANCELLED, ABORTED,
+        // and no code at all.
+        14 | 2 | 1 | 10 | 0 => Outcome::Failed(Failure::Unavailable(message)),
         _ => Outcome::Refused(code, message),
     }
 }
