@@ -3,124 +3,37 @@
 //! engine's segment disappears with its lease; etcd restarted with its data
 //! wiped gets every live engine back, with no engine restarted.
 //!
-//! Needs the `etcd` binary (Debian: etcd-server; scripts/test installs it).
+//! Needs `etcd` and `etcdctl` (Debian: etcd-server, etcd-client; scripts/test
+//! installs them).
 //! Each bounded wait below is a hang guard, not a timing assertion: the
 //! lease TTL is 2 s and the guards allow many times that.
 
-use ferry_tests::{built, ferry_bin, free_port};
-use std::io::{BufRead, BufReader, Write};
-use std::path::PathBuf;
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc;
+use ferry_tests::etcd::{segments, EtcdCluster};
+use ferry_tests::ferry_bin;
+use ferry_tests::node::Node;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const TTL_S: &str = "2";
 const LEN: usize = 1 << 20;
 
-/// An etcd server on loopback with its own data directory.
-struct Etcd {
-    child: Option<Child>,
-    dir: tempfile::TempDir,
-    client: u16,
-    peer: u16,
+fn start_node(url: &str, name: &str, seed: u64) -> Node {
+    Node::start(
+        seed,
+        LEN,
+        &[
+            ("FERRY_METADATA", url),
+            ("FERRY_METADATA_TTL_S", TTL_S),
+            ("FERRY_NAME", name),
+            ("FERRY_TIMEOUT_MS", "5000"),
+            ("FERRY_CONNECT_TIMEOUT_MS", "2000"),
+        ],
+    )
+    .unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
-impl Etcd {
-    fn start() -> Etcd {
-        let mut e = Etcd {
-            child: None,
-            dir: tempfile::tempdir().unwrap(),
-            client: free_port(),
-            peer: free_port(),
-        };
-        e.launch();
-        e
-    }
-
-    fn url(&self) -> String {
-        format!("etcd://127.0.0.1:{}", self.client)
-    }
-
-    fn launch(&mut self) {
-        let bin = which("etcd").unwrap_or_else(|| {
-            panic!(
-                "etcd is not installed: run scripts/test (it installs Debian's etcd-server) \
-                 or `apt-get install etcd-server`"
-            )
-        });
-        let client = format!("http://127.0.0.1:{}", self.client);
-        let peer = format!("http://127.0.0.1:{}", self.peer);
-        let child = Command::new(bin)
-            .args(["--name", "ferry-test", "--data-dir"])
-            .arg(self.dir.path().join("data"))
-            .args(["--listen-client-urls", &client])
-            .args(["--advertise-client-urls", &client])
-            .args(["--listen-peer-urls", &peer])
-            .args(["--initial-advertise-peer-urls", &peer])
-            .args(["--initial-cluster", &format!("ferry-test={peer}")])
-            .args(["--log-level", "error"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start etcd");
-        self.child = Some(child);
-        // Ready when `ferry segments` can list (an empty list is fine).
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if segments(&self.url()).is_ok() {
-                return;
-            }
-            assert!(Instant::now() < deadline, "etcd did not start within 30 s");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// Stops etcd, removes everything it stored, starts it again.
-    fn restart_wiped(&mut self) {
-        self.stop();
-        std::fs::remove_dir_all(self.dir.path().join("data")).unwrap();
-        self.launch();
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
-fn which(cmd: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join(cmd))
-            .find(|p| p.is_file())
-    })
-}
-
-/// `ferry segments --json` against this store: the registered names.
-fn segments(url: &str) -> Result<Vec<String>, String> {
-    let out = Command::new(ferry_bin())
-        .args(["segments", "--json"])
-        .env("FERRY_METADATA", url)
-        .env("FERRY_CONNECT_TIMEOUT_MS", "1000")
-        .output()
-        .map_err(|e| e.to_string())?;
-    if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
-    }
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())?;
-    Ok(v.as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["name"].as_str().unwrap().to_string())
-        .collect())
+fn listed(url: &str) -> Result<Vec<String>, String> {
+    segments(url, 1000)
 }
 
 fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) -> Duration {
@@ -132,87 +45,16 @@ fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) -> Durati
     start.elapsed()
 }
 
-/// One engine process (tests/src/bin/ferry-test-node.rs).
-struct Node {
-    name: String,
-    inbox: u64,
-    child: Child,
-    stdin: ChildStdin,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Node {
-    fn start(url: &str, name: &str, seed: u64) -> Node {
-        let mut child = Command::new(built("ferry-test-node"))
-            .args([seed.to_string(), LEN.to_string()])
-            .env("FERRY_METADATA", url)
-            .env("FERRY_METADATA_TTL_S", TTL_S)
-            .env("FERRY_NAME", name)
-            .env("FERRY_TRANSPORTS", "tcp")
-            .env("FERRY_TIMEOUT_MS", "5000")
-            .env("FERRY_CONNECT_TIMEOUT_MS", "2000")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut n = Node {
-            name: name.to_string(),
-            inbox: 0,
-            child,
-            stdin,
-            lines,
-        };
-        let ready = n.line();
-        let words: Vec<&str> = ready.split_whitespace().collect();
-        assert_eq!(words.first(), Some(&"ready"), "{name}: {ready}");
-        assert_eq!(words[1], name);
-        n.inbox = words[3].parse().unwrap();
-        n
-    }
-
-    fn line(&mut self) -> String {
-        self.lines
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| panic!("{}: no answer within 60 s", self.name))
-    }
-
-    fn ask(&mut self, command: &str) -> String {
-        writeln!(self.stdin, "{command}").unwrap();
-        self.line()
-    }
-
-    fn ring_to(&mut self, next: &Node) -> String {
-        self.ask(&format!("ring {} {}", next.name, next.inbox))
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 #[test]
 fn engines_find_each_other_by_name_through_etcd_and_survive_its_loss() {
-    let mut etcd = Etcd::start();
+    let mut etcd = EtcdCluster::start(1);
     let url = etcd.url();
     let mut nodes: Vec<Node> = (0..3)
-        .map(|i| Node::start(&url, &format!("node-{i}"), i + 1))
+        .map(|i| start_node(&url, &format!("node-{i}"), i + 1))
         .collect();
-    let mut listed = segments(&url).unwrap();
-    listed.sort();
-    assert_eq!(listed, ["node-0", "node-1", "node-2"]);
+    let mut names = listed(&url).unwrap();
+    names.sort();
+    assert_eq!(names, ["node-0", "node-1", "node-2"]);
 
     // A ring: node i writes its data into node i+1's inbox, by name.
     for i in 0..3 {
@@ -245,7 +87,7 @@ fn engines_find_each_other_by_name_through_etcd_and_survive_its_loss() {
     dead.child.kill().unwrap();
     let _ = dead.child.wait();
     let gone = wait_for("node-2 gone from etcd", Duration::from_secs(30), || {
-        segments(&url).is_ok_and(|l| !l.contains(&"node-2".to_string()))
+        listed(&url).is_ok_and(|l| !l.contains(&"node-2".to_string()))
     });
     eprintln!("node-2's segment disappeared {gone:?} after SIGKILL (lease TTL {TTL_S} s)");
     let e = nodes[0].ask("open node-2");
@@ -255,7 +97,7 @@ fn engines_find_each_other_by_name_through_etcd_and_survive_its_loss() {
     );
 
     // etcd goes away: segments already open keep working.
-    etcd.stop();
+    etcd.kill(0);
     {
         let (l, r) = nodes.split_at_mut(1);
         assert_eq!(
@@ -270,7 +112,7 @@ fn engines_find_each_other_by_name_through_etcd_and_survive_its_loss() {
         "node-0 and node-1 back in etcd",
         Duration::from_secs(60),
         || {
-            segments(&url).is_ok_and(|mut l| {
+            listed(&url).is_ok_and(|mut l| {
                 l.sort();
                 l == ["node-0", "node-1"]
             })
@@ -295,22 +137,42 @@ fn engines_find_each_other_by_name_through_etcd_and_survive_its_loss() {
     assert_eq!(nodes[1].ask("check 1"), "check ok");
 }
 
+/// An engine whose etcd is down still starts; its look-ups say why they
+/// fail, and it registers by itself once etcd answers.
 #[test]
-fn unreachable_etcd_at_start_is_a_clear_error() {
-    let port = free_port();
-    let out = Command::new(built("ferry-test-node"))
-        .args(["1", "4096"])
-        .env("FERRY_METADATA", format!("etcd://127.0.0.1:{port}"))
-        .env("FERRY_CONNECT_TIMEOUT_MS", "500")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(!out.status.success());
+fn an_engine_starts_without_etcd_and_registers_when_it_answers() {
+    let mut etcd = EtcdCluster::planned(1);
+    let url = etcd.url();
+    let endpoint = etcd.endpoint(0);
+    let mut node = Node::start(
+        1,
+        4096,
+        &[
+            ("FERRY_METADATA", url.as_str()),
+            ("FERRY_METADATA_TTL_S", TTL_S),
+            ("FERRY_CONNECT_TIMEOUT_MS", "500"),
+        ],
+    )
+    .expect("an engine starts while etcd is down");
+    let e = node.ask("open node-0");
     assert!(
-        text.contains("fatal") && text.contains(&format!("127.0.0.1:{port}")),
-        "{text}"
+        e.starts_with("open error")
+            && e.contains(&format!(
+                "cannot reach etcd (0 of 1 members reachable: {endpoint} unreachable \
+                 (connection refused))"
+            )),
+        "{e}"
     );
+    let e = segments(&url, 500).unwrap_err();
+    assert!(e.contains("cannot reach etcd"), "{e}");
+
+    etcd.start_all();
+    let name = node.name.clone();
+    let took = wait_for("the engine registered", Duration::from_secs(30), || {
+        listed(&url).is_ok_and(|l| l.contains(&name))
+    });
+    eprintln!("registered {took:?} after etcd answered (lease TTL {TTL_S} s)");
+
     // And `ferry segments` without a store says what to configure.
     let out = Command::new(ferry_bin())
         .arg("segments")

@@ -55,11 +55,9 @@ ensure_rust_components() {
 # tests compile C plugins, examples and the verbs emulator), pkg-config, and
 # what the RDMA plugin's sideway needs to build (rdma-mummy-sys runs cmake
 # and bindgen, which loads libclang). libibverbs itself is never needed to
-# build: it is loaded at run time. protoc: the etcd client compiles its
-# protocol at build time.
+# build: it is loaded at run time.
 ensure_base() {
-    ensure_commands cc:gcc pkg-config:pkg-config make:make cmake:cmake readelf:binutils \
-        protoc:protobuf-compiler
+    ensure_commands cc:gcc pkg-config:pkg-config make:make cmake:cmake readelf:binutils
     ensure_files /usr/include/stdio.h:libc6-dev
     if ! compgen -G '/usr/lib/llvm-*/lib/libclang*.so*' >/dev/null \
         && ! compgen -G '/usr/lib/*/libclang*.so*' >/dev/null; then

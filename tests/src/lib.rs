@@ -4,7 +4,9 @@
 //! These tests use what `cargo build --workspace` produced (the `ferry`
 //! binary, plugin .so files); `scripts/test` builds it first.
 
+pub mod etcd;
 pub mod fuzz;
+pub mod node;
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};

@@ -271,12 +271,17 @@ impl Engine {
                     );
                 }
             }
-            store.publish(&shared.node.name, shared.describe().to_json())?;
-            log::info!(
-                "metadata: registered segment {} in etcd at {}",
-                shared.node.name,
-                store.endpoints()
-            );
+            // An engine that cannot register yet still starts: it can open
+            // segments by name as soon as etcd answers, and its keeper
+            // registers it then.
+            match store.publish(&shared.node.name, shared.describe().to_json()) {
+                Ok(()) => log::info!(
+                    "metadata: registered segment {} in etcd at {}",
+                    shared.node.name,
+                    store.endpoints()
+                ),
+                Err(e) => log::warn!("metadata: {e}"),
+            }
         }
         log::info!(
             "engine {} listening; transports: {}",

@@ -1,0 +1,35 @@
+//! Where segments are found by name: peer to peer (the default: a segment's
+//! name is its control address, "host:port", and nothing else runs), or an
+//! etcd cluster (FERRY_METADATA=etcd://host:port[,host:port...]).
+//!
+//! With etcd, an engine stores its descriptor under
+//! `<prefix>/segments/<name>` with a lease it keeps alive, so a dead
+//! engine's segment disappears when the lease expires (FERRY_METADATA_TTL_S).
+//! Registering or unregistering memory publishes the descriptor again.
+//! Peers do not watch: they read a descriptor when they open a segment and
+//! read it again when a request falls outside the buffers they know ("re-read
+//! on a miss"), the only moment a stale copy matters — a buffer that was
+//! unregistered is refused by its owner anyway.
+//!
+//! Ferry speaks to etcd through its v3 JSON gateway over plain HTTP/1.1,
+//! synchronously (no async runtime, no protoc at build time), and chooses
+//! the member itself, failing over within each call's deadline.
+//!
+//! | file | its one job |
+//! |---|---|
+//! | config.rs | FERRY_METADATA and its settings |
+//! | pool.rs | the members: HTTP, health, order, fail-over, deadlines |
+//! | gateway.rs | etcd's operations as gateway JSON, replies checked |
+//! | errors.rs | why a call failed, in an operator's words |
+//! | keeper.rs | this engine's registration: lease, writes, read-back |
+//! | store.rs | the handle engines and tools use: look-ups, listing, publishing |
+
+mod config;
+mod errors;
+mod gateway;
+mod keeper;
+mod pool;
+mod store;
+
+pub use config::{MetadataConfig, DEFAULT_PREFIX, DEFAULT_TTL_S};
+pub use store::EtcdStore;
