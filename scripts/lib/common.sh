@@ -108,3 +108,11 @@ ensure_python_venv() {
     ensure_commands python3:python3
     python3 -c 'import venv, ensurepip' 2>/dev/null || apt_install python3-venv
 }
+
+# What the cluster simulation (scripts/cluster-sim.sh) runs besides the
+# build: `ip` (iproute2) for namespaces, veth pairs and the bridge,
+# `unshare`, `mount` and `hostname` (util-linux, hostname) for each host's
+# IPC/UTS namespace and fixture, and a real etcd (etcd-server).
+ensure_cluster_tools() {
+    ensure_commands ip:iproute2 unshare:util-linux mount:mount hostname:hostname etcd:etcd-server
+}

@@ -338,6 +338,7 @@ fn sample_rdma_key() -> rdma::BufferKey {
         rkeys: vec![(0, 0x1234), (1, 0x5678)],
         ranked: vec![1, 0],
         best: 1,
+        tiers: vec![0, 1],
     }
 }
 

@@ -100,7 +100,8 @@ impl Engine {
                 format!("cannot read the control address: {e}"),
             )
         })?;
-        let control_addr = format!("{}:{}", advertised_host(&config, bound), bound.port());
+        let host_name = advertised_host(&config, bound);
+        let control_addr = format!("{host_name}:{}", bound.port());
         if !bound.ip().is_loopback() && config.auth_token.is_none() {
             if !config.auth_off {
                 return Err(Error::new(
@@ -154,6 +155,9 @@ impl Engine {
         settings
             .entry("idle_timeout_s".into())
             .or_insert_with(|| config.idle_timeout.as_secs().to_string());
+        // The host peers reach this engine at: what a plugin listening on
+        // every interface advertises (its engine's name may be an etcd name).
+        settings.entry("hostname".into()).or_insert(host_name);
         // Plugins authenticate their own connections with the same token.
         if let Some(t) = &config.auth_token {
             settings.insert("auth.token".into(), t.expose());

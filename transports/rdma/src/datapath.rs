@@ -79,6 +79,7 @@ impl Peer {
             ));
         }
         let n = inner.nics.len();
+        let nr = remote.len();
         let peer = Arc::new(Peer {
             name: info.name.clone(),
             remote_health: (0..remote.len()).map(|_| Health::default()).collect(),
@@ -88,6 +89,8 @@ impl Peer {
             keys: Mutex::new(HashMap::new()),
             sent: (0..n).map(|_| AtomicU64::new(0)).collect(),
             slices: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            remote_sent: (0..nr).map(|_| AtomicU64::new(0)).collect(),
+            remote_slices: (0..nr).map(|_| AtomicU64::new(0)).collect(),
             retried: AtomicU64::new(0),
             cursor: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
@@ -143,26 +146,59 @@ impl Peer {
     }
 
     /// The rails for local memory `region` and the peer's buffer `key`.
-    fn rails_for(&self, inner: &Inner, region: &Region, key: &BufferKey) -> Vec<Pair> {
+    fn rails_for(
+        &self,
+        inner: &Inner,
+        region: &Region,
+        key: &BufferKey,
+        now: Instant,
+    ) -> Vec<Pair> {
         let compatible = self.compatible(inner);
-        let remote_best = &key.ranked[..(key.best as usize).min(key.ranked.len())];
         let remote_all: Vec<u8> = if key.ranked.is_empty() {
             key.rkeys.iter().map(|(n, _)| *n).collect()
         } else {
             key.ranked.clone()
         };
-        let remote_best = if remote_best.is_empty() {
-            &remote_all[..]
+        let (ranked, tiers, best) = if key.ranked.is_empty() {
+            (&remote_all[..], &[][..], 0)
         } else {
-            remote_best
+            (&key.ranked[..], &key.tiers[..], key.best as usize)
         };
-        rails::rails(
-            &region.ranked[..region.best.min(region.ranked.len())],
-            remote_best,
-            &remote_all,
-            &compatible,
-            inner.settings.rails,
-        )
+        // This side's closest NICs that reach a NIC holding the buffer,
+        // then the peer's closest NICs that those reach; paused NICs left
+        // out while that leaves any (a failed NIC at one end does not idle
+        // its partner at the other, and its slices go to the next closest).
+        let pick = |skip_paused: bool| {
+            let local_ok = |l: usize| !(skip_paused && inner.nics[l].health.paused(now));
+            let remote_ok = |r: u8| {
+                !(skip_paused
+                    && self
+                        .remote_health
+                        .get(r as usize)
+                        .is_some_and(|h| h.paused(now)))
+            };
+            let local = rails::first_tier(&region.ranked, &region.tiers, region.best, |l| {
+                local_ok(l)
+                    && remote_all
+                        .iter()
+                        .any(|r| remote_ok(*r) && compatible(l, *r))
+            });
+            let remote = rails::first_tier(ranked, tiers, best, |r| {
+                remote_ok(r) && local.iter().any(|l| compatible(*l, r))
+            });
+            let others: Vec<u8> = remote_all
+                .iter()
+                .copied()
+                .filter(|r| remote_ok(*r))
+                .collect();
+            rails::rails(&local, &remote, &others, &compatible, inner.settings.rails)
+        };
+        let healthy = pick(true);
+        if healthy.is_empty() {
+            pick(false)
+        } else {
+            healthy
+        }
     }
 
     fn pair_paused(&self, inner: &Inner, p: Pair, now: Instant) -> bool {
@@ -351,6 +387,23 @@ impl Peer {
                 sent.join(", ")
             }
         ));
+        let at_peer: Vec<String> = self
+            .remote
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| self.remote_slices[*i].load(Ordering::Relaxed) > 0)
+            .map(|(i, n)| {
+                format!(
+                    "{} {} B in {} slices",
+                    n.name,
+                    self.remote_sent[i].load(Ordering::Relaxed),
+                    self.remote_slices[i].load(Ordering::Relaxed)
+                )
+            })
+            .collect();
+        if !at_peer.is_empty() {
+            parts.push(format!("at the peer: {}", at_peer.join(", ")));
+        }
         let retried = self.retried.load(Ordering::Relaxed);
         if retried > 0 {
             parts.push(format!("{retried} slices retried on another NIC pair"));
@@ -413,7 +466,7 @@ pub fn submit(
                 ),
             ));
         }
-        let rails = peer.rails_for(inner, &region, &key);
+        let rails = peer.rails_for(inner, &region, &key, now);
         if rails.is_empty() {
             return Err(PluginError::new(
                 ErrorCode::Unavailable,
@@ -436,17 +489,6 @@ pub fn submit(
                 )
             },
         );
-        // Paused pairs are left out while others work.
-        let healthy: Vec<Pair> = rails
-            .iter()
-            .copied()
-            .filter(|p| !peer.pair_paused(inner, *p, now))
-            .collect();
-        let usable = if healthy.is_empty() {
-            rails.clone()
-        } else {
-            healthy
-        };
         let rails = Arc::new(rails);
         let n = r.length.div_ceil(slice_bytes) as usize;
         let start = peer.cursor.fetch_add(n, Ordering::Relaxed);
@@ -473,7 +515,7 @@ pub fn submit(
                 remote_addr: r.remote_addr + off,
                 len,
                 rails: rails.clone(),
-                pair: usable[(start + k) % usable.len()],
+                pair: rails[(start + k) % rails.len()],
                 tried: Vec::new(),
                 channel: None,
                 posted: None,
@@ -616,6 +658,12 @@ pub fn on_completion(inner: &Inner, nic: usize, wc: Wc) {
     if wc.status == verbs::WC_SUCCESS {
         peer.sent[pair.0].fetch_add(u64::from(s.len), Ordering::Relaxed);
         peer.slices[pair.0].fetch_add(1, Ordering::Relaxed);
+        if let Some(b) = peer.remote_sent.get(pair.1 as usize) {
+            b.fetch_add(u64::from(s.len), Ordering::Relaxed);
+        }
+        if let Some(n) = peer.remote_slices.get(pair.1 as usize) {
+            n.fetch_add(1, Ordering::Relaxed);
+        }
         if inner.nics[pair.0].health.success() {
             inner.host.info(&format!(
                 "rdma: {} works again; it carries slices again",

@@ -367,7 +367,7 @@ impl Inner {
                 )
             });
         }
-        let (ranked, best, classes) = self.rank_for(&r.location, &mrs);
+        let (ranked, best, tiers, classes) = self.rank_for(&r.location, &mrs);
         let region = Arc::new(Region {
             addr: r.addr,
             len: r.len,
@@ -375,6 +375,7 @@ impl Inner {
             mrs,
             ranked,
             best,
+            tiers,
         });
         self.info_once(format!("rails:{}:{method}", r.location), || {
             let rails: Vec<&str> = region.ranked[..region.best]
@@ -413,6 +414,7 @@ impl Inner {
                     .collect(),
                 ranked: region.ranked.iter().map(|i| *i as u8).collect(),
                 best: region.best as u8,
+                tiers: region.tiers.clone(),
             }
             .encode()
         } else {
@@ -424,9 +426,9 @@ impl Inner {
     }
 
     /// Local NICs for memory at `location`, closest first (those that
-    /// registered it), how many are equally close, and the path classes in
-    /// words.
-    fn rank_for(&self, location: &str, mrs: &[Option<Mr>]) -> (Vec<usize>, usize, String) {
+    /// registered it), how many are equally close, each one's tier (equally
+    /// close NICs share one), and the path classes in words.
+    fn rank_for(&self, location: &str, mrs: &[Option<Mr>]) -> (Vec<usize>, usize, Vec<u8>, String) {
         let registered = |i: &usize| mrs.get(*i).is_some_and(Option::is_some);
         let topo = self.host.nics(Some(location)).unwrap_or_default();
         let mut ranked: Vec<(usize, u32, u64)> = Vec::new();
@@ -469,9 +471,19 @@ impl Inner {
         } else {
             format!("the topology does not place {location}: every NIC, in discovery order")
         };
+        let mut tiers = Vec::with_capacity(ranked.len());
+        for (k, (_, c, s)) in ranked.iter().enumerate() {
+            let tier = match k.checked_sub(1).map(|p| &ranked[p]) {
+                None => 0,
+                Some((_, pc, ps)) if pc == c && ps == s => tiers[k - 1],
+                Some(_) => tiers[k - 1] + 1u8,
+            };
+            tiers.push(tier);
+        }
         (
             ranked.into_iter().map(|(i, _, _)| i).collect(),
             best.max(1),
+            tiers,
             classes,
         )
     }

@@ -1,7 +1,10 @@
 //! Which NIC pairs carry a request: the rails.
 //!
 //! Each side ranks its NICs for the buffer's memory (the engine's topology:
-//! closest first); the equally closest ones are that side's rails. A
+//! closest first); the equally closest ones that can reach the other side
+//! (a NIC there with the same link layer) are that side's rails: a GPU
+//! host whose compute NICs are InfiniBand reaches a RoCE-only host through
+//! its nearest RoCE NICs. A
 //! request uses rail k = (local rail k mod L, remote rail k mod R) for k up
 //! to max(L, R) (or `FERRY_RDMA_RAILS`), so both ends spread over all their
 //! best NICs. Pairs must share a link layer (InfiniBand with InfiniBand,
@@ -10,6 +13,33 @@
 
 /// (local NIC index, remote NIC index in the peer's endpoint).
 pub type Pair = (usize, u8);
+
+/// The leading tier of `ranked` among the NICs `keep` accepts: every kept
+/// NIC of the first tier that has one. `tiers` gives each entry of
+/// `ranked` its tier (equal for equally close NICs); without it (a key from
+/// an older peer) the first `best` entries are one tier and each later one
+/// its own, and `best` 0 makes them all one tier.
+pub fn first_tier<T: Copy>(
+    ranked: &[T],
+    tiers: &[u8],
+    best: usize,
+    keep: impl Fn(T) -> bool,
+) -> Vec<T> {
+    let tier = |i: usize| -> usize {
+        match tiers.get(i) {
+            Some(t) if tiers.len() == ranked.len() => usize::from(*t),
+            _ if best == 0 || i < best => 0,
+            _ => i,
+        }
+    };
+    let Some(first) = (0..ranked.len()).find(|&i| keep(ranked[i])) else {
+        return Vec::new();
+    };
+    (first..ranked.len())
+        .filter(|&i| tier(i) == tier(first) && keep(ranked[i]))
+        .map(|i| ranked[i])
+        .collect()
+}
 
 /// The rails of one request.
 pub fn rails(
@@ -109,6 +139,25 @@ mod tests {
         // No compatible remote rail: fall back to any remote NIC.
         assert_eq!(rails(&[0], &[0], &[0, 1], &compatible, 0), vec![(0, 1)]);
         assert_eq!(rails(&[0], &[0], &[0], &compatible, 0), vec![]);
+    }
+
+    #[test]
+    fn the_first_tier_that_can_reach_the_peer() {
+        // Tiers: 0,0 (IB, PIX), 1,1 (RoCE, NODE), 2 (RoCE, SYS).
+        let ranked = [0usize, 3, 1, 2, 7];
+        let tiers = [0u8, 0, 1, 1, 2];
+        let roce = |n: usize| matches!(n, 1 | 2 | 7);
+        assert_eq!(first_tier(&ranked, &tiers, 2, |_| true), vec![0, 3]);
+        assert_eq!(first_tier(&ranked, &tiers, 2, roce), vec![1, 2]);
+        assert_eq!(first_tier(&ranked, &tiers, 2, |n| n == 7), vec![7]);
+        assert_eq!(
+            first_tier(&ranked, &tiers, 2, |_| false),
+            Vec::<usize>::new()
+        );
+        // Without tiers: the first `best`, else the first kept one.
+        assert_eq!(first_tier(&ranked, &[], 2, |_| true), vec![0, 3]);
+        assert_eq!(first_tier(&ranked, &[], 2, roce), vec![1]);
+        assert_eq!(first_tier(&ranked, &[], 0, roce), vec![1, 2, 7]);
     }
 
     #[test]

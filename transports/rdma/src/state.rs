@@ -72,6 +72,8 @@ pub struct Region {
     /// equally close (the rails).
     pub ranked: Vec<usize>,
     pub best: usize,
+    /// Per entry of `ranked`: equally close NICs share a tier (0 first).
+    pub tiers: Vec<u8>,
 }
 
 impl Region {
@@ -148,9 +150,11 @@ pub struct Peer {
     pub(crate) connect_lock: Mutex<()>,
     pub(crate) keys: Mutex<HashMap<Vec<u8>, Arc<BufferKey>>>,
     pub(crate) remote_health: Vec<Health>,
-    /// Bytes and slices completed per local NIC.
+    /// Bytes and slices completed per local NIC, and per NIC of the peer.
     pub(crate) sent: Vec<AtomicU64>,
     pub(crate) slices: Vec<AtomicU64>,
+    pub(crate) remote_sent: Vec<AtomicU64>,
+    pub(crate) remote_slices: Vec<AtomicU64>,
     pub(crate) retried: AtomicU64,
     pub(crate) cursor: AtomicUsize,
     pub(crate) closed: AtomicBool,

@@ -130,6 +130,9 @@ pub struct BufferKey {
     /// them are equally close (the rails).
     pub ranked: Vec<u8>,
     pub best: u8,
+    /// Per entry of `ranked`, its tier: equally close NICs share one. May
+    /// be empty (keys of older peers end after `ranked`).
+    pub tiers: Vec<u8>,
 }
 
 const KEY_MAGIC: &[u8; 4] = b"FRK1";
@@ -148,6 +151,9 @@ impl BufferKey {
         out.push(self.best);
         out.push(self.ranked.len() as u8);
         out.extend_from_slice(&self.ranked);
+        if self.tiers.len() == self.ranked.len() {
+            out.extend_from_slice(&self.tiers);
+        }
         out
     }
 
@@ -185,15 +191,18 @@ impl BufferKey {
         if ranked.iter().any(|x| !rkeys.iter().any(|(n, _)| n == x)) || best as usize > m {
             return Err(bad("ranking"));
         }
-        if !r.0.is_empty() {
-            return Err(bad("trailing bytes"));
-        }
+        let tiers = match r.0.len() {
+            0 => Vec::new(),
+            n if n == m => r.take(m)?.to_vec(),
+            _ => return Err(bad("trailing bytes")),
+        };
         Ok(BufferKey {
             addr,
             len,
             rkeys,
             ranked,
             best,
+            tiers,
         })
     }
 
@@ -394,11 +403,20 @@ mod tests {
             rkeys: vec![(0, 0x1234), (3, 0xabcd)],
             ranked: vec![3, 0],
             best: 1,
+            tiers: vec![0, 1],
         };
         let bytes = k.encode();
         assert_eq!(BufferKey::decode(&bytes, 4).unwrap(), k);
+        // Without its tiers it is an older peer's key; any other cut is an error.
+        let old = bytes.len() - k.tiers.len();
         for n in 0..bytes.len() {
-            assert!(BufferKey::decode(&bytes[..n], 4).is_err(), "{n}");
+            match BufferKey::decode(&bytes[..n], 4) {
+                Ok(d) => assert!(
+                    n == old && d.tiers.is_empty() && d.ranked == k.ranked,
+                    "{n}"
+                ),
+                Err(_) => assert_ne!(n, old),
+            }
         }
         // NIC 3 does not exist in an endpoint with 2 NICs.
         assert!(BufferKey::decode(&bytes, 2).is_err());

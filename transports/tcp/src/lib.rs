@@ -190,21 +190,29 @@ impl TcpInstance {
             )
         })?;
         // Peers reach us at the engine's advertised host when we listen on
-        // every interface.
-        let host_part = if bind_ip.is_unspecified() {
-            params
-                .engine_name
-                .rsplit_once(':')
-                .map(|(h, _)| h.to_string())
-                .unwrap_or_else(|| bind_ip.to_string())
+        // every interface: the engine's `hostname`, else the host part of
+        // its name (an etcd name has none).
+        let advertised_ip = if bind_ip.is_unspecified() {
+            host.config("hostname")
+                .into_iter()
+                .chain(
+                    params
+                        .engine_name
+                        .rsplit_once(':')
+                        .map(|(h, _)| h.to_string()),
+                )
+                .find_map(|h| resolve(&h))
+                .unwrap_or(bind_ip)
         } else {
-            bind_ip.to_string()
+            bind_ip
         };
-        let advertised = SocketAddr::new(
-            host_part.parse().unwrap_or(bind_ip),
-            target.local_addr().port(),
-        )
-        .to_string();
+        if advertised_ip.is_unspecified() {
+            host.warn(&format!(
+                "tcp: listening on {bind_ip} but no address to advertise: peers on other hosts \
+                 cannot connect (set FERRY_HOSTNAME)"
+            ));
+        }
+        let advertised = SocketAddr::new(advertised_ip, target.local_addr().port()).to_string();
         let endpoint = wire::encode_endpoint(&advertised, instance);
         host.info(&format!(
             "tcp: serving data on {} for engine {} ({} connections per peer)",
@@ -310,6 +318,20 @@ impl Drop for TcpInstance {
             self.target.local_addr()
         ));
     }
+}
+
+/// The address of `host` (an IP address, or a name resolved now).
+fn resolve(host: &str) -> Option<IpAddr> {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return Some(ip).filter(|ip| !ip.is_unspecified());
+    }
+    use std::net::ToSocketAddrs;
+    (host, 0u16)
+        .to_socket_addrs()
+        .ok()?
+        .map(|a| a.ip())
+        .find(|ip| !ip.is_unspecified())
 }
 
 /// A random number naming this instance (its data listener), so peers can

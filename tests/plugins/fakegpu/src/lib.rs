@@ -8,6 +8,10 @@
 //!
 //! Behaviour is steered by FERRY_FAKEGPU_DEVICES (default 1), and
 //! FERRY_FAKEGPU_PCI (comma list of PCI bus ids, default 0000:1b:00.0,...);
+//! FERRY_FAKEGPU_DEVICES=sysfs takes the GPUs of the (fake) sysfs tree
+//! under FERRY_SYSFS_ROOT instead, NVIDIA display controllers in PCI bus
+//! order, so the machine's fixture alone says which GPUs a host has (the
+//! cluster simulation gives every host the same settings);
 //! FERRY_FAKEGPU_GDR=0 and FERRY_FAKEGPU_DMABUF=0 make the GPUs report no
 //! GPUDirect RDMA (attribute 116) or no DMA-BUF (attribute 124);
 //! FERRY_FAKEGPU_DMABUF_FD=pipe exports a pipe instead of a dma-buf (which
@@ -30,7 +34,14 @@ fn attribute(var: &str) -> bool {
     std::env::var(var).map_or(true, |v| v != "0")
 }
 
+fn from_sysfs() -> bool {
+    std::env::var("FERRY_FAKEGPU_DEVICES").is_ok_and(|v| v == "sysfs")
+}
+
 fn devices() -> u32 {
+    if from_sysfs() {
+        return sysfs_gpus().len() as u32;
+    }
     std::env::var("FERRY_FAKEGPU_DEVICES")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -38,10 +49,44 @@ fn devices() -> u32 {
 }
 
 fn pci(ordinal: u32) -> String {
+    if from_sysfs() {
+        return sysfs_gpus()
+            .get(ordinal as usize)
+            .cloned()
+            .unwrap_or_default();
+    }
     std::env::var("FERRY_FAKEGPU_PCI")
         .ok()
         .and_then(|v| v.split(',').nth(ordinal as usize).map(str::to_string))
         .unwrap_or_else(|| format!("0000:{:02x}:00.0", 0x1b + ordinal))
+}
+
+fn sysfs_root() -> String {
+    std::env::var("FERRY_SYSFS_ROOT").unwrap_or_else(|_| "/sys".into())
+}
+
+/// PCI bus ids of the NVIDIA display controllers (vendor 0x10de, class
+/// 0x03xxxx: NVSwitches are bridges) under FERRY_SYSFS_ROOT, in bus order,
+/// read once.
+fn sysfs_gpus() -> &'static [String] {
+    static GPUS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    GPUS.get_or_init(|| {
+        let dir = format!("{}/bus/pci/devices", sysfs_root());
+        let read = |bdf: &str, file: &str| {
+            std::fs::read_to_string(format!("{dir}/{bdf}/{file}"))
+                .map(|s| s.trim().to_lowercase())
+                .unwrap_or_default()
+        };
+        let mut gpus: Vec<String> = std::fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|bdf| read(bdf, "vendor") == "0x10de" && read(bdf, "class").starts_with("0x03"))
+            .collect();
+        gpus.sort();
+        gpus
+    })
 }
 
 fn err(msg: impl Into<String>) -> PluginError {
@@ -55,6 +100,12 @@ impl DevicePlugin for FakeGpu {
     type Instance = Instance;
 
     fn probe(_host: &Host<'_>, report: &mut ProbeReport<'_>) -> PluginResult<()> {
+        if from_sysfs() && sysfs_gpus().is_empty() {
+            return Err(PluginError::unavailable(format!(
+                "no NVIDIA GPU in the sysfs tree at {}",
+                sysfs_root()
+            )));
+        }
         report.set_capabilities(sys::FERRY_MEM_CUDA_STAGED | sys::FERRY_MEM_CUDA_DMABUF, 0);
         for i in 0..devices() {
             let name = format!("cuda:{i}");
