@@ -5,7 +5,8 @@
 #
 # bin/ferry, lib/libferry.so and .a, every plugin of the workspace
 # (lib/ferry/plugins/libferry_{transport,device}_*.so; test-only plugins are
-# not shipped), the headers, pkg-config and CMake files, the C examples, the
+# not shipped), the plugin probe helper (lib/ferry/ferry-probe, where the
+# loader looks for it, beside the plugins), the headers, pkg-config and CMake files, the C examples, the
 # plugin kit, README, LICENSE and manifest.json. Built with cargo-zigbuild
 # against glibc 2.28 and checked for that floor; layout and reasons in
 # docs/packaging.md.
@@ -101,6 +102,9 @@ install -m 0755 "$(one libferry.so)" "$stage/lib/libferry.so"
 install -m 0644 "$(one libferry.a)" "$stage/lib/libferry.a"
 # The static library carries the Rust standard library's debug info.
 strip --strip-debug "$stage/lib/libferry.a"
+
+# Plugins are first loaded and probed in this child process (docs/plugins.md).
+install -m 0755 "$(one ferry-probe)" "$stage/lib/ferry/ferry-probe"
 
 mapfile -t plugins < <(pick 'libferry_transport_*.so'; pick 'libferry_device_*.so')
 [ ${#plugins[@]} -gt 0 ] || die "the build produced no plugin (libferry_transport_*.so, libferry_device_*.so)"

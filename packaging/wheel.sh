@@ -2,7 +2,8 @@
 # Builds Ferry's Python wheel (python/): one abi3 wheel for CPython 3.9+,
 # with the native module and every transport and device plugin inside it
 # (ferry/lib/ferry/plugins, where the loader looks beside the module: no
-# environment variable needed once installed).
+# environment variable needed once installed), and the plugin probe helper
+# beside them (ferry/lib/ferry/ferry-probe).
 #
 #   packaging/wheel.sh [--dev] [--glibc 2.28] [--out DIR]
 #
@@ -68,10 +69,12 @@ if [ "$zig" = 1 ]; then
     clang_include=$(ls -d /usr/lib/llvm-*/lib/clang/*/include 2>/dev/null | sort -V | tail -1 || true)
     export BINDGEN_EXTRA_CLANG_ARGS="${BINDGEN_EXTRA_CLANG_ARGS:-}${clang_include:+ -isystem $clang_include} -isystem /usr/include/$multiarch -isystem /usr/include"
     cargo zigbuild --locked -q --profile "$profile" --target "$triple.$glibc" "${pkgs[@]}"
+    cargo zigbuild --locked -q --profile "$profile" --target "$triple.$glibc" -p ferry-loader --bin ferry-probe
     dir=target/$triple/$profile
     build_args=(--zig --target "$triple" --compatibility "manylinux_${glibc/./_}")
 else
     cargo build --locked -q --profile "$profile" -p ferry-python "${pkgs[@]}"
+    cargo build --locked -q --profile "$profile" -p ferry-loader --bin ferry-probe
     dir=target/$([ "$profile" = dev ] && echo debug || echo "$profile")
 fi
 
@@ -79,11 +82,13 @@ stage=python/ferry/lib/ferry/plugins
 rm -rf python/ferry/lib/ferry
 mkdir -p "$stage"
 while read -r _ lib; do cp "$dir/lib$lib.so" "$stage/"; done <<< "$plugins"
+# Where the loader looks for it: <dir of the module>/../lib/ferry/ferry-probe.
+install -m 0755 "$dir/ferry-probe" python/ferry/lib/ferry/ferry-probe
 
 if [ "$zig" = 0 ]; then
     # manylinux_2_N for the newest GLIBC_2.N any of them needs (17 at least).
     need=17
-    for so in "$dir/lib_ferry.so" "$stage"/*.so; do
+    for so in "$dir/lib_ferry.so" "$stage"/*.so python/ferry/lib/ferry/ferry-probe; do
         n=$(objdump -T "$so" | grep -o 'GLIBC_2\.[0-9]*' | sed 's/GLIBC_2\.//' | sort -n | tail -1)
         [ -n "$n" ] && [ "$n" -gt "$need" ] && need=$n
     done

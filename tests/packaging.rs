@@ -3,7 +3,9 @@
 //! clean environment (`PATH` only) and nothing from this repository.
 //!
 //! - `bin/ferry info` finds the plugins beside it, also after the prefix
-//!   moves; FERRY_PLUGIN_PATH puts vendor directories in front.
+//!   moves; FERRY_PLUGIN_PATH puts vendor directories in front. It finds the
+//!   ferry-probe helper in lib/ferry/ too, so a vendor plugin that crashes
+//!   in its probe is disabled, not the host.
 //! - Every shipped ELF file needs glibc 2.28 at most; the tarball is small
 //!   enough to carry; no shipped text file names the build machine's paths.
 //! - The C examples, built with `pkg-config --cflags --libs ferry` and with
@@ -194,6 +196,16 @@ fn assert_finds_its_own_plugins(prefix: &Path, info: &Value) {
     for name in ["tcp", "shm"] {
         assert_eq!(plugin(info, name)["state"], "enabled", "{info:#}");
     }
+    // Probed first in a child process: the helper ships beside the plugins.
+    let probing = &info["probing"];
+    assert_eq!(probing["isolation"], "child-process", "{probing:#}");
+    assert!(
+        same_file(
+            Path::new(probing["helper"].as_str().unwrap_or("")),
+            &prefix.join("lib/ferry/ferry-probe")
+        ),
+        "{probing:#}"
+    );
     let cuda = plugin(info, "cuda");
     if !Path::new("/dev/nvidiactl").exists() {
         // No NVIDIA driver here: present, loaded, and disabled with a reason.
@@ -313,7 +325,11 @@ fn every_shipped_elf_needs_glibc_2_28_at_most_and_the_tarball_can_travel() {
         assert!(parts <= vec![2, 28], "{rel} needs GLIBC_{version}");
         checked.push(rel);
     }
-    let mut expected = vec!["bin/ferry".to_string(), "lib/libferry.so".to_string()];
+    let mut expected = vec![
+        "bin/ferry".to_string(),
+        "lib/libferry.so".to_string(),
+        "lib/ferry/ferry-probe".to_string(),
+    ];
     expected.extend(
         shipped_plugins(&prefix)
             .into_iter()
@@ -476,4 +492,32 @@ fn the_plugin_kit_builds_with_make_against_the_tarball_alone_and_shows_in_ferry_
     assert_eq!(memcpy["version"], "1.0.0", "{memcpy:#}");
     assert_eq!(memcpy["abi"], info["abi_version"], "{memcpy:#}");
     assert_eq!(plugin(&info, "tcp")["state"], "enabled");
+
+    // A vendor plugin that crashes in its probe, built against the
+    // tarball's header: disabled with the signal, and ferry lives on.
+    let segv = vendor.join("libferry_transport_crashes.so");
+    let out = Command::new(c_compiler())
+        .args(["-shared", "-fPIC", "-std=c11", "-O1", "-DPROBE_SEGV"])
+        .arg("-DPLUGIN_NAME=\"crashes\"")
+        .arg(format!("-I{}", prefix.join("include").display()))
+        .arg("-o")
+        .arg(&segv)
+        .arg(repo_root().join("tests/plugins/c/misbehaving.c"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let info = ferry_info(&prefix, &[("FERRY_PLUGIN_PATH", &vendor)]);
+    let crashes = plugin(&info, "crashes");
+    assert_eq!(crashes["state"], "disabled", "{crashes:#}");
+    assert!(
+        crashes["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("probe crashed: SIGSEGV"),
+        "{crashes:#}"
+    );
 }

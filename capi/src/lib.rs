@@ -722,8 +722,7 @@ pub unsafe extern "C" fn ferry_info_json(
             ferry_core::host::CoreHost::new(Default::default(), topology),
         );
         let report = ferry_core::info::InfoReport::from_plugins(&set);
-        let text = serde_json::to_string(&report)
-            .map_err(|e| Error::new(ErrorCode::Internal, e.to_string()))?;
+        let text = report.to_json_text(false)?;
         // SAFETY: per the contract.
         unsafe { copy_text(&text, buf, cap, len) }
     })

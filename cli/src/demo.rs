@@ -7,6 +7,7 @@
 //! the data is verified where it landed, not only after reading it back.
 
 use crate::util::{crc32, fill_pattern, human_size, Buffer};
+use ferry_core::loader::escape::for_terminal as esc;
 use ferry_core::loader::{PluginKind, PluginState};
 use ferry_core::{Engine, EngineConfig, Location, Op, Request};
 use std::io::{BufRead, BufReader, Write};
@@ -181,20 +182,24 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
             PluginState::Enabled => "+",
             _ => "-",
         };
+        // Plugin strings are data: escaped, so none can drive the terminal.
         println!(
             "  {mark} {:<10} {:<9} {:<8} {}: {}",
             r.name,
             r.kind.as_str(),
             r.state.as_str(),
-            r.version.as_deref().unwrap_or("-"),
-            r.reason
+            esc(r.version.as_deref().unwrap_or("-")),
+            esc(&r.reason)
         );
+    }
+    for w in &engine.plugins().warnings {
+        println!("  ! {}", esc(w));
     }
     if engine.plugins().enabled(PluginKind::Transport).count() == 0 {
         return Err("no transport plugin is enabled; `ferry info` says why".into());
     }
     for (name, e) in engine.transport_failures() {
-        println!("  ! {name} failed to start: {e}");
+        println!("  ! {name} failed to start: {}", esc(&e.to_string()));
     }
 
     let topo = engine.topology();
@@ -263,7 +268,7 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
     let route = engine
         .route(seg, src, remote, block)
         .map_err(|e| e.to_string())?;
-    println!("  transport  {} ({})", route.transport, route.reason);
+    println!("  transport  {} ({})", route.transport, esc(&route.reason));
     if let Some(detail) = &route.peer_detail {
         println!("  path       {detail}");
     }

@@ -17,6 +17,60 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
+/// Every variable, as README.md's configuration table lists them (a test
+/// keeps the two in step).
+const ENVIRONMENT: &str = "\
+Environment (defaults, and each one's EngineConfig key, in README.md):
+ Plugins
+  FERRY_PLUGIN_PATH              colon list of plugin directories or files, searched first
+  FERRY_TRANSPORTS               allow list (tcp,shm) or deny list (^rdma) of transports
+  FERRY_PLUGIN_PROBE_TIMEOUT_MS  loading and probing one plugin may take this long (10000)
+  FERRY_PLUGIN_PROBE_HELPER      auto (ferry-probe beside the plugins), off (probe in this
+                                 process), or the helper's path
+  FERRY_PLUGIN_CACHE             auto (~/.cache/ferry/plugin-probes.json), off, or a file
+ Engine
+  FERRY_LISTEN                   control listener address (127.0.0.1:0)
+  FERRY_HOSTNAME                 host part of this engine's segment name
+  FERRY_NAME                     name registered in the metadata store
+  FERRY_TIMEOUT_MS               deadline of every network wait (15000)
+  FERRY_CONNECT_TIMEOUT_MS       deadline of a connection attempt (5000)
+  FERRY_IDLE_TIMEOUT_S           idle connections are closed after this (120)
+  FERRY_SPIN_US                  a waiting thread polls this long before sleeping (100)
+  FERRY_AUTH_TOKEN               the cluster's shared secret
+  FERRY_AUTH_TOKEN_FILE          read the token from this file's first line
+  FERRY_AUTH                     required (default) or off
+  FERRY_METADATA                 p2p (default) or etcd://host:port[,host:port...]
+  FERRY_METADATA_PREFIX          etcd key prefix (/ferry)
+  FERRY_METADATA_TTL_S           etcd lease of an engine's entry (10)
+ Topology and GPUs
+  FERRY_SYSFS_ROOT               read topology from this tree instead of /sys
+  FERRY_NICS                     allow (mlx5_0,mlx5_1) or deny (^mlx5_2) list of NICs
+  FERRY_TOPOLOGY_FILE            JSON file that pins or adds topology
+  CUDA_VISIBLE_DEVICES           GPU ordinals as CUDA numbers them
+  FERRY_GPU_DIRECT               auto, dmabuf, peermem or off
+  FERRY_STAGING_CHUNK            staging chunk for device memory (4 MiB)
+  FERRY_STAGING_DEPTH            staging slots per session (4)
+  FERRY_CUDA_LIBRARY             the CUDA driver library (libcuda.so.1)
+ Transports
+  FERRY_TCP_CONNECTIONS          TCP connections per peer (4)
+  FERRY_TCP_FRAME_BYTES          bytes of requests per TCP frame (4194304)
+  FERRY_TCP_STRIPE_BYTES         requests of twice this are striped (1048576)
+  FERRY_TCP_SPIN_US              a target connection polls this long (50)
+  FERRY_TCP_PORT                 TCP data listener port (0: any)
+  FERRY_TCP_MAX_CONNECTIONS      TCP data connections a target serves (1024)
+  FERRY_TCP_MAX_CONNECTIONS_PER_HOST  of those, from one host (256)
+  FERRY_SHM_CMA                  on, or off: no cross-memory attach
+  FERRY_SHM_HUGEPAGES            on, or off: normal pages
+  FERRY_RDMA_SLICE_BYTES         RDMA slice size (1048576)
+  FERRY_RDMA_RAILS               NIC pairs per request (0: all equally close)
+  FERRY_RDMA_GID_INDEX           GID index on RoCE ports (chosen)
+  FERRY_RDMA_QUEUE_DEPTH         work requests in flight per queue pair (128)
+  FERRY_RDMA_PAUSE_MS            first pause of a failing NIC (1000)
+ Logging
+  FERRY_LOG                      log filter (warn), e.g. info or ferry=debug
+A plugin setting vendor.option is read from the engine's configuration, then from
+FERRY_VENDOR_OPTION.";
+
 #[derive(Parser)]
 #[command(
     name = "ferry",
@@ -24,16 +78,8 @@ use std::sync::Arc;
     about = "Ferry moves KV-cache blocks and tensors between GPU and host memory across a cluster.",
     long_about = "Ferry moves KV-cache blocks and tensors between GPU and host memory across a \
 cluster. Plugins (transports such as tcp, shm, rdma; devices such as cuda) are found at run \
-time, so one build runs on every node.\n\nEnvironment (defaults in README.md):\n  \
-FERRY_PLUGIN_PATH   colon list of plugin directories or files, searched first\n  \
-FERRY_TRANSPORTS    allow list (tcp,shm) or deny list (^rdma) of transports\n  \
-FERRY_LISTEN        control listener address (127.0.0.1:0)\n  \
-FERRY_HOSTNAME      host part of this engine's segment name\n  \
-FERRY_TIMEOUT_MS    deadline of every network wait (15000)\n  \
-FERRY_SYSFS_ROOT    read topology from this tree instead of /sys\n  \
-FERRY_NICS          allow (mlx5_0,mlx5_1) or deny (^mlx5_2) list of NICs\n  \
-FERRY_TOPOLOGY_FILE JSON file that pins or adds topology\n  \
-FERRY_LOG           log filter (warn), e.g. info or ferry=debug"
+time, so one build runs on every node.",
+    after_long_help = ENVIRONMENT
 )]
 struct Cli {
     #[command(subcommand)]
@@ -56,6 +102,10 @@ enum Command {
         /// Print JSON (shape documented in docs/info-json.md).
         #[arg(long)]
         json: bool,
+        /// Probe every plugin again (in child processes) instead of using
+        /// cached results, and cache the new ones.
+        #[arg(long)]
+        reprobe: bool,
     },
     /// Show which NIC is closest to which memory, as `nvidia-smi topo -m` would.
     Topology {
@@ -201,7 +251,7 @@ fn main() -> ExitCode {
     ferry_core::init_logging();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Info { json } => info(json),
+        Command::Info { json, reprobe } => info(json, reprobe),
         Command::Topology {
             json,
             write_fixture,
@@ -293,7 +343,7 @@ fn discover_topology() -> Result<Topology, String> {
     Topology::discover(&TopologyConfig::from_env()).map_err(|e| e.to_string())
 }
 
-fn info(json: bool) -> Result<(), String> {
+fn info(json: bool, reprobe: bool) -> Result<(), String> {
     let topology = match discover_topology() {
         Ok(t) => Some(Arc::new(t)),
         Err(e) => {
@@ -301,15 +351,16 @@ fn info(json: bool) -> Result<(), String> {
             None
         }
     };
-    let set = ferry_core::load_plugins(
-        &LoaderConfig::from_env(),
-        CoreHost::new(Default::default(), topology.clone()),
-    );
+    let loader = LoaderConfig {
+        reprobe,
+        ..LoaderConfig::from_env()
+    };
+    let set =
+        ferry_core::load_plugins(&loader, CoreHost::new(Default::default(), topology.clone()));
     let mut report = InfoReport::from_plugins(&set).with_gpus(&set, topology.as_deref());
     report.warnings.extend(security_warnings());
     if json {
-        let text = serde_json::to_string_pretty(&report)
-            .map_err(|e| format!("cannot print the report: {e}"))?;
+        let text = report.to_json_text(true).map_err(|e| e.to_string())?;
         println!("{text}");
     } else {
         print!("{}", report.render_text());

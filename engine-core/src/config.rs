@@ -4,7 +4,7 @@
 use crate::error::{Error, ErrorCode, Result};
 use crate::metadata::MetadataConfig;
 use crate::topology::TopologyConfig;
-use ferry_loader::{LoaderConfig, NameFilter};
+use ferry_loader::{CacheChoice, HelperChoice, LoaderConfig, NameFilter};
 use ferry_plugins_abi::sdk::auth::Token;
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -298,6 +298,11 @@ impl EngineConfig {
                 self.loader.plugin_path = dirs;
             }
             "transports" => self.loader.transports = NameFilter::parse(value),
+            "plugin_probe_timeout_ms" => {
+                self.loader.probe_timeout = parse_ms("plugin_probe_timeout_ms", value)?
+            }
+            "plugin_probe_helper" => self.loader.probe_helper = HelperChoice::parse(value),
+            "plugin_cache" => self.loader.cache = CacheChoice::parse(value),
             "nics" => self.topology.nic_filter = Some(value.to_string()).filter(|v| !v.is_empty()),
             "sysfs_root" => self.topology.sysfs_root = value.into(),
             "topology_file" => {
@@ -311,7 +316,8 @@ impl EngineConfig {
                     ErrorCode::InvalidArgument,
                     format!(
                         "unknown option {key:?}: expected listen, hostname, timeout_ms, \
-                         connect_timeout_ms, idle_timeout_s, spin_us, plugin_path, transports, nics, sysfs_root, \
+                         connect_timeout_ms, idle_timeout_s, spin_us, plugin_path, transports, \
+                         plugin_probe_timeout_ms, plugin_probe_helper, plugin_cache, nics, sysfs_root, \
                          topology_file, metadata, metadata_prefix, metadata_ttl_s, name, auth_token, \
                          auth_token_file, auth, \
                          or a plugin setting such as tcp.connections"

@@ -85,8 +85,9 @@ impl ErrBuf {
         if let Some(last) = self.0.last_mut() {
             *last = 0;
         }
+        // A plugin's message is data: escaped before it can reach a terminal.
         let msg = CStr::from_bytes_until_nul(&self.0)
-            .map(|c| c.to_string_lossy().into_owned())
+            .map(|c| ferry_loader::escape::for_terminal(&c.to_string_lossy()).into_owned())
             .unwrap_or_default();
         let code = ErrorCode::from_raw(status).unwrap_or(ErrorCode::Plugin);
         Err(Error::new(
@@ -133,16 +134,16 @@ impl Device {
             return Ok(None);
         };
         let name = plugin.report.name.clone();
-        let required = [
-            table.fini.is_some(),
-            table.device_count.is_some(),
-            table.device_info.is_some(),
-            table.query_pointer.is_some(),
-        ];
-        if required.iter().any(|ok| !ok) {
+        // The loader disables such a plugin when it loads it; this only
+        // guards the calls below.
+        let missing = ferry_loader::missing_device_functions(table);
+        if !missing.is_empty() {
             return Err(Error::new(
                 ErrorCode::AbiMismatch,
-                format!("device plugin {name} has init but lacks required functions"),
+                format!(
+                    "device plugin {name} has init but not {}",
+                    missing.join(", ")
+                ),
             ));
         }
         let mut instance: *mut c_void = std::ptr::null_mut();

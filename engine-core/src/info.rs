@@ -4,7 +4,10 @@
 
 use crate::device::Device;
 use crate::topology::Topology;
-use ferry_loader::{PluginKind, PluginReport, PluginSet, PluginState, SearchEntry};
+use ferry_loader::escape::for_terminal as esc;
+use ferry_loader::{
+    Isolation, PluginKind, PluginReport, PluginSet, PluginState, ProbeSetup, SearchEntry,
+};
 use serde::Serialize;
 use std::fmt::Write as _;
 
@@ -17,6 +20,9 @@ pub struct InfoReport {
     pub abi_version: String,
     pub search_path: Vec<SearchEntry>,
     pub transports_filter: Option<String>,
+    /// Where plugins were loaded and probed (a child process or this one)
+    /// and the cache of results.
+    pub probing: ProbeSetup,
     pub plugins: Vec<PluginReport>,
     /// GPUs and how their memory would be registered (see `with_gpus`).
     pub gpus: Vec<GpuReport>,
@@ -31,11 +37,23 @@ impl InfoReport {
             abi_version: ferry_plugins_abi::abi_version(),
             search_path: set.search_path.clone(),
             transports_filter: set.transports_filter.clone(),
+            probing: set.probing.clone(),
             plugins: set.plugins.iter().map(|p| p.report.clone()).collect(),
             gpus: Vec::new(),
             gpu_direct: None,
             warnings: set.warnings.clone(),
         }
+    }
+
+    /// The report as JSON text: plugin strings exact, and characters a
+    /// terminal would act on written as `\uXXXX` escapes.
+    pub fn to_json_text(&self, pretty: bool) -> crate::Result<String> {
+        ferry_loader::escape::to_json(self, pretty).map_err(|e| {
+            crate::Error::new(
+                crate::ErrorCode::Internal,
+                format!("cannot serialise the report: {e}"),
+            )
+        })
     }
 
     pub fn to_json(&self) -> serde_json::Value {
@@ -44,7 +62,9 @@ impl InfoReport {
         )
     }
 
-    /// The human-readable report.
+    /// The human-readable report. Every string that came from a plugin is
+    /// escaped: a plugin cannot move the cursor, clear the screen or forge a
+    /// line of this report.
     pub fn render_text(&self) -> String {
         let mut out = String::new();
         let _ = writeln!(
@@ -67,8 +87,9 @@ impl InfoReport {
             );
         }
         if let Some(f) = &self.transports_filter {
-            let _ = writeln!(out, "FERRY_TRANSPORTS={f}");
+            let _ = writeln!(out, "FERRY_TRANSPORTS={}", esc(f));
         }
+        render_probing(&mut out, &self.probing);
         let enabled = self
             .plugins
             .iter()
@@ -94,10 +115,56 @@ impl InfoReport {
         if !self.warnings.is_empty() {
             let _ = writeln!(out, "\nWarnings:");
             for w in &self.warnings {
-                let _ = writeln!(out, "  - {w}");
+                let _ = writeln!(out, "  - {}", esc(w));
             }
         }
         out
+    }
+}
+
+fn render_probing(out: &mut String, p: &ProbeSetup) {
+    match (p.isolation, &p.helper) {
+        (Isolation::ChildProcess, Some(h)) => {
+            let _ = writeln!(
+                out,
+                "\nPlugins are first loaded and probed in a child process ({}): one that \
+                 crashes or hangs is disabled, not this process.",
+                h.display()
+            );
+        }
+        _ => {
+            let _ = writeln!(
+                out,
+                "\nPlugins are loaded and probed in this process ({}): one that crashes takes \
+                 the process down; FERRY_LOG=info names each plugin before Ferry calls into it.",
+                esc(p.why_this_process.as_deref().unwrap_or("no helper"))
+            );
+        }
+    }
+    let counts = format!(
+        "this run: {} probed in child processes, {} in this process, {} from the cache",
+        p.probed_in_children, p.probed_in_this_process, p.from_cache
+    );
+    match (&p.cache, p.cache_on) {
+        (Some(c), true) => {
+            let _ = writeln!(
+                out,
+                "Probe results are cached in {} ({counts}; `ferry info --reprobe` probes again).",
+                esc(&c.to_string_lossy())
+            );
+        }
+        (None, true) => {
+            let _ = writeln!(
+                out,
+                "Probe results are kept in this process only: no writable cache file ({counts})."
+            );
+        }
+        (_, false) => {
+            let _ = writeln!(
+                out,
+                "Probe results are not cached: FERRY_PLUGIN_CACHE=off ({counts})."
+            );
+        }
     }
 }
 
@@ -107,14 +174,17 @@ fn render_plugin(out: &mut String, p: &PluginReport) {
         "\n  {:<12} {:<9} {:<8} {:<9} {}",
         p.name,
         p.kind.as_str(),
-        p.version.as_deref().unwrap_or("-"),
+        esc(p.version.as_deref().unwrap_or("-")),
         p.state.as_str(),
-        p.path.display()
+        esc(&p.path.to_string_lossy())
     );
     if let Some(d) = p.description.as_deref().filter(|d| !d.is_empty()) {
-        let _ = writeln!(out, "      {d}");
+        let _ = writeln!(out, "      {}", esc(d));
     }
-    let _ = writeln!(out, "      {}: {}", reason_label(p.state), p.reason);
+    let _ = writeln!(out, "      {}: {}", reason_label(p.state), esc(&p.reason));
+    for s in &p.shadows {
+        let _ = writeln!(out, "      shadows: {}", esc(&s.to_string_lossy()));
+    }
     let caps = &p.capabilities;
     if !caps.memory.is_empty() || !caps.scopes.is_empty() {
         let _ = writeln!(
@@ -125,23 +195,28 @@ fn render_plugin(out: &mut String, p: &PluginReport) {
         );
     }
     for d in &p.devices {
-        let mut line = format!("      device {}", d.name);
+        let mut line = format!("      device {}", esc(&d.name));
         if let Some(pci) = &d.pci {
-            let _ = write!(line, "  pci {pci}");
+            let _ = write!(line, "  pci {}", esc(pci));
         }
         if let Some(numa) = d.numa {
             let _ = write!(line, "  numa {numa}");
         }
         if let Some(detail) = &d.detail {
-            let _ = write!(line, "  {detail}");
+            let _ = write!(line, "  {}", esc(detail));
         }
         let _ = writeln!(out, "{line}");
     }
     for m in &p.missing {
-        let _ = writeln!(out, "      lacks {}: {}", m.capability, m.reason);
+        let _ = writeln!(
+            out,
+            "      lacks {}: {}",
+            esc(&m.capability),
+            esc(&m.reason)
+        );
     }
     for n in &p.notes {
-        let _ = writeln!(out, "      {}: {}", n.key, n.value);
+        let _ = writeln!(out, "      {}: {}", esc(&n.key), esc(&n.value));
     }
 }
 
@@ -419,15 +494,15 @@ fn render_gpus(out: &mut String, report: &InfoReport) {
         let _ = writeln!(
             out,
             "\nGPU memory for RDMA: FERRY_GPU_DIRECT={}; nvidia-peermem: {}; libibverbs: {}",
-            g.policy,
+            esc(&g.policy),
             g.peermem
                 .as_deref()
-                .map_or("not loaded".to_string(), |p| format!("loaded ({p})")),
-            g.libibverbs
+                .map_or("not loaded".to_string(), |p| format!("loaded ({})", esc(p))),
+            esc(&g.libibverbs)
         );
-        let _ = writeln!(out, "  transport for GPU memory: {}", g.transport);
+        let _ = writeln!(out, "  transport for GPU memory: {}", esc(&g.transport));
         if let Some(w) = &g.policy_warning {
-            let _ = writeln!(out, "  warning: {w}");
+            let _ = writeln!(out, "  warning: {}", esc(w));
         }
     }
     if report.gpus.is_empty() {
@@ -444,11 +519,11 @@ fn render_gpus(out: &mut String, report: &InfoReport) {
         let _ = writeln!(
             out,
             "  {:<8} {}  pci {}  numa {}  [{}]",
-            g.name,
-            g.model.as_deref().unwrap_or("-"),
-            g.pci.as_deref().unwrap_or("-"),
+            esc(&g.name),
+            esc(g.model.as_deref().unwrap_or("-")),
+            esc(g.pci.as_deref().unwrap_or("-")),
             g.numa.map_or("-".to_string(), |n| n.to_string()),
-            g.source
+            esc(&g.source)
         );
         if g.model.is_some() {
             let _ = writeln!(
@@ -461,7 +536,7 @@ fn render_gpus(out: &mut String, report: &InfoReport) {
         let nics: Vec<String> = g
             .nearest_nics
             .iter()
-            .map(|n| format!("{} ({} {})", n.name, n.kind, n.class))
+            .map(|n| format!("{} ({} {})", esc(&n.name), n.kind, n.class))
             .collect();
         let _ = writeln!(
             out,
@@ -473,12 +548,12 @@ fn render_gpus(out: &mut String, report: &InfoReport) {
             }
         );
         let r = &g.registration;
-        let _ = writeln!(out, "      registration: {} ({})", r.method, r.reason);
+        let _ = writeln!(out, "      registration: {} ({})", r.method, esc(&r.reason));
         for s in &r.skipped {
-            let _ = writeln!(out, "        not {}: {}", s.method, s.reason);
+            let _ = writeln!(out, "        not {}: {}", s.method, esc(&s.reason));
         }
         if let Some(n) = &r.note {
-            let _ = writeln!(out, "        today: {n}");
+            let _ = writeln!(out, "        today: {}", esc(n));
         }
     }
 }

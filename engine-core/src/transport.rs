@@ -107,8 +107,9 @@ impl ErrBuf {
         if let Some(last) = self.buf.last_mut() {
             *last = 0;
         }
+        // A plugin's message is data: escaped before it can reach a terminal.
         let msg = CStr::from_bytes_until_nul(&self.buf)
-            .map(|c| c.to_string_lossy().into_owned())
+            .map(|c| ferry_loader::escape::for_terminal(&c.to_string_lossy()).into_owned())
             .unwrap_or_default();
         let code = ErrorCode::from_raw(status).unwrap_or(ErrorCode::Plugin);
         let msg = if msg.is_empty() {
@@ -143,11 +144,12 @@ unsafe extern "C" fn complete_trampoline(
                 String::new()
             } else {
                 // SAFETY: a non-null message is a C string valid for the call.
-                unsafe { CStr::from_ptr(msg) }
+                let raw: String = unsafe { CStr::from_ptr(msg) }
                     .to_string_lossy()
                     .chars()
                     .take(1024)
-                    .collect()
+                    .collect();
+                ferry_loader::escape::for_terminal(&raw).into_owned()
             };
             let code = ErrorCode::from_raw(status).unwrap_or(ErrorCode::Plugin);
             Err(Error::new(code, text))
@@ -207,20 +209,14 @@ impl Transport {
         let Some(init) = table.init else {
             return Ok(None);
         };
-        let required = [
-            table.fini.is_some(),
-            table.get_endpoint.is_some(),
-            table.register_memory.is_some(),
-            table.unregister_memory.is_some(),
-            table.connect.is_some(),
-            table.disconnect.is_some(),
-            table.submit.is_some(),
-        ];
         let name = plugin.report.name.clone();
-        if required.iter().any(|ok| !ok) {
+        // The loader disables such a plugin when it loads it; this only
+        // guards the calls below.
+        let missing = ferry_loader::missing_transport_functions(table);
+        if !missing.is_empty() {
             return Err(Error::new(
                 ErrorCode::AbiMismatch,
-                format!("transport {name} has init but lacks other required data-path functions"),
+                format!("transport {name} has init but not {}", missing.join(", ")),
             ));
         }
         let sink = Box::into_raw(Box::new(sink));
@@ -329,29 +325,43 @@ impl Transport {
             reserved2: 0,
             share_offset: 0,
         };
+        // One call, with room for any key the descriptor can carry: calling
+        // again for a longer key would register the buffer twice (plugin.h,
+        // register_memory).
         let mut handle = 0u64;
-        let key = sized_output(|buf, cap, out_len| {
-            let mut err = ErrBuf::new();
-            let mut raw = err.raw();
-            // SAFETY: region and its string live across the call; out
-            // pointers are valid.
-            let status = unsafe {
-                f(
-                    self.instance,
-                    &region,
-                    &mut handle,
-                    buf,
-                    cap,
-                    out_len,
-                    &mut raw,
-                )
-            };
-            if status == sys::FERRY_OK {
-                Ok(())
-            } else {
-                Err(err.error(&self.name, "register_memory", status))
-            }
-        })?;
+        let mut key = vec![0u8; crate::descriptor::MAX_BLOB_LEN];
+        let mut key_len = 0usize;
+        let mut err = ErrBuf::new();
+        let mut raw = err.raw();
+        // SAFETY: region and its string live across the call; key is
+        // writable for its length; the out pointers are valid.
+        let status = unsafe {
+            f(
+                self.instance,
+                &region,
+                &mut handle,
+                key.as_mut_ptr(),
+                key.len(),
+                &mut key_len,
+                &mut raw,
+            )
+        };
+        if status != sys::FERRY_OK {
+            return Err(err.error(&self.name, "register_memory", status));
+        }
+        if key_len > key.len() {
+            let _ = self.unregister(handle);
+            return Err(Error::new(
+                ErrorCode::Plugin,
+                format!(
+                    "{}: register_memory returned a key of {key_len} bytes, more than the {} \
+                     a segment descriptor carries; the registration was undone",
+                    self.name,
+                    key.len()
+                ),
+            ));
+        }
+        key.truncate(key_len);
         Ok((handle, key))
     }
 
@@ -463,10 +473,11 @@ impl Transport {
             }
         })
         .ok()?;
-        let text = CStr::from_bytes_until_nul(&bytes)
-            .ok()?
-            .to_string_lossy()
-            .into_owned();
+        // Shown in `ferry demo`, routes and logs: escaped, as every plugin string.
+        let text = ferry_loader::escape::for_terminal(
+            &CStr::from_bytes_until_nul(&bytes).ok()?.to_string_lossy(),
+        )
+        .into_owned();
         (!text.is_empty()).then_some(text)
     }
 

@@ -231,26 +231,28 @@ static ferry_status_t memcpy_describe(void *instance, void *peer, char *buf, siz
     return FERRY_OK;
 }
 
+/* Designated initializers: a field left out is NULL, and no field can
+ * shift into another's place. Leave out what you do not implement. */
 static const ferry_transport_plugin_v1_t memcpy_plugin = {
-    FERRY_ABI_HEADER_INIT(ferry_transport_plugin_v1_t),
-    PLUGIN_NAME,
-    PLUGIN_VERSION,
-    "Example C plugin: host memory within one process, by memcpy",
-    memcpy_probe,
-    memcpy_init,
-    memcpy_fini,
-    memcpy_get_endpoint,
-    memcpy_register,
-    memcpy_unregister,
-    memcpy_connect,
-    memcpy_disconnect,
-    memcpy_submit,
-    memcpy_describe,
-    NULL, /* progress: every request completes inside submit */
-    NULL, /* allocate_memory: plain host memory is all it needs */
-    NULL, /* free_memory */
-    NULL, /* accepts: connect already refuses peers outside this process */
-    NULL, /* on_peer_request (ABI 1.1): no handshake with peers */
+    .hdr = FERRY_ABI_HEADER_INIT(ferry_transport_plugin_v1_t),
+    .name = PLUGIN_NAME,
+    .version = PLUGIN_VERSION,
+    .description = "Example C plugin: host memory within one process, by memcpy",
+    .probe = memcpy_probe,
+    /* With init, the rest of the data path is required (plugin.h). */
+    .init = memcpy_init,
+    .fini = memcpy_fini,
+    .get_endpoint = memcpy_get_endpoint,
+    .register_memory = memcpy_register,
+    .unregister_memory = memcpy_unregister,
+    .connect = memcpy_connect,
+    .disconnect = memcpy_disconnect,
+    .submit = memcpy_submit,
+    /* Optional. Not here: progress (every request completes inside submit),
+     * allocate_memory and free_memory (plain host memory is all it needs),
+     * accepts (connect already refuses peers outside this process),
+     * on_peer_request (ABI 1.1; no handshake with peers). */
+    .describe_peer = memcpy_describe,
 };
 
 __attribute__((visibility("default"))) const ferry_transport_plugin_v1_t *

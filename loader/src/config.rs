@@ -93,6 +93,51 @@ pub fn normalize_name(name: &str) -> String {
     name.to_ascii_lowercase().replace('_', "-")
 }
 
+/// Which ferry-probe helper loads and probes plugins in a child process
+/// (FERRY_PLUGIN_PROBE_HELPER).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HelperChoice {
+    /// The one beside the plugins (`<prefix>/lib/ferry/ferry-probe`) or in
+    /// the development build; in this process when there is none.
+    Auto,
+    /// This file.
+    Path(PathBuf),
+    /// None: load and probe in this process (debugging a plugin).
+    Off,
+}
+
+impl HelperChoice {
+    pub fn parse(value: &str) -> HelperChoice {
+        match value.trim() {
+            "" | "auto" => HelperChoice::Auto,
+            "off" => HelperChoice::Off,
+            p => HelperChoice::Path(PathBuf::from(p)),
+        }
+    }
+}
+
+/// Where probe results are kept between processes (FERRY_PLUGIN_CACHE).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CacheChoice {
+    /// `$XDG_CACHE_HOME/ferry/plugin-probes.json` (`~/.cache/...`), else a
+    /// private directory under /tmp, else this process only.
+    Auto,
+    /// This file.
+    Path(PathBuf),
+    /// No cache: every start probes every plugin.
+    Off,
+}
+
+impl CacheChoice {
+    pub fn parse(value: &str) -> CacheChoice {
+        match value.trim() {
+            "" | "auto" => CacheChoice::Auto,
+            "off" => CacheChoice::Off,
+            p => CacheChoice::Path(PathBuf::from(p)),
+        }
+    }
+}
+
 /// What the loader searches and filters. Build it from the environment with
 /// [`LoaderConfig::from_env`] or by hand (tests, embedders).
 #[derive(Clone, Debug)]
@@ -103,8 +148,16 @@ pub struct LoaderConfig {
     pub default_dirs: bool,
     /// FERRY_TRANSPORTS.
     pub transports: Option<NameFilter>,
-    /// How long one plugin's probe may take before it is given up on.
+    /// How long loading and probing one plugin may take before it is given
+    /// up on (FERRY_PLUGIN_PROBE_TIMEOUT_MS).
     pub probe_timeout: std::time::Duration,
+    /// FERRY_PLUGIN_PROBE_HELPER.
+    pub probe_helper: HelperChoice,
+    /// FERRY_PLUGIN_CACHE.
+    pub cache: CacheChoice,
+    /// Probe every plugin again even when the cache has a result (and
+    /// replace it): `ferry info --reprobe`.
+    pub reprobe: bool,
 }
 
 /// The default directories, no FERRY_PLUGIN_PATH, no filter: what
@@ -116,6 +169,9 @@ impl Default for LoaderConfig {
             default_dirs: true,
             transports: None,
             probe_timeout: std::time::Duration::from_millis(DEFAULT_PROBE_TIMEOUT_MS),
+            probe_helper: HelperChoice::Auto,
+            cache: CacheChoice::Auto,
+            reprobe: false,
         }
     }
 }
@@ -124,8 +180,9 @@ impl Default for LoaderConfig {
 pub const DEFAULT_PROBE_TIMEOUT_MS: u64 = 10_000;
 
 impl LoaderConfig {
-    /// FERRY_PLUGIN_PATH (colon list), FERRY_TRANSPORTS, and
-    /// FERRY_PLUGIN_PROBE_TIMEOUT_MS (default 10000).
+    /// FERRY_PLUGIN_PATH (colon list), FERRY_TRANSPORTS,
+    /// FERRY_PLUGIN_PROBE_TIMEOUT_MS (default 10000),
+    /// FERRY_PLUGIN_PROBE_HELPER and FERRY_PLUGIN_CACHE (default `auto`).
     pub fn from_env() -> LoaderConfig {
         let plugin_path = std::env::var_os("FERRY_PLUGIN_PATH")
             .map(|p| split_path_list(&p))
@@ -142,6 +199,11 @@ impl LoaderConfig {
             default_dirs: true,
             transports,
             probe_timeout: std::time::Duration::from_millis(timeout_ms),
+            probe_helper: std::env::var("FERRY_PLUGIN_PROBE_HELPER")
+                .map_or(HelperChoice::Auto, |v| HelperChoice::parse(&v)),
+            cache: std::env::var("FERRY_PLUGIN_CACHE")
+                .map_or(CacheChoice::Auto, |v| CacheChoice::parse(&v)),
+            reprobe: false,
         }
     }
 
@@ -150,8 +212,7 @@ impl LoaderConfig {
         LoaderConfig {
             plugin_path: dirs.into_iter().collect(),
             default_dirs: false,
-            transports: None,
-            probe_timeout: std::time::Duration::from_millis(DEFAULT_PROBE_TIMEOUT_MS),
+            ..LoaderConfig::default()
         }
     }
 
@@ -200,7 +261,7 @@ fn split_path_list(list: &OsStr) -> Vec<PathBuf> {
 
 /// A cargo target profile directory (`target/debug`) holds `.fingerprint`;
 /// test binaries live one level down in `deps/`.
-fn dev_build_dir(object_dir: &Path) -> Option<PathBuf> {
+pub(crate) fn dev_build_dir(object_dir: &Path) -> Option<PathBuf> {
     let candidates = [Some(object_dir), object_dir.parent()];
     candidates
         .into_iter()

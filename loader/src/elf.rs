@@ -6,6 +6,7 @@
 //! only the headers) and refuse, with a reason, anything that is not a
 //! complete shared object for this machine, or that lacks an entry symbol.
 
+use crate::fingerprint::FileStamp;
 use object::elf;
 use object::read::elf::{ElfFile64, FileHeader, ProgramHeader, Sym};
 use object::{Endianness, ReadCache};
@@ -18,6 +19,10 @@ use std::path::Path;
 pub struct ElfFacts {
     /// Defined dynamic symbols named `ferry_<kind>_plugin_v<N>`.
     pub entry_symbols: Vec<String>,
+    /// The GNU build id (`.note.gnu.build-id`) in hex, when the linker wrote one.
+    pub build_id: Option<String>,
+    /// The file as it was read: size, mtime, device and inode.
+    pub stamp: FileStamp,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -42,10 +47,11 @@ fn machine_name(machine: elf::Machine) -> String {
 /// Inspects `path`; `Err` carries the reason in operator words.
 pub fn inspect(path: &Path) -> Result<ElfFacts, String> {
     let mut file = File::open(path).map_err(|e| format!("cannot open the file: {e}"))?;
-    let len = file
+    let meta = file
         .metadata()
-        .map_err(|e| format!("cannot stat the file: {e}"))?
-        .len();
+        .map_err(|e| format!("cannot stat the file: {e}"))?;
+    let len = meta.len();
+    let stamp = FileStamp::of(&meta);
     let mut ident = [0u8; 16];
     let got = read_up_to(&mut file, &mut ident).map_err(|e| format!("cannot read: {e}"))?;
     if got < 4 || ident[..4] != *b"\x7fELF" {
@@ -106,6 +112,7 @@ pub fn inspect(path: &Path) -> Result<ElfFacts, String> {
     let parsed = ElfFile64::<Endianness, _>::parse(&cache)
         .map_err(|e| format!("truncated or corrupt ELF ({e})"))?;
     let mut has_dynamic = false;
+    let mut build_id = None;
     for ph in parsed.elf_program_headers() {
         let p_type = ph.p_type(endian);
         if p_type == elf::PT_DYNAMIC {
@@ -123,6 +130,9 @@ pub fn inspect(path: &Path) -> Result<ElfFacts, String> {
                     ))
                 }
             }
+        }
+        if build_id.is_none() {
+            build_id = gnu_build_id(ph, endian, &cache);
         }
     }
     if !has_dynamic {
@@ -148,7 +158,32 @@ pub fn inspect(path: &Path) -> Result<ElfFacts, String> {
         }
     }
     entry_symbols.sort();
-    Ok(ElfFacts { entry_symbols })
+    Ok(ElfFacts {
+        entry_symbols,
+        build_id,
+        stamp,
+    })
+}
+
+/// The GNU build id in a PT_NOTE segment, in hex; `None` for anything else
+/// (a malformed note is no reason to refuse a plugin, only to key it by
+/// size and time alone).
+fn gnu_build_id<'a, R: object::ReadRef<'a>>(
+    ph: &elf::ProgramHeader64<Endianness>,
+    endian: Endianness,
+    data: R,
+) -> Option<String> {
+    let mut notes = ph.notes(endian, data).ok()??;
+    while let Ok(Some(note)) = notes.next() {
+        if note.name() == b"GNU" && note.n_type(endian) == elf::NT_GNU_BUILD_ID {
+            let desc = note.desc();
+            if desc.is_empty() || desc.len() > 64 {
+                return None;
+            }
+            return Some(desc.iter().map(|b| format!("{b:02x}")).collect());
+        }
+    }
+    None
 }
 
 /// `ferry_transport_plugin_v1`, `ferry_device_plugin_v12`, ...
@@ -243,6 +278,11 @@ mod tests {
         let Some(libc_path) = libc_path else { return };
         let facts = inspect(libc_path).unwrap();
         assert!(facts.entry_symbols.is_empty());
+        // Debian's and every other distribution's libc carries a build id.
+        assert!(
+            facts.build_id.as_ref().is_some_and(|id| id.len() >= 16),
+            "{facts:?}"
+        );
         let bytes = std::fs::read(libc_path).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let cut = dir.path().join("cut.so");

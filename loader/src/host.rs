@@ -165,6 +165,8 @@ unsafe extern "C" fn svc_log(ctx: *mut c_void, level: i32, msg: *const c_char) {
         let (Some(ctx), Some(msg)) = (unsafe { ctx_ref(ctx) }, unsafe { str_arg(msg) }) else {
             return;
         };
+        // A plugin's words are data: no escape sequence reaches a terminal.
+        let msg = crate::escape::for_terminal(&msg);
         ctx.host.log(&ctx.plugin, level_from_raw(level), &msg);
     }));
 }

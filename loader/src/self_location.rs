@@ -5,17 +5,23 @@
 use std::ffi::{c_void, CStr, OsStr};
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
+use std::sync::OnceLock;
 
 /// The absolute path of the object (shared library or executable) that
-/// contains this function.
+/// contains this function (looked up once per process).
 pub fn containing_object() -> Option<PathBuf> {
+    static FOUND: OnceLock<Option<PathBuf>> = OnceLock::new();
+    FOUND.get_or_init(find).clone()
+}
+
+fn find() -> Option<PathBuf> {
     let mut info = libc::Dl_info {
         dli_fname: std::ptr::null(),
         dli_fbase: std::ptr::null_mut(),
         dli_sname: std::ptr::null(),
         dli_saddr: std::ptr::null_mut(),
     };
-    let here = containing_object as fn() -> Option<PathBuf> as *const c_void;
+    let here = find as fn() -> Option<PathBuf> as *const c_void;
     // SAFETY: dladdr only reads the loader's tables; `info` is a valid,
     // writable Dl_info and `here` is an address inside this object.
     let found = unsafe { libc::dladdr(here, &mut info) } != 0;

@@ -12,6 +12,7 @@ pub mod caps;
 pub mod sdk;
 pub mod status;
 pub mod sys;
+pub mod versioned;
 
 pub use status::ErrorCode;
 

@@ -36,12 +36,7 @@ fn info_report(py: Python<'_>) -> PyResult<(String, String)> {
         );
         let report =
             ferry_core::info::InfoReport::from_plugins(&set).with_gpus(&set, topology.as_deref());
-        let json = serde_json::to_string(&report).map_err(|e| {
-            ferry_core::Error::new(
-                ferry_core::ErrorCode::Internal,
-                format!("cannot serialise the report: {e}"),
-            )
-        })?;
+        let json = report.to_json_text(false)?;
         Ok((report.render_text(), json))
     })
     .map_err(|e| ferry_err(py, e))

@@ -42,6 +42,16 @@ def test_info_is_a_dict_of_the_json_report():
     assert "Plugin search path" in str(report)
 
 
+def test_plugins_are_probed_by_the_helper_inside_the_package():
+    # The wheel ships ferry-probe beside its plugins: a plugin that crashes
+    # while it loads or probes disables itself, not this Python process.
+    probing = ferry.info()["probing"]
+    assert probing["isolation"] == "child-process", probing
+    helper = os.path.join(os.path.dirname(ferry.plugin_dir()), "ferry-probe")
+    assert os.path.samefile(probing["helper"], helper), probing
+    assert os.access(helper, os.X_OK)
+
+
 @pytest.fixture
 def engines():
     with ferry.Engine() as target, ferry.Engine() as initiator:

@@ -17,17 +17,47 @@
  *
  *   The entry function must have no side effects and return a pointer to a
  *   table that lives as long as the library is loaded. The name in the table
- *   must match the file name.
+ *   must match the file name. Every string a plugin gives Ferry (version,
+ *   description, messages, probe findings) is treated as data: Ferry escapes
+ *   control characters before it prints one, and keeps it exact in JSON.
  *
  * Versioning rules
- *   - Every table begins with ferry_abi_header_t: struct_size, abi_major,
- *     abi_minor, filled with FERRY_ABI_HEADER_INIT(type).
+ *   - Every struct that can grow begins with a uint32_t struct_size: tables
+ *     (plugin tables, host services, the probe sink, init parameters) through
+ *     ferry_abi_header_t (struct_size, abi_major, abi_minor, filled with
+ *     FERRY_ABI_HEADER_INIT(type)), the others (ferry_mem_region_t,
+ *     ferry_peer_info_t, ferry_probe_device_t, ferry_device_info_t,
+ *     ferry_pointer_info_t) as their own first field, which the producer sets
+ *     to sizeof the struct as it compiled it. (ferry_nic_desc_t grows through
+ *     topo_nics's elem_size instead.)
  *   - A new major version gets a new entry symbol (ferry_transport_plugin_v2);
  *     Ferry may keep serving older majors through their own symbols.
  *   - Within a major version, fields are only ever appended and the minor
  *     version is raised. Each side reads a field the other side provides only
- *     when struct_size covers it: use FERRY_HAS_FIELD.
+ *     when struct_size covers it: FERRY_HAS_FIELD(ptr, type, field) works on
+ *     every one of the structs above.
  *   - Function pointers documented as "optional" may be NULL.
+ *
+ * Variable-length output (the sizing rule)
+ *   A function that writes variable-length output into a caller's (buf, cap)
+ *   always sets *len to the output's full length. When *len <= cap it wrote
+ *   the output; when *len > cap it wrote nothing it must keep, still returns
+ *   FERRY_OK, and Ferry calls it again with a buffer of at least *len bytes
+ *   (get_endpoint, describe_peer; describe_peer's *len does not count the
+ *   NUL, so Ferry's next buffer holds *len + 1). Such a call must therefore
+ *   have no effect beyond its output. register_memory is the exception: it
+ *   is not called again for its key (see there). config_get and topo_nics,
+ *   the host's, follow the same rule for the plugin.
+ *
+ * Crashes
+ *   Ferry first loads and probes a plugin in a short-lived child process
+ *   (the ferry-probe helper shipped beside the plugins): a plugin whose
+ *   constructors or probe crash, or whose probe does not return within
+ *   FERRY_PLUGIN_PROBE_TIMEOUT_MS, is disabled with the signal or the
+ *   timeout as its reason and is never loaded into the application.
+ *   Results are cached per plugin file, host boot and configuration, so a
+ *   later start does not run probe again: probe must not be where a plugin
+ *   sets up anything that init needs.
  *
  * Errors
  *   Every fallible function returns a ferry_status_t (FERRY_OK or a negative
@@ -37,7 +67,9 @@
  *
  * Threads
  *   Ferry may call a plugin from several threads at once, but never calls
- *   probe concurrently with itself for the same plugin.
+ *   probe concurrently with itself for the same plugin within one process
+ *   (separate processes may probe at the same time). A probe that timed out
+ *   is not called again in that process.
  */
 #ifndef FERRY_PLUGIN_H
 #define FERRY_PLUGIN_H
@@ -93,10 +125,16 @@ typedef struct ferry_abi_header {
 #define FERRY_ABI_HEADER_INIT(type) \
     { (uint32_t)sizeof(type), FERRY_PLUGIN_ABI_MAJOR, FERRY_PLUGIN_ABI_MINOR }
 
-/* True when the table behind ptr (which starts with a ferry_abi_header_t named
- * hdr) is large enough to contain field. */
+/* The struct_size of any struct that can grow (see "Versioning rules"): its
+ * first four bytes, whether they are ferry_abi_header_t's first field or the
+ * struct's own (a pointer to a struct, converted, points to its first member). */
+#define FERRY_STRUCT_SIZE(ptr) (*(const uint32_t *)(const void *)(ptr))
+
+/* True when the struct behind ptr, of the given type, is large enough to
+ * contain field: FERRY_HAS_FIELD(host, ferry_host_services_t, peer_request),
+ * FERRY_HAS_FIELD(region, ferry_mem_region_t, dmabuf_offset). */
 #define FERRY_HAS_FIELD(ptr, type, field) \
-    ((ptr)->hdr.struct_size >= offsetof(type, field) + sizeof(((type *)0)->field))
+    ((size_t)FERRY_STRUCT_SIZE(ptr) >= offsetof(type, field) + sizeof(((type *)0)->field))
 
 /* A caller-owned buffer for an error message. The callee writes a
  * NUL-terminated message, truncated to cap - 1 bytes. */
@@ -291,7 +329,10 @@ typedef struct ferry_probe_sink {
 } ferry_probe_sink_t;
 
 /* probe has no side effects on the host (no devices opened for writing, no
- * memory registered, no threads left behind). It returns:
+ * memory registered, no threads left behind). It usually runs in a child
+ * process of the application (see "Crashes" above), and its result may be
+ * reused by later processes; host services answer it as they would in the
+ * application. It returns:
  *   FERRY_OK               the plugin is usable here;
  *   FERRY_ERR_UNAVAILABLE  it is cleanly not usable (no device, library
  *                          missing), with the reason in err;
@@ -387,7 +428,11 @@ typedef struct ferry_transport_plugin_v1 {
     ferry_probe_fn probe;    /* required */
 
     /* --- The data path. A transport without init cannot move data (probe-only
-     * plugins are listed by `ferry info` but never selected). --- */
+     * plugins are listed by `ferry info` but never selected). Once init is
+     * set, fini, get_endpoint, register_memory, unregister_memory, connect,
+     * disconnect and submit are required too: a table with init that lacks
+     * any of them is disabled when it is loaded, with the missing ones
+     * named. The rest are optional. --- */
 
     /* Creates an instance for one engine. host and params (and the strings in
      * them) stay valid until fini returns. */
@@ -403,7 +448,13 @@ typedef struct ferry_transport_plugin_v1 {
     ferry_status_t (*get_endpoint)(void *instance, uint8_t *buf, size_t cap, size_t *len,
                                    ferry_errbuf_t *err);
     /* Makes a buffer usable as a local buffer and reachable by peers. Returns
-     * a handle and a key for peers (e.g. rkeys), with the same sizing rule. */
+     * a handle and a key for peers (e.g. rkeys). Called once per buffer and
+     * instance (every engine has its own instance), with key_cap of 65536
+     * bytes; it is not called again for a key that did not fit: a key longer
+     * than key_cap fails the registration and Ferry unregisters the handle.
+     * The same buffer is registered again only after unregister_memory, or
+     * after a failed attempt (FERRY_ERR_UNAVAILABLE for one mem_kind, then
+     * the next method down). */
     ferry_status_t (*register_memory)(void *instance, const ferry_mem_region_t *region,
                                       uint64_t *mem_handle, uint8_t *key, size_t key_cap,
                                       size_t *key_len, ferry_errbuf_t *err);
@@ -515,7 +566,12 @@ typedef struct ferry_device_plugin_v1 {
     ferry_probe_fn probe; /* required */
 
     /* --- The device interface. A device plugin without init is listed by
-     * `ferry info` but not used. Functions marked optional may be NULL. --- */
+     * `ferry info` but not used. Once init is set, fini, device_count,
+     * device_info, query_pointer, alloc_pinned, free_pinned, alloc_device,
+     * free_device, stream_create, stream_destroy, copy_async and stream_sync
+     * are required too: a table with init that lacks any of them is disabled
+     * when it is loaded, with the missing ones named. Functions marked
+     * optional may be NULL. --- */
 
     ferry_status_t (*init)(const ferry_host_services_t *host, void **instance,
                            ferry_errbuf_t *err);

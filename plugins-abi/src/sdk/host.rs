@@ -18,14 +18,15 @@ pub enum Level {
     Trace = sys::FERRY_LOG_TRACE,
 }
 
-/// True when the table behind `$ptr` (a `&$ty` starting with `hdr`) is large
-/// enough to contain `$field`: the Rust twin of `FERRY_HAS_FIELD`.
+/// True when the struct behind `$ptr` (a `&$ty` of any struct that can grow:
+/// see [`Versioned`](crate::versioned::Versioned)) is large enough to contain
+/// `$field`: the Rust twin of `FERRY_HAS_FIELD`.
 #[macro_export]
 macro_rules! has_field {
     ($ptr:expr, $ty:ty, $field:ident) => {{
         let table: &$ty = $ptr;
         let end = ::std::mem::offset_of!($ty, $field) + ::std::mem::size_of_val(&table.$field);
-        table.hdr.struct_size as usize >= end
+        $crate::versioned::Versioned::struct_size(table) as usize >= end
     }};
 }
 

@@ -391,9 +391,7 @@ pub unsafe extern "C" fn register_trampoline<P: TransportPlugin>(
                 numa_node: u32::try_from(r.numa_node).ok(),
                 device_ordinal: u32::try_from(r.device_ordinal).ok(),
                 dmabuf_fd: (r.dmabuf_fd >= 0).then_some(r.dmabuf_fd),
-                dmabuf_offset: if r.struct_size as usize
-                    >= std::mem::offset_of!(sys::ferry_mem_region_t, dmabuf_offset) + 8
-                {
+                dmabuf_offset: if crate::has_field!(r, sys::ferry_mem_region_t, dmabuf_offset) {
                     r.dmabuf_offset
                 } else {
                     0

@@ -1,0 +1,524 @@
+/*
+ * ferry/plugin.h - the Ferry plugin ABI, major version 1.
+ *
+ * This header is the whole contract between Ferry and a plugin. A vendor can
+ * write a transport or device plugin in C or C++ against it alone; nothing in
+ * it needs Rust. The Rust definitions in plugins-abi/src/sys.rs mirror it and a
+ * test compares every size and offset.
+ *
+ * How a plugin is found and loaded
+ *   A plugin is a shared object named libferry_transport_<name>.so or
+ *   libferry_device_<name>.so, placed in a directory on FERRY_PLUGIN_PATH or in
+ *   <prefix>/lib/ferry/plugins. Ferry opens it with RTLD_NOW | RTLD_LOCAL and
+ *   calls its entry function, one per kind and ABI major:
+ *
+ *     const ferry_transport_plugin_v1_t *ferry_transport_plugin_v1(void);
+ *     const ferry_device_plugin_v1_t    *ferry_device_plugin_v1(void);
+ *
+ *   The entry function must have no side effects and return a pointer to a
+ *   table that lives as long as the library is loaded. The name in the table
+ *   must match the file name.
+ *
+ * Versioning rules
+ *   - Every table begins with ferry_abi_header_t: struct_size, abi_major,
+ *     abi_minor, filled with FERRY_ABI_HEADER_INIT(type).
+ *   - A new major version gets a new entry symbol (ferry_transport_plugin_v2);
+ *     Ferry may keep serving older majors through their own symbols.
+ *   - Within a major version, fields are only ever appended and the minor
+ *     version is raised. Each side reads a field the other side provides only
+ *     when struct_size covers it: use FERRY_HAS_FIELD.
+ *   - Function pointers documented as "optional" may be NULL.
+ *
+ * Errors
+ *   Every fallible function returns a ferry_status_t (FERRY_OK or a negative
+ *   FERRY_ERR_* code) and, on failure, writes a human message into the
+ *   caller's ferry_errbuf_t with ferry_error() / ferry_errorf(). Messages are
+ *   for operators: say what is missing and what to do about it.
+ *
+ * Threads
+ *   Ferry may call a plugin from several threads at once, but never calls
+ *   probe concurrently with itself for the same plugin.
+ */
+#ifndef FERRY_PLUGIN_H
+#define FERRY_PLUGIN_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FERRY_PLUGIN_ABI_MAJOR 1
+#define FERRY_PLUGIN_ABI_MINOR 1
+
+/* ------------------------------------------------------------------------ */
+/* Status codes (shared with the public C API in ferry.h)                    */
+/* ------------------------------------------------------------------------ */
+
+typedef int32_t ferry_status_t;
+
+#define FERRY_OK 0
+#define FERRY_ERR_INVALID_ARGUMENT (-1) /* a caller passed something wrong */
+#define FERRY_ERR_UNSUPPORTED (-2)      /* not implemented by this plugin/host */
+#define FERRY_ERR_UNAVAILABLE (-3)      /* cleanly not usable here (probe) */
+#define FERRY_ERR_NOT_FOUND (-4)        /* unknown segment, buffer, key */
+#define FERRY_ERR_OUT_OF_BOUNDS (-5)    /* address outside registered memory */
+#define FERRY_ERR_TIMEOUT (-6)
+#define FERRY_ERR_CONNECTION (-7)   /* peer unreachable, reset or gone */
+#define FERRY_ERR_PROTOCOL (-8)     /* malformed or unexpected bytes */
+#define FERRY_ERR_NO_MEMORY (-9)    /* out of memory or another resource */
+#define FERRY_ERR_BUSY (-10)        /* try again later */
+#define FERRY_ERR_ABI_MISMATCH (-11)
+#define FERRY_ERR_PLUGIN (-12)      /* a plugin failed in a way it explained */
+#define FERRY_ERR_PANIC (-13)       /* a panic/exception was caught at the boundary */
+#define FERRY_ERR_PERMISSION (-14)  /* refused by the OS or by authentication */
+#define FERRY_ERR_CANCELLED (-15)
+#define FERRY_ERR_IO (-16)          /* an OS call failed */
+#define FERRY_ERR_INTERNAL (-17)    /* a bug in Ferry; please report it */
+
+/* ------------------------------------------------------------------------ */
+/* Common pieces                                                             */
+/* ------------------------------------------------------------------------ */
+
+typedef struct ferry_abi_header {
+    uint32_t struct_size; /* sizeof the table as the producer compiled it */
+    uint16_t abi_major;
+    uint16_t abi_minor;
+} ferry_abi_header_t;
+
+#define FERRY_ABI_HEADER_INIT(type) \
+    { (uint32_t)sizeof(type), FERRY_PLUGIN_ABI_MAJOR, FERRY_PLUGIN_ABI_MINOR }
+
+/* True when the table behind ptr (which starts with a ferry_abi_header_t named
+ * hdr) is large enough to contain field. */
+#define FERRY_HAS_FIELD(ptr, type, field) \
+    ((ptr)->hdr.struct_size >= offsetof(type, field) + sizeof(((type *)0)->field))
+
+/* A caller-owned buffer for an error message. The callee writes a
+ * NUL-terminated message, truncated to cap - 1 bytes. */
+typedef struct ferry_errbuf {
+    char *msg;
+    size_t cap;
+} ferry_errbuf_t;
+
+static inline ferry_status_t ferry_error(ferry_errbuf_t *err, ferry_status_t code,
+                                         const char *msg) {
+    if (err != NULL && err->msg != NULL && err->cap > 0) {
+        size_t n = msg != NULL ? strlen(msg) : 0;
+        if (n >= err->cap) n = err->cap - 1;
+        if (n > 0) memcpy(err->msg, msg, n);
+        err->msg[n] = '\0';
+    }
+    return code;
+}
+
+static inline ferry_status_t ferry_errorf(ferry_errbuf_t *err, ferry_status_t code,
+                                          const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static inline ferry_status_t ferry_errorf(ferry_errbuf_t *err, ferry_status_t code,
+                                          const char *fmt, ...) {
+    if (err != NULL && err->msg != NULL && err->cap > 0) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err->msg, err->cap, fmt, ap);
+        va_end(ap);
+    }
+    return code;
+}
+
+/* Log levels for ferry_host_services_t.log. */
+#define FERRY_LOG_ERROR 1
+#define FERRY_LOG_WARN 2
+#define FERRY_LOG_INFO 3
+#define FERRY_LOG_DEBUG 4
+#define FERRY_LOG_TRACE 5
+
+/* Memory kinds (bit set): what a transport can move, what a device owns. */
+#define FERRY_MEM_HOST (1ull << 0)         /* ordinary (pageable or pinned) host memory */
+#define FERRY_MEM_CUDA_STAGED (1ull << 1)  /* CUDA memory, through host staging buffers */
+#define FERRY_MEM_CUDA_DMABUF (1ull << 2)  /* CUDA memory, registered through DMA-BUF */
+#define FERRY_MEM_CUDA_PEERMEM (1ull << 3) /* CUDA memory, registered through nvidia-peermem */
+
+/* Where the peer of a transport may be (bit set). */
+#define FERRY_SCOPE_SAME_PROCESS (1u << 0)
+#define FERRY_SCOPE_SAME_HOST (1u << 1)
+#define FERRY_SCOPE_CROSS_HOST (1u << 2)
+
+/* ------------------------------------------------------------------------ */
+/* Topology, as the host sees it                                             */
+/* ------------------------------------------------------------------------ */
+
+#define FERRY_NIC_KIND_RDMA 1 /* an RDMA device (/sys/class/infiniband) */
+#define FERRY_NIC_KIND_NET 2  /* a network interface only (/sys/class/net) */
+
+/* Path classes between a memory location and a NIC, best first, named as
+ * `nvidia-smi topo -m` names them. */
+#define FERRY_PATH_UNKNOWN 0
+#define FERRY_PATH_PIX 1  /* through at most one PCIe switch */
+#define FERRY_PATH_PXB 2  /* through several PCIe switches, no host bridge */
+#define FERRY_PATH_PHB 3  /* through a PCIe host bridge */
+#define FERRY_PATH_NODE 4 /* same NUMA node, different host bridges */
+#define FERRY_PATH_SYS 5  /* across NUMA nodes */
+
+#define FERRY_PORT_UNKNOWN 0
+#define FERRY_PORT_DOWN 1
+#define FERRY_PORT_ACTIVE 2
+
+#define FERRY_LINK_UNKNOWN 0
+#define FERRY_LINK_INFINIBAND 1
+#define FERRY_LINK_ETHERNET 2
+
+/* One NIC as the host describes it. The host writes at most elem_size bytes
+ * of each element (see topo_nics), so new fields can be appended. */
+typedef struct ferry_nic_desc {
+    uint32_t kind;        /* FERRY_NIC_KIND_* */
+    uint32_t path_class;  /* FERRY_PATH_* from the queried location */
+    char name[64];        /* "mlx5_0" or "eth0" */
+    char netdev[32];      /* the NIC's network interface, "" if none */
+    char pci_bus_id[32];  /* "0000:19:00.0", "" if not a PCI device */
+    int32_t numa_node;    /* -1 when unknown */
+    uint32_t port_state;  /* FERRY_PORT_* */
+    uint32_t link_layer;  /* FERRY_LINK_* */
+    uint32_t reserved;
+    uint64_t speed_mbps;  /* 0 when unknown */
+} ferry_nic_desc_t;
+
+/* ------------------------------------------------------------------------ */
+/* Host services: what Ferry offers every plugin                             */
+/* ------------------------------------------------------------------------ */
+
+typedef struct ferry_host_services {
+    ferry_abi_header_t hdr;
+    void *ctx; /* pass back as the first argument of every service */
+
+    /* Log a message under the plugin's name. Never fails. */
+    void (*log)(void *ctx, int32_t level, const char *msg);
+    /* Nonzero when a message at this level would be printed. */
+    int32_t (*log_enabled)(void *ctx, int32_t level);
+
+    /* Look up a setting such as "tcp.connections": the engine's own
+     * configuration first, then the environment variable FERRY_TCP_CONNECTIONS.
+     * Copies the value (NUL-terminated, truncated to cap) and returns its
+     * full length without the NUL, or -1 when the key is unset. */
+    int64_t (*config_get)(void *ctx, const char *key, char *buf, size_t cap);
+
+    /* NICs as seen from a memory location ("cpu:0", "cuda:3"), best first,
+     * or every NIC in discovery order when location is NULL. Writes up to
+     * cap elements of elem_size bytes each (pass sizeof(ferry_nic_desc_t))
+     * and sets *count to the number of NICs that exist, which may exceed
+     * cap. FERRY_ERR_NOT_FOUND for an unknown location. */
+    ferry_status_t (*topo_nics)(void *ctx, const char *location, ferry_nic_desc_t *out,
+                                size_t elem_size, uint32_t cap, uint32_t *count);
+
+    /* --- ABI 1.1 (check with FERRY_HAS_FIELD) --- */
+
+    /* Plugin messaging: sends `body` to the transport of the same name in the
+     * engine serving segment `peer` ("host:port"), over Ferry's control
+     * plane, and waits (up to the engine's timeout) for its reply, which
+     * that transport's on_peer_request produced. For handshakes such as
+     * exchanging queue pair numbers. body_len and the reply are at most
+     * FERRY_PEER_MSG_MAX bytes: pass a reply buffer of that size. Writes at
+     * most reply_cap bytes and sets *reply_len to the reply's full length
+     * (a longer reply is an error: FERRY_ERR_PROTOCOL). Errors: the peer is
+     * unreachable (FERRY_ERR_CONNECTION, FERRY_ERR_TIMEOUT), runs no such
+     * transport (FERRY_ERR_NOT_FOUND), or the peer's transport refused (its
+     * code and message). May block; never call it while holding a lock the
+     * plugin's own on_peer_request needs. */
+    ferry_status_t (*peer_request)(void *ctx, const char *peer, const uint8_t *body,
+                                   size_t body_len, uint8_t *reply, size_t reply_cap,
+                                   size_t *reply_len, ferry_errbuf_t *err);
+} ferry_host_services_t;
+
+/* The largest plugin message, request or reply (see peer_request). */
+#define FERRY_PEER_MSG_MAX 65536
+
+/* ------------------------------------------------------------------------ */
+/* Probe: what a plugin could do on this host                                */
+/* ------------------------------------------------------------------------ */
+
+/* A device a plugin would use, reported from probe. Strings are copied by
+ * the host before add_device returns. */
+typedef struct ferry_probe_device {
+    uint32_t struct_size; /* sizeof(ferry_probe_device_t) */
+    int32_t numa_node;    /* -1 when unknown */
+    const char *name;     /* required: "mlx5_0", "eth0", "cuda:0" */
+    const char *pci_bus_id; /* optional */
+    const char *detail;     /* optional: "RoCE v2, port 1 ACTIVE, 200 Gb/s" */
+    uint64_t mem_kinds;     /* FERRY_MEM_* this device can serve */
+} ferry_probe_device_t;
+
+/* Where probe reports its findings. The host copies every string. */
+typedef struct ferry_probe_sink {
+    ferry_abi_header_t hdr;
+    void *ctx;
+    /* What the plugin can serve on this host: FERRY_MEM_* and FERRY_SCOPE_*. */
+    void (*set_capabilities)(void *ctx, uint64_t mem_kinds, uint32_t scopes);
+    void (*add_device)(void *ctx, const ferry_probe_device_t *device);
+    /* A capability this host lacks, in words an operator can act on, e.g.
+     * ("cuda-dmabuf", "the NVIDIA driver is older than 515"). */
+    void (*add_missing)(void *ctx, const char *capability, const char *reason);
+    /* Any other fact worth showing in `ferry info`. */
+    void (*add_note)(void *ctx, const char *key, const char *value);
+} ferry_probe_sink_t;
+
+/* probe has no side effects on the host (no devices opened for writing, no
+ * memory registered, no threads left behind). It returns:
+ *   FERRY_OK               the plugin is usable here;
+ *   FERRY_ERR_UNAVAILABLE  it is cleanly not usable (no device, library
+ *                          missing), with the reason in err;
+ *   anything else          it failed; the reason in err. */
+typedef ferry_status_t (*ferry_probe_fn)(const ferry_host_services_t *host,
+                                         const ferry_probe_sink_t *sink, ferry_errbuf_t *err);
+
+/* ------------------------------------------------------------------------ */
+/* Transport plugins                                                         */
+/* ------------------------------------------------------------------------ */
+
+/* Operations. */
+#define FERRY_OP_READ 0  /* remote -> local */
+#define FERRY_OP_WRITE 1 /* local -> remote */
+
+/* Called by a plugin once per accepted request, from any thread, possibly
+ * before submit returns. msg may be NULL on success; on failure it explains. */
+typedef void (*ferry_complete_fn)(void *completion_ctx, uint64_t token, ferry_status_t status,
+                                  const char *msg);
+
+/* What the engine tells a transport instance when it creates it. */
+typedef struct ferry_transport_init_params {
+    ferry_abi_header_t hdr;
+    const char *engine_name; /* "host:port", for log lines */
+    const char *listen_host; /* host or IP the engine listens on: bind data listeners here */
+    void *completion_ctx;
+    ferry_complete_fn complete;
+} ferry_transport_init_params_t;
+
+/* A buffer the engine registers with a transport. mem_kind says how the
+ * engine wants device memory registered: FERRY_MEM_CUDA_DMABUF (dmabuf_fd and
+ * dmabuf_offset are set), or FERRY_MEM_CUDA_PEERMEM (addr is the device
+ * pointer, for ibv_reg_mr through nvidia-peermem). A transport that cannot
+ * register it that way fails with FERRY_ERR_UNAVAILABLE and the reason; the
+ * engine then tries the next method down (DMA-BUF, nvidia-peermem, staging
+ * through host memory). */
+typedef struct ferry_mem_region {
+    uint32_t struct_size;
+    int32_t numa_node;    /* NUMA node of host memory, -1 when unknown */
+    uint64_t addr;
+    uint64_t len;
+    uint64_t mem_kind;    /* one FERRY_MEM_* bit */
+    const char *location; /* "cpu:0", "cuda:3" */
+    int32_t device_ordinal; /* CUDA ordinal for device memory, else -1 */
+    int32_t dmabuf_fd;      /* for FERRY_MEM_CUDA_DMABUF, else -1; owned by the engine */
+    uint32_t flags;         /* FERRY_REGION_* */
+    uint32_t reserved;
+    /* --- ABI 1.1 (check struct_size) --- */
+    uint64_t dmabuf_offset; /* addr's offset inside the dmabuf_fd's buffer: register with
+                             * ibv_reg_dmabuf_mr(pd, dmabuf_offset, len, iova = addr,
+                             * dmabuf_fd, access) */
+} ferry_mem_region_t;
+
+/* The engine uses the region only as a local buffer (e.g. a staging buffer):
+ * peers must not be able to reach it. */
+#define FERRY_REGION_LOCAL_ONLY (1u << 0)
+
+/* A peer as the engine knows it from the peer's segment descriptor. */
+typedef struct ferry_peer_info {
+    uint32_t struct_size;
+    uint32_t scope;          /* one FERRY_SCOPE_* bit: where the peer is */
+    const char *name;        /* the peer's segment name, "host:port" */
+    const uint8_t *endpoint; /* what the peer's instance returned from get_endpoint */
+    size_t endpoint_len;
+} ferry_peer_info_t;
+
+/* One transfer. The engine has already checked that [local_addr, +length)
+ * lies in a buffer registered locally and that the remote range lies in a
+ * buffer the peer advertised; the target must check again. */
+typedef struct ferry_transfer_request {
+    uint32_t op;           /* FERRY_OP_* */
+    uint32_t reserved;
+    uint64_t local_addr;
+    uint64_t local_mem;    /* handle register_memory returned for the local buffer */
+    uint64_t remote_addr;
+    uint64_t length;       /* > 0 */
+    const uint8_t *remote_key; /* what the peer's register_memory returned for the remote buffer */
+    size_t remote_key_len;
+    uint64_t token;        /* hand back to complete() */
+} ferry_transfer_request_t;
+
+typedef struct ferry_transport_plugin_v1 {
+    ferry_abi_header_t hdr; /* FERRY_ABI_HEADER_INIT(ferry_transport_plugin_v1_t) */
+    const char *name;        /* "tcp": lower case, [a-z0-9-], matches the file name */
+    const char *version;     /* the plugin's own version, "1.2.0" */
+    const char *description; /* one line */
+    ferry_probe_fn probe;    /* required */
+
+    /* --- The data path. A transport without init cannot move data (probe-only
+     * plugins are listed by `ferry info` but never selected). --- */
+
+    /* Creates an instance for one engine. host and params (and the strings in
+     * them) stay valid until fini returns. */
+    ferry_status_t (*init)(const ferry_host_services_t *host,
+                           const ferry_transport_init_params_t *params, void **instance,
+                           ferry_errbuf_t *err);
+    /* Completes or fails everything in flight (through complete), then frees
+     * the instance. */
+    void (*fini)(void *instance);
+    /* The bytes a peer needs to reach this instance (addresses, ports, QP
+     * info...). Writes at most cap bytes and sets *len to the full length; the
+     * engine calls again with a larger buffer when *len > cap. */
+    ferry_status_t (*get_endpoint)(void *instance, uint8_t *buf, size_t cap, size_t *len,
+                                   ferry_errbuf_t *err);
+    /* Makes a buffer usable as a local buffer and reachable by peers. Returns
+     * a handle and a key for peers (e.g. rkeys), with the same sizing rule. */
+    ferry_status_t (*register_memory)(void *instance, const ferry_mem_region_t *region,
+                                      uint64_t *mem_handle, uint8_t *key, size_t key_cap,
+                                      size_t *key_len, ferry_errbuf_t *err);
+    /* After it returns, peers can no longer read or write the buffer; accesses
+     * in progress have finished. */
+    ferry_status_t (*unregister_memory)(void *instance, uint64_t mem_handle, ferry_errbuf_t *err);
+    /* Prepares to talk to a peer (may connect lazily). */
+    ferry_status_t (*connect)(void *instance, const ferry_peer_info_t *peer, void **peer_handle,
+                              ferry_errbuf_t *err);
+    /* Fails whatever is still in flight to this peer and frees the handle. */
+    void (*disconnect)(void *instance, void *peer_handle);
+    /* Accepts count requests. On FERRY_OK each one is completed exactly once
+     * through complete(); on an error none was accepted. Must not block for
+     * long: a transfer that cannot start now is queued. */
+    ferry_status_t (*submit)(void *instance, void *peer_handle,
+                             const ferry_transfer_request_t *requests, size_t count,
+                             ferry_errbuf_t *err);
+    /* Optional: one line on how this peer is reached ("eth0 10.0.0.2 -> 10.0.0.3,
+     * 4 connections"), for `ferry demo` and logs. Same sizing rule as above. */
+    ferry_status_t (*describe_peer)(void *instance, void *peer_handle, char *buf, size_t cap,
+                                    size_t *len, ferry_errbuf_t *err);
+    /* Optional: completes, on the calling thread and without blocking, what
+     * has already arrived; returns how many requests it completed. The engine
+     * calls it from threads that wait for a batch, so a waiting thread picks
+     * up its own completion instead of waiting for another thread to wake. */
+    int32_t (*progress)(void *instance);
+    /* Optional: allocates `len` bytes of host memory that this transport can
+     * share best (e.g. a file peers map), near NUMA node `numa_node` (-1: any).
+     * The engine then registers it as usual. */
+    ferry_status_t (*allocate_memory)(void *instance, uint64_t len, int32_t numa_node,
+                                      void **addr, ferry_errbuf_t *err);
+    /* Optional: frees memory from allocate_memory (after it is unregistered). */
+    ferry_status_t (*free_memory)(void *instance, void *addr, ferry_errbuf_t *err);
+    /* Optional: whether this peer's buffer with this key (from the peer's
+     * register_memory) can be served: FERRY_OK, or FERRY_ERR_UNAVAILABLE with
+     * the reason (another user, another namespace, a permission). The engine
+     * asks once per peer and key and routes refused requests to the next
+     * transport. connect may likewise refuse a whole peer with
+     * FERRY_ERR_UNAVAILABLE. */
+    ferry_status_t (*accepts)(void *instance, void *peer_handle, const uint8_t *remote_key,
+                              size_t key_len, ferry_errbuf_t *err);
+
+    /* --- ABI 1.1 (the host checks struct_size) --- */
+
+    /* Optional: answers a message the same-named transport of the engine
+     * `from` sent with the host's peer_request. `from` is the segment name
+     * the sender claims (not authenticated); every byte of body is untrusted
+     * input (at most FERRY_PEER_MSG_MAX bytes). Writes the reply into
+     * reply (reply_cap is FERRY_PEER_MSG_MAX) and sets *reply_len; an error
+     * is returned to the sender as its code and message. */
+    ferry_status_t (*on_peer_request)(void *instance, const char *from, const uint8_t *body,
+                                      size_t body_len, uint8_t *reply, size_t reply_cap,
+                                      size_t *reply_len, ferry_errbuf_t *err);
+} ferry_transport_plugin_v1_t;
+
+#define FERRY_TRANSPORT_PLUGIN_V1_SYMBOL "ferry_transport_plugin_v1"
+typedef const ferry_transport_plugin_v1_t *(*ferry_transport_plugin_v1_entry_fn)(void);
+
+/* ------------------------------------------------------------------------ */
+/* Device plugins (memory owners: cuda, later rocm, ...)                     */
+/* ------------------------------------------------------------------------ */
+
+/* One device as its plugin describes it. */
+typedef struct ferry_device_info {
+    uint32_t struct_size;  /* set by the caller to sizeof(ferry_device_info_t) */
+    int32_t ordinal;       /* as the driver numbers it (after CUDA_VISIBLE_DEVICES) */
+    char name[96];         /* "NVIDIA H200" */
+    char pci_bus_id[32];   /* "0000:18:00.0" (lower case, 4-digit domain) */
+    char uuid[48];         /* "GPU-8c6f..." or "" */
+    uint64_t total_memory; /* bytes */
+    int32_t gpu_direct_rdma; /* CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED: 1, 0, -1 unknown */
+    int32_t dmabuf;          /* CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED: 1, 0, -1 unknown */
+    int32_t dmabuf_export;   /* the driver can export a DMA-BUF fd: 1, 0 (symbol missing) */
+    int32_t reserved;
+} ferry_device_info_t;
+
+/* What a pointer is. */
+#define FERRY_PTR_HOST 0        /* not this plugin's: ordinary host memory */
+#define FERRY_PTR_DEVICE 1      /* device memory of `ordinal` */
+#define FERRY_PTR_HOST_PINNED 2 /* host memory the driver allocated or pinned */
+#define FERRY_PTR_MANAGED 3     /* managed (unified) memory */
+
+typedef struct ferry_pointer_info {
+    uint32_t struct_size; /* set by the caller */
+    uint32_t kind;        /* FERRY_PTR_* */
+    int32_t ordinal;      /* device of DEVICE / MANAGED memory, else -1 */
+    uint32_t reserved;
+    uint64_t base;        /* start of the allocation holding the pointer (0: unknown) */
+    uint64_t size;        /* its size (0: unknown) */
+} ferry_pointer_info_t;
+
+typedef struct ferry_device_plugin_v1 {
+    ferry_abi_header_t hdr; /* FERRY_ABI_HEADER_INIT(ferry_device_plugin_v1_t) */
+    const char *name;        /* "cuda" */
+    const char *version;
+    const char *description;
+    ferry_probe_fn probe; /* required */
+
+    /* --- The device interface. A device plugin without init is listed by
+     * `ferry info` but not used. Functions marked optional may be NULL. --- */
+
+    ferry_status_t (*init)(const ferry_host_services_t *host, void **instance,
+                           ferry_errbuf_t *err);
+    void (*fini)(void *instance);
+    ferry_status_t (*device_count)(void *instance, uint32_t *count, ferry_errbuf_t *err);
+    ferry_status_t (*device_info)(void *instance, int32_t ordinal, ferry_device_info_t *out,
+                                  ferry_errbuf_t *err);
+    /* Classifies any pointer; FERRY_PTR_HOST for memory that is not the
+     * driver's. Must be cheap: the engine calls it on every registration. */
+    ferry_status_t (*query_pointer)(void *instance, uint64_t addr, ferry_pointer_info_t *out,
+                                    ferry_errbuf_t *err);
+    /* Optional: a DMA-BUF fd for [addr, addr + len) of device memory, for
+     * RDMA registration. The caller owns (and closes) the fd; *offset is
+     * addr's offset inside the exported range. */
+    ferry_status_t (*export_dmabuf)(void *instance, uint64_t addr, uint64_t len, int32_t *fd,
+                                    uint64_t *offset, ferry_errbuf_t *err);
+    /* Host memory the device copies to and from fastest (pinned). */
+    ferry_status_t (*alloc_pinned)(void *instance, uint64_t len, void **out, ferry_errbuf_t *err);
+    void (*free_pinned)(void *instance, void *ptr);
+    /* Device memory (for tools and tests; applications bring their own). */
+    ferry_status_t (*alloc_device)(void *instance, int32_t ordinal, uint64_t len, uint64_t *out,
+                                   ferry_errbuf_t *err);
+    void (*free_device)(void *instance, uint64_t ptr);
+    /* Streams of copies: a copy is queued on a stream and runs
+     * asynchronously; stream_sync waits for everything queued on it.
+     * Direction follows from the pointers (unified addressing). */
+    ferry_status_t (*stream_create)(void *instance, int32_t ordinal, void **stream,
+                                    ferry_errbuf_t *err);
+    void (*stream_destroy)(void *instance, void *stream);
+    ferry_status_t (*copy_async)(void *instance, void *stream, uint64_t dst, uint64_t src,
+                                 uint64_t len, ferry_errbuf_t *err);
+    ferry_status_t (*stream_sync)(void *instance, void *stream, ferry_errbuf_t *err);
+    /* Optional: pins existing host memory so copies to and from it run at
+     * full speed (cuMemHostRegister), and undoes it. */
+    ferry_status_t (*pin_host)(void *instance, uint64_t addr, uint64_t len, ferry_errbuf_t *err);
+    void (*unpin_host)(void *instance, uint64_t addr);
+} ferry_device_plugin_v1_t;
+
+#define FERRY_DEVICE_PLUGIN_V1_SYMBOL "ferry_device_plugin_v1"
+typedef const ferry_device_plugin_v1_t *(*ferry_device_plugin_v1_entry_fn)(void);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* FERRY_PLUGIN_H */
