@@ -244,10 +244,29 @@ typedef struct ferry_host_services {
     /* Nonzero when a message at this level would be printed. */
     int32_t (*log_enabled)(void *ctx, int32_t level);
 
-    /* Look up a setting such as "tcp.connections": the engine's own
-     * configuration first, then the environment variable FERRY_TCP_CONNECTIONS.
-     * Copies the value (NUL-terminated, truncated to cap) and returns its
-     * full length without the NUL, or -1 when the key is unset. */
+    /* Look up a setting. Copies the value (NUL-terminated, truncated to
+     * cap) and returns its full length without the NUL, or -1 when the key
+     * is unset. Values are text; check them and refuse a bad one with
+     * FERRY_ERR_INVALID_ARGUMENT and a message naming the key.
+     *
+     * Your own settings have a dot, "<plugin>.<option>" ("tcp.connections"):
+     * the engine's configuration first (ferry_config_set, Python settings),
+     * then the environment variable FERRY_<PLUGIN>_<OPTION>
+     * (FERRY_TCP_CONNECTIONS).
+     *
+     * Settings the engine hands every plugin, from its own configuration
+     * only (never read from the environment by this call; already checked):
+     *   "timeout_ms"          deadline of a network wait, ms (default 15000)
+     *   "connect_timeout_ms"  deadline of a connection attempt, ms (5000)
+     *   "idle_timeout_s"      close a served connection idle this long, s (120)
+     *   "sysfs_root"          where to read sysfs ("/sys"; fake trees in tests)
+     *   "hostname"            the host peers reach this engine at; advertise it
+     *                         when listening on every interface (unset while
+     *                         `ferry info` probes)
+     *   "auth.token"          the cluster's shared secret; unset when none is
+     *                         configured. Prove it on every connection you
+     *                         accept or open; never log or send it.
+     * docs/configuration.md lists the engine's own settings. */
     int64_t (*config_get)(void *ctx, const char *key, char *buf, size_t cap);
 
     /* NICs as seen from a memory location ("cpu:0", "cuda:3"), best first,
