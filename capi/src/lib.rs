@@ -74,6 +74,8 @@ pub const FERRY_REQUEST_FAILED: u32 = 2;
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    /// The report a ferry_info_json call could not fit, for the next call.
+    static INFO_KEPT: RefCell<Option<String>> = const { RefCell::new(None) };
 }
 
 fn set_last_error(message: &str) {
@@ -726,6 +728,9 @@ pub unsafe extern "C" fn ferry_transfer_sync(
 /// the plugin search path, every plugin with its state and reason, GPUs and
 /// how their memory is registered. A FERRY_* value that is rejected is the
 /// error (FERRY_ERR_INVALID_ARGUMENT, the reason in ferry_last_error).
+/// A call answered FERRY_ERR_NO_MEMORY (`buf` too small, `*len` set) keeps
+/// its report for the next call on this thread, so the length it gave fits
+/// (plugins may report differently a moment later).
 ///
 /// # Safety
 /// `buf` writable for `cap` bytes; `len` NULL or valid.
@@ -737,8 +742,16 @@ pub unsafe extern "C" fn ferry_info_json(
 ) -> ferry_status_t {
     ffi_boundary!({
         ferry_core::init_logging();
-        let text = ferry_core::info::report_from_env(false)?.to_json_text(false)?;
+        let kept = INFO_KEPT.with(|k| k.borrow_mut().take());
+        let text = match kept {
+            Some(text) => text,
+            None => ferry_core::info::report_from_env(false)?.to_json_text(false)?,
+        };
         // SAFETY: per the contract.
-        unsafe { copy_text(&text, buf, cap, len) }
+        let copied = unsafe { copy_text(&text, buf, cap, len) };
+        if copied.as_ref().is_err_and(|e| e.code == ErrorCode::NoMemory) {
+            INFO_KEPT.with(|k| *k.borrow_mut() = Some(text));
+        }
+        copied
     })
 }

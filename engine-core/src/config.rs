@@ -197,7 +197,7 @@ where
             bad(
                 key,
                 value,
-                &format!("{unit}, {} to {}", range.start(), range.end()),
+                &format!("a whole number of {unit}, {} to {}", range.start(), range.end()),
             )
         })
 }
