@@ -141,7 +141,10 @@ fn every_key_reads_the_same_from_the_environment_c_and_ferry_info() {
     let dir = tempfile::tempdir().unwrap();
     let samples = samples(dir.path());
     let keys: Vec<String> = samples.iter().map(|(k, _)| k.to_string()).collect();
-    let env: Vec<(&str, String)> = samples.iter().map(|(k, v)| (env_var(k), v.clone())).collect();
+    let env: Vec<(&str, String)> = samples
+        .iter()
+        .map(|(k, v)| (env_var(k), v.clone()))
+        .collect();
 
     let mut by_env = Command::new(c_program());
     by_env.arg("get").args(&keys);
@@ -164,7 +167,11 @@ fn every_key_reads_the_same_from_the_environment_c_and_ferry_info() {
     let info = info_cli(env);
     let config = info["config"].as_object().expect("info has config");
     for (k, v) in &by_env {
-        assert_eq!(config[k].as_str(), Some(v.as_str()), "ferry info config.{k}");
+        assert_eq!(
+            config[k].as_str(),
+            Some(v.as_str()),
+            "ferry info config.{k}"
+        );
     }
     assert_eq!(info["gpu_direct"]["policy"], "off");
 }
@@ -277,7 +284,10 @@ fn ferry_info_json_equals_the_c_report() {
         !cli["plugins"].as_array().unwrap().is_empty(),
         "no plugin found: nothing was compared"
     );
-    assert!(!cli["gpus"].as_array().unwrap().is_empty(), "the fixture has GPUs");
+    assert!(
+        !cli["gpus"].as_array().unwrap().is_empty(),
+        "the fixture has GPUs"
+    );
     assert_eq!(cli["config"]["staging_depth"], "8");
     assert_eq!(without_timings(cli), without_timings(c));
 }

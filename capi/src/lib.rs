@@ -173,8 +173,7 @@ pub extern "C" fn ferry_last_error() -> *const c_char {
 pub extern "C" fn ferry_status_name(status: ferry_status_t) -> *const c_char {
     // Built once from the one table of names (ErrorCode::name, shared with
     // Python's error_codes() and every message), so they cannot drift.
-    static NAMES: std::sync::OnceLock<Vec<(ferry_status_t, CString)>> =
-        std::sync::OnceLock::new();
+    static NAMES: std::sync::OnceLock<Vec<(ferry_status_t, CString)>> = std::sync::OnceLock::new();
     let names = NAMES.get_or_init(|| {
         std::iter::once((sys::FERRY_OK, c"FERRY_OK".to_owned()))
             .chain(ErrorCode::ALL.iter().map(|c| {
@@ -749,7 +748,10 @@ pub unsafe extern "C" fn ferry_info_json(
         };
         // SAFETY: per the contract.
         let copied = unsafe { copy_text(&text, buf, cap, len) };
-        if copied.as_ref().is_err_and(|e| e.code == ErrorCode::NoMemory) {
+        if copied
+            .as_ref()
+            .is_err_and(|e| e.code == ErrorCode::NoMemory)
+        {
             INFO_KEPT.with(|k| *k.borrow_mut() = Some(text));
         }
         copied

@@ -76,30 +76,150 @@ const fn key(
 /// metadata store before its prefix and TTL; a token file before a token,
 /// so FERRY_AUTH_TOKEN wins when both are set).
 pub const KEYS: &[Key] = &[
-    key("listen", "FERRY_LISTEN", DEFAULT_LISTEN, "where the control listener binds (host:port)"),
-    key("hostname", "FERRY_HOSTNAME", "", "the host part of the segment name (default: the listen address)"),
-    key("timeout_ms", "FERRY_TIMEOUT_MS", "15000", "deadline of every network wait, milliseconds"),
-    key("connect_timeout_ms", "FERRY_CONNECT_TIMEOUT_MS", "5000", "deadline of a connection attempt, milliseconds"),
-    key("idle_timeout_s", "FERRY_IDLE_TIMEOUT_S", "120", "idle connections are closed after this, seconds (1 to 86400)"),
-    key("spin_us", "FERRY_SPIN_US", "100", "how long a waiting thread polls before sleeping, microseconds (0 to 1000000)"),
-    key("gpu_direct", "FERRY_GPU_DIRECT", "auto", "GPU memory registration for RDMA: auto, dmabuf, peermem or off"),
-    key("staging_chunk", "FERRY_STAGING_CHUNK", "4M", "bytes per staged chunk, 64K to 64M (suffixes K, M, G)"),
-    key("staging_depth", "FERRY_STAGING_DEPTH", "4", "staged chunks in flight per job, 1 to 16"),
-    key("plugin_path", "FERRY_PLUGIN_PATH", "", "plugin directories or files searched first (colon list)"),
-    key("transports", "FERRY_TRANSPORTS", "", "allow list (tcp,shm) or deny list (^rdma) of transports"),
-    key("plugin_probe_timeout_ms", "FERRY_PLUGIN_PROBE_TIMEOUT_MS", "10000", "how long loading and probing one plugin may take, milliseconds"),
-    key("plugin_probe_helper", "FERRY_PLUGIN_PROBE_HELPER", "auto", "the ferry-probe helper: auto, off (probe in this process) or a path"),
-    key("plugin_cache", "FERRY_PLUGIN_CACHE", "auto", "the probe result cache: auto, off or a file"),
-    key("sysfs_root", "FERRY_SYSFS_ROOT", "/sys", "where sysfs is read (fake trees in tests)"),
-    key("nics", "FERRY_NICS", "", "allow list (mlx5_0,mlx5_1) or deny list (^mlx5_2) of NICs"),
-    key("topology_file", "FERRY_TOPOLOGY_FILE", "", "a JSON file that pins or fills in topology"),
-    key("metadata", "FERRY_METADATA", "p2p", "where segments are found by name: p2p or etcd://host:port[,host:port]"),
-    key("metadata_prefix", "FERRY_METADATA_PREFIX", "/ferry", "key prefix in etcd"),
-    key("metadata_ttl_s", "FERRY_METADATA_TTL_S", "10", "lease TTL in etcd, seconds (2 to 3600)"),
-    key("name", "FERRY_NAME", "", "the name this engine registers under in a metadata store"),
-    key("auth_token_file", "FERRY_AUTH_TOKEN_FILE", "", "a file whose first line is the cluster token"),
-    key("auth_token", "FERRY_AUTH_TOKEN", "", "the cluster's shared secret"),
-    key("auth", "FERRY_AUTH", "required", "required, or off to accept peers without a token on a non-loopback listener"),
+    key(
+        "listen",
+        "FERRY_LISTEN",
+        DEFAULT_LISTEN,
+        "where the control listener binds (host:port)",
+    ),
+    key(
+        "hostname",
+        "FERRY_HOSTNAME",
+        "",
+        "the host part of the segment name (default: the listen address)",
+    ),
+    key(
+        "timeout_ms",
+        "FERRY_TIMEOUT_MS",
+        "15000",
+        "deadline of every network wait, milliseconds",
+    ),
+    key(
+        "connect_timeout_ms",
+        "FERRY_CONNECT_TIMEOUT_MS",
+        "5000",
+        "deadline of a connection attempt, milliseconds",
+    ),
+    key(
+        "idle_timeout_s",
+        "FERRY_IDLE_TIMEOUT_S",
+        "120",
+        "idle connections are closed after this, seconds (1 to 86400)",
+    ),
+    key(
+        "spin_us",
+        "FERRY_SPIN_US",
+        "100",
+        "how long a waiting thread polls before sleeping, microseconds (0 to 1000000)",
+    ),
+    key(
+        "gpu_direct",
+        "FERRY_GPU_DIRECT",
+        "auto",
+        "GPU memory registration for RDMA: auto, dmabuf, peermem or off",
+    ),
+    key(
+        "staging_chunk",
+        "FERRY_STAGING_CHUNK",
+        "4M",
+        "bytes per staged chunk, 64K to 64M (suffixes K, M, G)",
+    ),
+    key(
+        "staging_depth",
+        "FERRY_STAGING_DEPTH",
+        "4",
+        "staged chunks in flight per job, 1 to 16",
+    ),
+    key(
+        "plugin_path",
+        "FERRY_PLUGIN_PATH",
+        "",
+        "plugin directories or files searched first (colon list)",
+    ),
+    key(
+        "transports",
+        "FERRY_TRANSPORTS",
+        "",
+        "allow list (tcp,shm) or deny list (^rdma) of transports",
+    ),
+    key(
+        "plugin_probe_timeout_ms",
+        "FERRY_PLUGIN_PROBE_TIMEOUT_MS",
+        "10000",
+        "how long loading and probing one plugin may take, milliseconds",
+    ),
+    key(
+        "plugin_probe_helper",
+        "FERRY_PLUGIN_PROBE_HELPER",
+        "auto",
+        "the ferry-probe helper: auto, off (probe in this process) or a path",
+    ),
+    key(
+        "plugin_cache",
+        "FERRY_PLUGIN_CACHE",
+        "auto",
+        "the probe result cache: auto, off or a file",
+    ),
+    key(
+        "sysfs_root",
+        "FERRY_SYSFS_ROOT",
+        "/sys",
+        "where sysfs is read (fake trees in tests)",
+    ),
+    key(
+        "nics",
+        "FERRY_NICS",
+        "",
+        "allow list (mlx5_0,mlx5_1) or deny list (^mlx5_2) of NICs",
+    ),
+    key(
+        "topology_file",
+        "FERRY_TOPOLOGY_FILE",
+        "",
+        "a JSON file that pins or fills in topology",
+    ),
+    key(
+        "metadata",
+        "FERRY_METADATA",
+        "p2p",
+        "where segments are found by name: p2p or etcd://host:port[,host:port]",
+    ),
+    key(
+        "metadata_prefix",
+        "FERRY_METADATA_PREFIX",
+        "/ferry",
+        "key prefix in etcd",
+    ),
+    key(
+        "metadata_ttl_s",
+        "FERRY_METADATA_TTL_S",
+        "10",
+        "lease TTL in etcd, seconds (2 to 3600)",
+    ),
+    key(
+        "name",
+        "FERRY_NAME",
+        "",
+        "the name this engine registers under in a metadata store",
+    ),
+    key(
+        "auth_token_file",
+        "FERRY_AUTH_TOKEN_FILE",
+        "",
+        "a file whose first line is the cluster token",
+    ),
+    key(
+        "auth_token",
+        "FERRY_AUTH_TOKEN",
+        "",
+        "the cluster's shared secret",
+    ),
+    key(
+        "auth",
+        "FERRY_AUTH",
+        "required",
+        "required, or off to accept peers without a token on a non-loopback listener",
+    ),
 ];
 
 #[derive(Clone, Debug)]
@@ -197,7 +317,11 @@ where
             bad(
                 key,
                 value,
-                &format!("a whole number of {unit}, {} to {}", range.start(), range.end()),
+                &format!(
+                    "a whole number of {unit}, {} to {}",
+                    range.start(),
+                    range.end()
+                ),
             )
         })
 }
@@ -261,8 +385,8 @@ impl EngineConfig {
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<OsString>) -> Result<EngineConfig> {
         let mut c = EngineConfig::default();
         // CUDA's own variable, environment only: it is CUDA's setting.
-        c.topology.cuda_visible_devices = lookup(ENV_CUDA_VISIBLE_DEVICES)
-            .map(|value| value.to_string_lossy().into_owned());
+        c.topology.cuda_visible_devices =
+            lookup(ENV_CUDA_VISIBLE_DEVICES).map(|value| value.to_string_lossy().into_owned());
         for k in KEYS {
             let Some(raw) = lookup(k.env).filter(|v| !v.is_empty()) else {
                 continue;
@@ -295,7 +419,8 @@ impl EngineConfig {
             }
             "hostname" => self.hostname = Some(v.to_string()).filter(|v| !v.is_empty()),
             "timeout_ms" => {
-                self.timeout = Duration::from_millis(number(key, value, 1..=86_400_000, "milliseconds")?)
+                self.timeout =
+                    Duration::from_millis(number(key, value, 1..=86_400_000, "milliseconds")?)
             }
             "connect_timeout_ms" => {
                 self.connect_timeout =
@@ -305,7 +430,8 @@ impl EngineConfig {
                 self.idle_timeout = Duration::from_secs(number(key, value, 1..=86_400, "seconds")?)
             }
             "spin_us" => {
-                self.spin = Duration::from_micros(number(key, value, 0..=1_000_000, "microseconds")?)
+                self.spin =
+                    Duration::from_micros(number(key, value, 0..=1_000_000, "microseconds")?)
             }
             "gpu_direct" => {
                 self.gpu_direct =
@@ -322,7 +448,11 @@ impl EngineConfig {
             "metadata" => {
                 // Keep a prefix or TTL set before the store.
                 let new = MetadataConfig::parse(value).map_err(|e| {
-                    bad(key, value, &format!("p2p or etcd://host:port ({})", e.message))
+                    bad(
+                        key,
+                        value,
+                        &format!("p2p or etcd://host:port ({})", e.message),
+                    )
                 })?;
                 let old = std::mem::replace(&mut self.metadata, new);
                 if let (
@@ -365,10 +495,15 @@ impl EngineConfig {
                         format!("setting {key} = {value:?} rejected: cannot read it: {e}"),
                     )
                 })?;
-                self.auth_token = Some(
-                    Token::new(text.lines().next().unwrap_or(""))
-                        .ok_or_else(|| bad(key, value, "a file whose first line is the token (it is empty)"))?,
-                );
+                self.auth_token = Some(Token::new(text.lines().next().unwrap_or("")).ok_or_else(
+                    || {
+                        bad(
+                            key,
+                            value,
+                            "a file whose first line is the token (it is empty)",
+                        )
+                    },
+                )?);
                 self.auth_token_file = Some(PathBuf::from(v));
             }
             "auth" => {
@@ -439,7 +574,11 @@ impl EngineConfig {
             MetadataConfig::Etcd { prefix, ttl_s, .. } => Some((prefix.clone(), *ttl_s)),
             MetadataConfig::P2p => None,
         };
-        let path_text = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
+        let path_text = |p: &Option<PathBuf>| {
+            p.as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default()
+        };
         Ok(match key {
             "listen" => self.listen.clone(),
             "hostname" => self.hostname.clone().unwrap_or_default(),
@@ -478,17 +617,22 @@ impl EngineConfig {
             "metadata_ttl_s" => etcd.map(|(_, t)| t.to_string()).unwrap_or_default(),
             "name" => self.name.clone().unwrap_or_default(),
             "auth_token_file" => path_text(&self.auth_token_file),
-            "auth_token" => if self.auth_token.is_some() { "(set)" } else { "" }.to_string(),
+            "auth_token" => if self.auth_token.is_some() {
+                "(set)"
+            } else {
+                ""
+            }
+            .to_string(),
             "auth" => if self.auth_off { "off" } else { "required" }.to_string(),
             k => match self.settings.get(k) {
                 Some(_) if secret_key(k) => "(set)".to_string(),
                 Some(v) => v.clone(),
-                None => {
-                    return Err(Error::new(
-                        ErrorCode::NotFound,
-                        format!("no option {k:?}: neither an engine setting nor a plugin setting set here"),
-                    ))
-                }
+                None => return Err(Error::new(
+                    ErrorCode::NotFound,
+                    format!(
+                        "no option {k:?}: neither an engine setting nor a plugin setting set here"
+                    ),
+                )),
             },
         })
     }
@@ -510,12 +654,20 @@ impl EngineConfig {
     /// engine at) and `auth.token`.
     pub fn plugin_settings(&self, advertised: Option<&str>) -> BTreeMap<String, String> {
         let mut settings = self.settings.clone();
-        for key in ["timeout_ms", "connect_timeout_ms", "idle_timeout_s", "sysfs_root"] {
+        for key in [
+            "timeout_ms",
+            "connect_timeout_ms",
+            "idle_timeout_s",
+            "sysfs_root",
+        ] {
             if let Ok(v) = self.get(key) {
                 settings.entry(key.to_string()).or_insert(v);
             }
         }
-        if let Some(host) = advertised.map(str::to_string).or_else(|| self.hostname.clone()) {
+        if let Some(host) = advertised
+            .map(str::to_string)
+            .or_else(|| self.hostname.clone())
+        {
             settings.entry("hostname".into()).or_insert(host);
         }
         // Plugins authenticate their own connections with the same token.

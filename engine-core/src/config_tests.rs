@@ -8,28 +8,73 @@ use std::collections::HashMap;
 fn samples(token_file: &str) -> Vec<(&'static str, String, String, Vec<&'static str>)> {
     let s = |v: &str| v.to_string();
     vec![
-        ("listen", s("0.0.0.0:7000"), s("0.0.0.0:7000"), vec!["7000", "a b:1"]),
+        (
+            "listen",
+            s("0.0.0.0:7000"),
+            s("0.0.0.0:7000"),
+            vec!["7000", "a b:1"],
+        ),
         ("hostname", s("node-1"), s("node-1"), vec![]),
-        ("timeout_ms", s("250"), s("250"), vec!["0", "soon", "-5", "1.5", "99999999999"]),
+        (
+            "timeout_ms",
+            s("250"),
+            s("250"),
+            vec!["0", "soon", "-5", "1.5", "99999999999"],
+        ),
         ("connect_timeout_ms", s("100"), s("100"), vec!["0", "x"]),
         ("idle_timeout_s", s("30"), s("30"), vec!["0", "86401", "x"]),
         ("spin_us", s("0"), s("0"), vec!["-1", "1000001", "fast"]),
-        ("gpu_direct", s("dmabuf"), s("dmabuf"), vec!["yes", "rdma", "1"]),
-        ("staging_chunk", s("8M"), s("8388608"), vec!["1K", "128M", "4X", "", "lots"]),
+        (
+            "gpu_direct",
+            s("dmabuf"),
+            s("dmabuf"),
+            vec!["yes", "rdma", "1"],
+        ),
+        (
+            "staging_chunk",
+            s("8M"),
+            s("8388608"),
+            vec!["1K", "128M", "4X", "", "lots"],
+        ),
         ("staging_depth", s("8"), s("8"), vec!["0", "17", "four"]),
-        ("plugin_path", s("/opt/a:/opt/b"), s("/opt/a:/opt/b"), vec![]),
+        (
+            "plugin_path",
+            s("/opt/a:/opt/b"),
+            s("/opt/a:/opt/b"),
+            vec![],
+        ),
         ("transports", s("^rdma"), s("^rdma"), vec![]),
-        ("plugin_probe_timeout_ms", s("500"), s("500"), vec!["0", "x"]),
+        (
+            "plugin_probe_timeout_ms",
+            s("500"),
+            s("500"),
+            vec!["0", "x"],
+        ),
         ("plugin_probe_helper", s("off"), s("off"), vec![]),
         ("plugin_cache", s("/tmp/c.json"), s("/tmp/c.json"), vec![]),
         ("sysfs_root", s("/tmp/fake-sys"), s("/tmp/fake-sys"), vec![]),
         ("nics", s("^mlx5_2"), s("^mlx5_2"), vec![]),
         ("topology_file", s("/etc/t.json"), s("/etc/t.json"), vec![]),
-        ("metadata", s("etcd://10.0.0.1:2379"), s("etcd://10.0.0.1:2379"), vec!["zk://a:1", "etcd://"]),
-        ("metadata_prefix", s("/cluster-a/"), s("/cluster-a"), vec!["a b"]),
+        (
+            "metadata",
+            s("etcd://10.0.0.1:2379"),
+            s("etcd://10.0.0.1:2379"),
+            vec!["zk://a:1", "etcd://"],
+        ),
+        (
+            "metadata_prefix",
+            s("/cluster-a/"),
+            s("/cluster-a"),
+            vec!["a b"],
+        ),
         ("metadata_ttl_s", s("30"), s("30"), vec!["1", "3601", "x"]),
         ("name", s("prefill-0"), s("prefill-0"), vec!["a/b", "\u{1}"]),
-        ("auth_token_file", s(token_file), s(token_file), vec!["/nonexistent/token"]),
+        (
+            "auth_token_file",
+            s(token_file),
+            s(token_file),
+            vec!["/nonexistent/token"],
+        ),
         ("auth_token", s("s3cret"), s("(set)"), vec![]),
         ("auth", s("off"), s("off"), vec!["maybe"]),
     ]
@@ -95,14 +140,20 @@ fn bad_values_are_rejected_with_the_reason_and_change_nothing() {
         for bad in bads {
             let mut c = base_for(key);
             let before = c.effective();
-            let e = c.set(key, bad).expect_err(&format!("{key} = {bad:?} accepted"));
+            let e = c
+                .set(key, bad)
+                .expect_err(&format!("{key} = {bad:?} accepted"));
             assert_eq!(e.code, ErrorCode::InvalidArgument, "{key} = {bad:?}");
             assert!(
                 e.message.contains(key) && e.message.contains("rejected"),
                 "{key} = {bad:?}: {}",
                 e.message
             );
-            assert_eq!(c.effective(), before, "{key} = {bad:?} changed the configuration");
+            assert_eq!(
+                c.effective(),
+                before,
+                "{key} = {bad:?} changed the configuration"
+            );
         }
     }
 }
@@ -119,14 +170,18 @@ fn a_bad_variable_is_an_error_naming_the_variable() {
         let e = EngineConfig::from_lookup(|n| (n == var).then(|| OsString::from(value)))
             .expect_err(var);
         assert_eq!(e.code, ErrorCode::InvalidArgument);
-        assert!(e.message.contains(var) && e.message.contains(value), "{}", e.message);
+        assert!(
+            e.message.contains(var) && e.message.contains(value),
+            "{}",
+            e.message
+        );
     }
     let not_utf8 = {
         use std::os::unix::ffi::OsStringExt;
         OsString::from_vec(vec![0xff, 0xfe])
     };
-    let e = EngineConfig::from_lookup(|n| (n == "FERRY_LISTEN").then(|| not_utf8.clone()))
-        .unwrap_err();
+    let e =
+        EngineConfig::from_lookup(|n| (n == "FERRY_LISTEN").then(|| not_utf8.clone())).unwrap_err();
     assert!(e.message.contains("FERRY_LISTEN") && e.message.contains("UTF-8"));
 }
 
@@ -138,8 +193,8 @@ fn empty_variables_count_as_unset() {
 
 #[test]
 fn cuda_visible_devices_stays_cudas_own() {
-    let c = EngineConfig::from_lookup(|n| (n == "CUDA_VISIBLE_DEVICES").then(|| "1,0".into()))
-        .unwrap();
+    let c =
+        EngineConfig::from_lookup(|n| (n == "CUDA_VISIBLE_DEVICES").then(|| "1,0".into())).unwrap();
     assert_eq!(c.topology.cuda_visible_devices.as_deref(), Some("1,0"));
 }
 

@@ -38,7 +38,10 @@ fn info_report(py: Python<'_>) -> PyResult<(String, String)> {
 /// (key, value) pairs; a value a key does not accept raises FerryError
 /// (INVALID_ARGUMENT) with the reason, as `NativeEngine` would.
 #[pyfunction]
-fn effective_config(py: Python<'_>, options: Vec<(String, String)>) -> PyResult<Vec<(String, String)>> {
+fn effective_config(
+    py: Python<'_>,
+    options: Vec<(String, String)>,
+) -> PyResult<Vec<(String, String)>> {
     let config = (|| -> Result<_, ferry_core::Error> {
         let mut config = ferry_core::EngineConfig::from_env()?;
         for (k, v) in &options {
