@@ -627,12 +627,14 @@ impl EngineConfig {
             k => match self.settings.get(k) {
                 Some(_) if secret_key(k) => "(set)".to_string(),
                 Some(v) => v.clone(),
-                None => return Err(Error::new(
-                    ErrorCode::NotFound,
-                    format!(
+                None => {
+                    return Err(Error::new(
+                        ErrorCode::NotFound,
+                        format!(
                         "no option {k:?}: neither an engine setting nor a plugin setting set here"
                     ),
-                )),
+                    ))
+                }
             },
         })
     }
