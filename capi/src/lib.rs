@@ -201,7 +201,10 @@ pub extern "C" fn ferry_version() -> *const c_char {
     VERSION.as_ptr()
 }
 
-/// New options with the defaults and the FERRY_* environment applied.
+/// New options with the defaults and the FERRY_* environment applied. A
+/// FERRY_* value that a setting does not accept is the error
+/// (FERRY_ERR_INVALID_ARGUMENT; ferry_last_error names the variable and
+/// why), never replaced by the default.
 ///
 /// # Safety
 /// `out` must be a valid pointer.

@@ -649,6 +649,17 @@ impl EngineConfig {
             .collect()
     }
 
+    /// The settings of [`EngineConfig::effective`] that differ from the
+    /// defaults, as `key=value` text (what the engine logs at start and
+    /// `ferry info` lists).
+    pub fn changed(&self) -> Vec<(String, String)> {
+        let defaults = EngineConfig::default().effective();
+        self.effective()
+            .into_iter()
+            .filter(|(k, v)| defaults.get(k) != Some(v))
+            .collect()
+    }
+
     /// The settings the engine hands its plugins (plugin.h, "Settings the
     /// engine hands to plugins"): the plugin settings given here, and the
     /// engine's own `timeout_ms`, `connect_timeout_ms`, `idle_timeout_s`,

@@ -271,6 +271,20 @@ impl Engine {
                 Err(e) => log::warn!("metadata: {e}"),
             }
         }
+        let changed = shared.config.changed();
+        log::info!(
+            "engine {}: settings other than the defaults: {}",
+            shared.node.name,
+            if changed.is_empty() {
+                "none".to_string()
+            } else {
+                changed
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
+        );
         log::info!(
             "engine {} listening; transports: {}",
             shared.node.name,
