@@ -242,6 +242,8 @@ impl Engine {
         }
         let host = HostFacts::detect(topology.sysfs_root(), no_direct_transport(&plugins));
         let gpu_direct = GpuDirect::decide(&devices.gpus, &topology, policy, host);
+        let transports =
+            Transports::new(transports, transport_failures, endpoints).placed(&topology);
         let shared = Arc::new(Shared {
             config,
             topology,
@@ -253,7 +255,7 @@ impl Engine {
                 link,
                 metadata,
             },
-            transports: Transports::new(transports, transport_failures, endpoints),
+            transports,
             devices,
             gpu_direct,
             memory: MemoryRegistry::default(),
