@@ -133,22 +133,28 @@ pub(crate) struct Estimate {
 
 /// The best route of one transport for `bytes` of `mem_kind` memory at
 /// `location`: over each device that serves that memory (every device when
-/// none says), the one with the smallest time; ties go to the first.
+/// none says), the one with the smallest time; ties go to the first. A
+/// route to another host (`cross_host`) leaves through a NIC: when the
+/// topology places some of the devices as NICs, only those count (a
+/// loopback interface's figure is no promise for another host).
 pub(crate) fn estimate(
     links: &[Link],
     scopes: u32,
     mem_kind: u64,
     location: &str,
     bytes: u64,
+    cross_host: bool,
 ) -> Estimate {
     let default = scope_default(scopes);
     let any_serves = links.iter().any(|l| l.mem_kinds & mem_kind != 0);
+    let nics_only = cross_host && links.iter().any(|l| !l.classes.is_empty());
     let serving = links.iter().enumerate().filter(|(_, l)| {
-        if any_serves {
+        let kind = if any_serves {
             l.mem_kinds & mem_kind != 0
         } else {
             l.mem_kinds == 0
-        }
+        };
+        kind && (!nics_only || !l.classes.is_empty())
     });
     let mut best: Option<Estimate> = None;
     for (i, l) in serving {
@@ -262,10 +268,11 @@ mod tests {
             sys::FERRY_MEM_HOST,
             "cpu:0",
             1 << 20,
+            true,
         );
         assert!(!e.declared);
         assert_eq!(e.path, scope_default(sys::FERRY_SCOPE_CROSS_HOST));
-        let none = estimate(&[], sys::FERRY_SCOPE_SAME_HOST, 1, "cpu:0", 1);
+        let none = estimate(&[], sys::FERRY_SCOPE_SAME_HOST, 1, "cpu:0", 1, false);
         assert_eq!((none.device, none.declared), (None, false));
         assert!(
             scope_default(sys::FERRY_SCOPE_SAME_PROCESS).bandwidth_mbps
@@ -280,13 +287,18 @@ mod tests {
         let mut near = link("mlx5_0", sys::FERRY_MEM_HOST, Some(400_000), Some(2_000));
         near.classes = vec![("cpu:0".into(), PathClass::Pix)];
         let gpu_only = link("mlx5_2", sys::FERRY_MEM_CUDA_DMABUF, Some(800_000), Some(1));
-        let links = [far, near, gpu_only];
-        let e = estimate(&links, 4, sys::FERRY_MEM_HOST, "cpu:0", 1 << 24);
+        let lo = link("lo", sys::FERRY_MEM_HOST, Some(800_000), Some(1_000));
+        let links = [far, near, gpu_only, lo];
+        // Within the host the loopback device is fastest; to another host
+        // only NICs count.
+        let e = estimate(&links, 4, sys::FERRY_MEM_HOST, "cpu:0", 1 << 24, false);
+        assert_eq!(e.device, Some(3));
+        let e = estimate(&links, 4, sys::FERRY_MEM_HOST, "cpu:0", 1 << 24, true);
         assert_eq!(e.device, Some(1));
         assert_eq!(e.class, Some(PathClass::Pix));
         assert!(e.declared);
         // Across the interconnect half the bandwidth is left.
-        let e = estimate(&links[..1], 4, sys::FERRY_MEM_HOST, "cpu:0", 1 << 24);
+        let e = estimate(&links[..1], 4, sys::FERRY_MEM_HOST, "cpu:0", 1 << 24, true);
         assert_eq!(e.path.bandwidth_mbps, 200_000.0);
         assert_eq!(e.path.latency_ns, 3_500.0);
     }
@@ -299,6 +311,7 @@ mod tests {
             1,
             "cpu:0",
             1 << 20,
+            false,
         );
         let one = staged(&host, 1, 1 << 20);
         let two = staged(&host, 2, 1 << 20);

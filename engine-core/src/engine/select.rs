@@ -15,7 +15,7 @@
 
 use super::cost::{self, Estimate, Figures, Link};
 use super::measure::{Measured, Meter, BANDWIDTH_MIN_BYTES, MIN_SAMPLES};
-use super::request::SegmentId;
+use super::request::{Scope, SegmentId};
 use super::segments::{RemoteSegment, RemoteView};
 use crate::error::{Error, ErrorCode, Result};
 use crate::memory::LocalBuffer;
@@ -270,7 +270,7 @@ impl<T: Candidate> Transports<T> {
             };
             match verdict {
                 Some(v) => rejected.push(v),
-                None => candidates.push(self.score(i, local, &location, seg.id, bytes)),
+                None => candidates.push(self.score(i, local, &location, seg.id, seg.scope, bytes)),
             }
         }
         let key: RouteKey = (seg.id, local.mem_kind, bytes >= BANDWIDTH_MIN_BYTES);
@@ -379,6 +379,7 @@ impl<T: Candidate> Transports<T> {
         local: &LocalBuffer,
         location: &str,
         segment: SegmentId,
+        scope: Scope,
         bytes: u64,
     ) -> Scored {
         let t = &self.list[i];
@@ -387,7 +388,14 @@ impl<T: Candidate> Transports<T> {
             (Some(_), Some(r)) => r.mem_kind,
             _ => local.mem_kind,
         };
-        let estimate = cost::estimate(&self.links[i], t.scopes(), kind, location, bytes);
+        let estimate = cost::estimate(
+            &self.links[i],
+            t.scopes(),
+            kind,
+            location,
+            bytes,
+            scope == Scope::CrossHost,
+        );
         let measured = self.meter.get(segment, i);
         let mut used = estimate.path;
         if let Some(bw) = measured

@@ -121,7 +121,7 @@ pub(crate) fn device_buffer(addr: u64, len: u64, transports: &[usize]) -> Arc<Lo
         addr,
         len,
         location: Location::Cuda(0),
-        mem_kind: sys::FERRY_MEM_CUDA_STAGED,
+        mem_kind: 0,
         device: Some(0),
         visibility: Visibility::Published,
         registrations: registrations(transports, sys::FERRY_MEM_CUDA_DMABUF),
