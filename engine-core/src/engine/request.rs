@@ -91,6 +91,36 @@ pub struct Route {
     pub estimate: Option<RouteEstimate>,
 }
 
+impl Route {
+    /// The route as JSON, for the C API (`ferry_route_json`): transport,
+    /// scope, reason, peer detail, and the estimate with the measured
+    /// figures (null where unknown).
+    pub fn to_json(&self) -> String {
+        let estimate = self.estimate.as_ref().map(|e| {
+            serde_json::json!({
+                "seconds": e.seconds,
+                "bandwidth_mbps": e.bandwidth_mbps,
+                "latency_ns": e.latency_ns,
+                "declared": e.declared,
+                "device": e.device,
+                "measured_bandwidth_mbps": e.measured_bandwidth_mbps,
+                "bandwidth_samples": e.bandwidth_samples,
+                "measured_latency_ns": e.measured_latency_ns,
+                "latency_samples": e.latency_samples,
+            })
+        });
+        serde_json::json!({
+            "transport": self.transport,
+            "scope": self.scope.as_str(),
+            "reason": self.reason,
+            "peer_detail": self.peer_detail,
+            "interface": self.nic.as_ref().map(|n| n.interface.clone()),
+            "estimate": estimate,
+        })
+        .to_string()
+    }
+}
+
 /// The cost model's figures behind a route, and what the engine measured
 /// on it; also in `reason`, in words.
 #[derive(Clone, Debug, PartialEq)]
