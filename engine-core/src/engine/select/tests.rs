@@ -427,3 +427,36 @@ fn a_peer_is_asked_once_per_key_and_a_peer_that_cannot_be_asked_is_not_remembere
     assert_eq!(acceptance(&seg, 2, "rdma", b"k", ask(Some(Ok(())))), Ok(()));
     assert_eq!(asked.get(), 5);
 }
+
+#[test]
+fn a_close_runner_up_is_measured_and_wins_when_it_measures_faster() {
+    // shm-like declares more than tcp-like, which really is faster (as on
+    // a host where loopback TCP outruns a single-copy same-host path).
+    let t = with(vec![
+        declaring("first", HOST, SAME_HOST, 100_000, 2_000),
+        declaring("second", HOST, ANY_HOST, 40_000, 20_000),
+    ]);
+    let both = &["first", "second"];
+    let d = descriptor("e", both, &[(0x1000, 1 << 24, "cpu:0", both)]);
+    let seg = segment(1, Scope::SameHost, d);
+    let local = host_buffer(0x9000, 1 << 24, &[0, 1]);
+    // first delivers 36 Gbit/s, second 90.
+    let took = |i: usize| {
+        let gbit = if i == 0 { 36.0 } else { 90.0 };
+        std::time::Duration::from_secs_f64((16 << 20) as f64 * 8.0 / (gbit * 1e9))
+    };
+    let mut used = Vec::new();
+    for _ in 0..20 {
+        let (i, _) = pick_sized(&t, &local, &seg, None, 16 << 20, false).unwrap();
+        t.meter.record(1, i, 16 << 20, took(i));
+        used.push(i);
+    }
+    // Three to measure first, three to measure second, then second for good.
+    assert_eq!(&used[..3], &[0, 0, 0], "{used:?}");
+    let settled = used.iter().rposition(|i| *i == 0).unwrap() + 1;
+    assert!(settled <= 2 * MIN_SAMPLES as usize, "{used:?}");
+    assert!(used[settled..].iter().all(|i| *i == 1), "{used:?}");
+    // Small transfers are not used to measure: latency decides them.
+    let (small, _) = pick_sized(&t, &local, &seg, None, 4096, false).unwrap();
+    assert_eq!(small, 0);
+}
