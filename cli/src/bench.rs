@@ -266,6 +266,15 @@ pub fn initiator(args: InitiatorArgs) -> Result<(), String> {
     if let Some(e) = failure.lock().unwrap_or_else(|p| p.into_inner()).take() {
         return Err(format!("a batch failed: {e}"));
     }
+    // The automatic choice may have moved as the engine measured: report
+    // the route it ended on.
+    let transport = match (&args.transport, args.device) {
+        (None, None) => engine
+            .route(seg, local_addr, remote.0, args.block_size)
+            .map(|r| r.transport)
+            .unwrap_or(transport),
+        _ => transport,
+    };
     let total = bytes.load(Ordering::Relaxed);
     let mut lat = std::mem::take(&mut *latencies.lock().unwrap_or_else(|p| p.into_inner()));
     lat.sort_by(|a, b| a.total_cmp(b));

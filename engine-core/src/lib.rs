@@ -39,7 +39,7 @@ pub mod transport;
 
 pub use batch::{BatchId, BatchStatus, RequestStatus};
 pub use config::EngineConfig;
-pub use engine::{Engine, Op, Request, Route, RouteNic, Scope, SegmentId};
+pub use engine::{Engine, Op, Request, Route, RouteEstimate, RouteNic, Scope, SegmentId};
 pub use error::{Error, ErrorCode, Result};
 pub use ferry_loader as loader;
 pub use host::load_plugins;

@@ -42,6 +42,9 @@ pub struct Transport {
     pub name: String,
     pub mem_kinds: u64,
     pub scopes: u32,
+    /// The devices the plugin reported from probe, with what it declared
+    /// of each (ABI 1.2: bandwidth, latency, memory kinds).
+    pub devices: Vec<ferry_loader::DeviceReport>,
     library: Arc<LoadedLibrary>,
     // Points into `library`, which stays loaded as long as self.
     table: *const sys::ferry_transport_plugin_v1_t,
@@ -256,6 +259,7 @@ impl Transport {
             name,
             mem_kinds: plugin.report.capabilities.mem_bits,
             scopes: plugin.report.capabilities.scope_bits,
+            devices: plugin.report.devices.clone(),
             table: table as *const sys::ferry_transport_plugin_v1_t,
             library,
             instance,
