@@ -26,14 +26,18 @@
 
 mod channel;
 mod cma;
+mod copy;
 mod endpoint;
 mod memory;
+mod numa;
+mod pool;
 mod wire;
 
 use channel::{Client, ClientEvents, Server};
+use copy::{NonTemporal, Piece};
 use endpoint::{Endpoint, Key};
 use ferry_plugins_abi::sdk::{
-    Completer, Host, InitParams, MemRegion, Op, PeerInfo, PluginError, PluginResult, ProbeDevice,
+    Completer, Host, InitParams, MemRegion, PeerInfo, PluginError, PluginResult, ProbeDevice,
     ProbeReport, Registration, TransferRequest, TransportInstance,
 };
 use ferry_plugins_abi::sys;
@@ -152,6 +156,8 @@ ferry_plugins_abi::export_transport_plugin!(ShmTransport);
 /// One registered buffer.
 struct Region {
     key: Key,
+    /// The NUMA node of its memory, when known: copies run near it.
+    numa_node: Option<u32>,
 }
 
 /// State shared by the instance and its socket server.
@@ -193,6 +199,8 @@ pub struct ShmInstance {
     completer: Completer,
     timeout: Duration,
     hugepages: bool,
+    nontemporal: NonTemporal,
+    pools: pool::Pools,
     endpoint: Endpoint,
     owned: Arc<RwLock<Owned>>,
     next_id: AtomicU64,
@@ -204,6 +212,11 @@ impl ShmInstance {
     fn start(host: Host<'static>, params: InitParams, completer: Completer) -> PluginResult<Self> {
         let cma = setting_on(&host, "shm.cma");
         let hugepages = setting_on(&host, "shm.hugepages");
+        let bad = |e: String| PluginError::new(ErrorCode::InvalidArgument, e);
+        let copiers =
+            pool::Copiers::parse(host.config("shm.copy_threads").as_deref()).map_err(bad)?;
+        let nontemporal =
+            NonTemporal::parse(host.config("shm.nontemporal").as_deref()).map_err(bad)?;
         let timeout = Duration::from_millis(
             host.config("timeout_ms")
                 .and_then(|v| v.trim().parse().ok())
@@ -258,6 +271,8 @@ impl ShmInstance {
             params.engine_name,
             if cma { "offered" } else { "off" }
         ));
+        let log = host;
+        let pools = pool::Pools::new(copiers, Box::new(move |line: &str| log.info(line)));
         Ok(ShmInstance {
             host,
             token,
@@ -265,6 +280,8 @@ impl ShmInstance {
             completer,
             timeout,
             hugepages,
+            nontemporal,
+            pools,
             endpoint,
             owned,
             next_id: AtomicU64::new(random_u64() >> 1),
@@ -451,7 +468,13 @@ impl TransportInstance for ShmInstance {
                 len: region.len,
             },
         };
-        owned.regions.insert(id, Region { key });
+        owned.regions.insert(
+            id,
+            Region {
+                key,
+                numa_node: region.numa_node,
+            },
+        );
         Ok(Registration {
             handle: id,
             key: key.encode(),
@@ -538,32 +561,105 @@ impl TransportInstance for ShmInstance {
         if peer.state.closed.load(Ordering::SeqCst) {
             return Err(peer.gone());
         }
-        let keys: Vec<Option<Key>> = requests.iter().map(|r| Key::decode(r.remote_key)).collect();
-        // Map what is not mapped yet, before taking the copy lock.
-        for key in keys.iter().flatten() {
-            if let Key::Map { token, .. } = key {
-                peer.ensure_mapped(*token, self.timeout)?;
-            }
-        }
-        let mem = peer.state.copying.read().unwrap_or_else(|p| p.into_inner());
-        let mut cma_batch: Vec<usize> = Vec::new();
-        for (i, (r, key)) in requests.iter().zip(&keys).enumerate() {
-            let result = match key {
-                None => Err(PluginError::new(ErrorCode::Protocol, "malformed shm key")),
-                Some(k) if mem.revoked.contains(&k.id()) => Err(refused_range(r)),
-                Some(Key::Map {
-                    token, base, len, ..
-                }) => copy_mapped(&mem, r, *token, *base, *len),
-                Some(Key::Cma { .. }) => {
-                    cma_batch.push(i);
-                    continue;
+        // Requests of a batch mostly name the same buffer: decode a key once
+        // per run of requests that repeat it, and map what is not mapped yet
+        // before taking the copy lock.
+        let mut keys: Vec<Option<Key>> = Vec::with_capacity(requests.len());
+        let mut last: Option<(&[u8], Option<Key>)> = None;
+        for r in requests {
+            let key = match last {
+                Some((bytes, key)) if bytes == r.remote_key => key,
+                _ => {
+                    let key = Key::decode(r.remote_key);
+                    if let Some(Key::Map { token, .. }) = key {
+                        peer.ensure_mapped(token, self.timeout)?;
+                    }
+                    last = Some((r.remote_key, key));
+                    key
                 }
             };
-            self.completer
-                .complete(r.token, result.as_ref().map(|_| ()));
+            keys.push(key);
         }
-        if !cma_batch.is_empty() {
-            self.copy_cma(peer, requests, &cma_batch);
+        let mem = peer.state.copying.read().unwrap_or_else(|p| p.into_inner());
+        let (mut mapped, mut cma) = (Vec::new(), Vec::new());
+        let (mut mapped_bytes, mut cma_bytes) = (0u64, 0u64);
+        for (i, (r, key)) in requests.iter().zip(&keys).enumerate() {
+            let piece = |remote| Piece {
+                req: i,
+                op: r.op,
+                local: r.local_addr,
+                remote,
+                len: r.length,
+            };
+            let refused = match key {
+                None => Some(PluginError::new(ErrorCode::Protocol, "malformed shm key")),
+                Some(k) if mem.revoked.contains(&k.id()) || !within(k, r) => Some(refused_range(r)),
+                Some(Key::Map { token, base, .. }) => {
+                    match mapped_address(&mem, r, *token, *base) {
+                        Ok(at) => {
+                            mapped.push(piece(at));
+                            mapped_bytes += r.length;
+                            None
+                        }
+                        Err(e) => Some(e),
+                    }
+                }
+                Some(Key::Cma { .. }) => {
+                    cma.push(piece(r.remote_addr));
+                    cma_bytes += r.length;
+                    None
+                }
+            };
+            if let Some(e) = refused {
+                self.completer.complete(r.token, Err(&e));
+            }
+        }
+        // Large submissions are split over the copy threads near the local
+        // memory; small ones stay on this thread.
+        let pool = (copy::parts_for(mapped_bytes.max(cma_bytes), 2) > 1)
+            .then(|| self.pools.near(self.numa_node(requests)))
+            .flatten();
+        let copiers = pool.as_ref().map_or(1, |p| p.helpers() + 1);
+        let mut failed: HashMap<usize, PluginError> = HashMap::new();
+        // SAFETY: every mapped piece's remote range was checked inside a
+        // mapping that the copy lock (`mem`) keeps mapped until after the
+        // copies; every local range lies in a buffer the engine checked is
+        // registered here and keeps registered while the request is in flight.
+        let finished = unsafe {
+            copy::mapped(
+                pool.as_deref(),
+                &mapped,
+                copy::parts_for(mapped_bytes, copiers),
+                self.nontemporal,
+            )
+        };
+        if !finished {
+            for p in &mapped {
+                failed.insert(p.req, incomplete());
+            }
+        }
+        if !cma.is_empty() {
+            // SAFETY: as above for the local ranges; the kernel checks the
+            // remote ones against the peer's address space.
+            let cma_failed = unsafe {
+                copy::cma(
+                    pool.as_deref(),
+                    peer.endpoint.pid,
+                    &cma,
+                    copy::parts_for(cma_bytes, copiers),
+                )
+            };
+            for (req, why) in cma_failed {
+                failed
+                    .entry(req)
+                    .or_insert_with(|| self.cma_error(peer, &requests[req], why));
+            }
+        }
+        drop(mem);
+        for p in mapped.iter().chain(&cma) {
+            let r = &requests[p.req];
+            self.completer
+                .complete(r.token, failed.get(&p.req).map_or(Ok(()), Err));
         }
         Ok(())
     }
@@ -580,39 +676,41 @@ impl TransportInstance for ShmInstance {
     }
 }
 
-/// Copies one request through a mapping of the peer's allocation.
-fn copy_mapped(
+/// Whether the request's remote range lies inside the buffer of its key.
+fn within(key: &Key, r: &TransferRequest<'_>) -> bool {
+    let (base, len) = key.range();
+    r.remote_addr >= base
+        && r.remote_addr
+            .checked_add(r.length)
+            .is_some_and(|end| end <= base + len)
+}
+
+/// Where the request's remote range is in our mapping of the peer's
+/// allocation `token` (which starts at the peer's address `base`).
+fn mapped_address(
     mem: &PeerMemory,
     r: &TransferRequest<'_>,
     token: u64,
     base: u64,
-    len: u64,
-) -> PluginResult<()> {
+) -> PluginResult<u64> {
     let mapping = mem.mappings.get(&token).ok_or_else(|| refused_range(r))?;
     let off = r
         .remote_addr
         .checked_sub(base)
         .ok_or_else(|| refused_range(r))?;
     let end = off.checked_add(r.length).ok_or_else(|| refused_range(r))?;
-    if end > len.min(mapping.len) {
+    if end > mapping.len {
         return Err(refused_range(r));
     }
-    let remote = mapping.base.wrapping_add(off as usize);
-    let local = r.local_addr as *mut u8;
-    // SAFETY: [off, end) lies inside the mapping, which the copy lock keeps
-    // mapped; the local range lies in a buffer the engine checked is
-    // registered here and keeps registered while the request is in flight.
-    // ptr::copy tolerates the two ranges aliasing (same process, same file).
-    unsafe {
-        match r.op {
-            Op::Write => std::ptr::copy(local.cast_const(), remote, r.length as usize),
-            Op::Read => std::ptr::copy(remote.cast_const(), local, r.length as usize),
-        }
-    }
-    Ok(())
+    Ok(mapping.base as u64 + off)
 }
 
-const IOV_MAX: usize = 1024;
+fn incomplete() -> PluginError {
+    PluginError::new(
+        ErrorCode::Internal,
+        "shm: a copy thread stopped before finishing its part",
+    )
+}
 
 impl ShmInstance {
     fn cma_verdict(&self, e: &Endpoint) -> Result<(), String> {
@@ -637,70 +735,45 @@ impl ShmInstance {
         }
     }
 
-    /// Copies the cross-memory-attach requests `idx`, one system call per
-    /// run of up to IOV_MAX requests of the same operation.
-    fn copy_cma(&self, peer: &ShmPeer, requests: &[TransferRequest<'_>], idx: &[usize]) {
-        let mut start = 0;
-        while start < idx.len() {
-            let op = requests[idx[start]].op;
-            let mut end = start;
-            while end < idx.len() && end - start < IOV_MAX && requests[idx[end]].op == op {
-                end += 1;
-            }
-            let run = &idx[start..end];
-            let iov = |addr: u64, len: u64| libc::iovec {
-                iov_base: addr as *mut libc::c_void,
-                iov_len: len as usize,
-            };
-            let local: Vec<libc::iovec> = run
-                .iter()
-                .map(|&i| iov(requests[i].local_addr, requests[i].length))
-                .collect();
-            let remote: Vec<libc::iovec> = run
-                .iter()
-                .map(|&i| iov(requests[i].remote_addr, requests[i].length))
-                .collect();
-            // SAFETY: every local iovec is a range of a buffer the engine
-            // registered and keeps registered while the request is in flight.
-            let moved =
-                unsafe { cma::vectored(peer.endpoint.pid, op == Op::Write, &local, &remote) };
-            let mut done: u64 = match &moved {
-                Ok(n) => *n as u64,
-                Err(_) => 0,
-            };
-            for &i in run {
-                let r = &requests[i];
-                let result = if done >= r.length {
-                    done -= r.length;
-                    Ok(())
-                } else {
-                    done = 0;
-                    Err(match &moved {
-                        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => peer.gone(),
-                        Err(e) if e.raw_os_error() == Some(libc::EPERM) => PluginError::new(
-                            ErrorCode::Permission,
-                            format!("shm: {}", cma::explain_refusal(e, peer.endpoint.uid)),
-                        ),
-                        Err(e) => PluginError::new(
-                            ErrorCode::OutOfBounds,
-                            format!(
-                                "shm: cross-memory copy of [{:#x}, +{}) at {} failed: {e}",
-                                r.remote_addr, r.length, peer.name
-                            ),
-                        ),
-                        Ok(_) => PluginError::new(
-                            ErrorCode::OutOfBounds,
-                            format!(
-                                "shm: [{:#x}, +{}) is not mapped in {} any more",
-                                r.remote_addr, r.length, peer.name
-                            ),
-                        ),
-                    })
-                };
-                self.completer
-                    .complete(r.token, result.as_ref().map(|_| ()));
-            }
-            start = end;
+    /// The NUMA node of the first request's local buffer, when known.
+    fn numa_node(&self, requests: &[TransferRequest<'_>]) -> Option<u32> {
+        let handle = requests.first()?.local_mem;
+        self.owned
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .regions
+            .get(&handle)?
+            .numa_node
+    }
+
+    /// A failed cross-memory copy, in words.
+    fn cma_error(
+        &self,
+        peer: &ShmPeer,
+        r: &TransferRequest<'_>,
+        why: copy::Failure,
+    ) -> PluginError {
+        match why {
+            copy::Failure::Refused(e) if e.raw_os_error() == Some(libc::ESRCH) => peer.gone(),
+            copy::Failure::Refused(e) if e.raw_os_error() == Some(libc::EPERM) => PluginError::new(
+                ErrorCode::Permission,
+                format!("shm: {}", cma::explain_refusal(&e, peer.endpoint.uid)),
+            ),
+            copy::Failure::Refused(e) => PluginError::new(
+                ErrorCode::OutOfBounds,
+                format!(
+                    "shm: cross-memory copy of [{:#x}, +{}) at {} failed: {e}",
+                    r.remote_addr, r.length, peer.name
+                ),
+            ),
+            copy::Failure::Short => PluginError::new(
+                ErrorCode::OutOfBounds,
+                format!(
+                    "shm: [{:#x}, +{}) is not mapped in {} any more",
+                    r.remote_addr, r.length, peer.name
+                ),
+            ),
+            copy::Failure::Incomplete => incomplete(),
         }
     }
 }
