@@ -200,12 +200,16 @@ enum BenchMode {
         #[arg(long)]
         json: bool,
     },
-    /// This machine's single-thread memcpy bandwidth, for same-host ratios.
+    /// This machine's memcpy bandwidth on one thread and on --threads
+    /// threads (same run), for same-host ratios.
     MemcpyLimit {
         #[arg(long, default_value = "64M", value_parser = parse_size)]
         block: u64,
         #[arg(long, default_value_t = 2.0)]
         duration: f64,
+        /// Threads of the second measurement (the shm copy threads to compare with).
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
         #[arg(long)]
         json: bool,
     },
@@ -288,8 +292,9 @@ fn main() -> ExitCode {
             BenchMode::MemcpyLimit {
                 block,
                 duration,
+                threads,
                 json,
-            } => bench::memcpy_limit(block, duration, json),
+            } => bench::memcpy_limit(block, duration, threads, json),
             BenchMode::Initiator {
                 segment,
                 op,

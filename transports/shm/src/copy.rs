@@ -38,20 +38,25 @@ pub struct Piece {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NonTemporal {
     Off,
-    /// For every piece of at least this many bytes.
+    /// For every part (a thread's share of a submission) of at least this
+    /// many bytes.
     From(u64),
 }
 
 impl NonTemporal {
-    /// Below this, regular stores win: the data fits in cache anyway.
+    /// Parts smaller than this use regular stores: they fit in cache, and
+    /// the peer may read them from there.
     const DEFAULT_MIN: u64 = 256 << 10;
 
-    /// From the `shm.nontemporal` setting (`on`, `off`, or a minimum size
-    /// in bytes); Err explains a bad value.
+    /// From the `shm.nontemporal` setting: `on` (the default), `off`, or
+    /// the part size in bytes from which they are used; Err explains a bad
+    /// value.
     pub fn parse(v: Option<&str>) -> Result<NonTemporal, String> {
         match v.map(str::trim) {
-            None | Some("" | "off" | "0" | "false" | "no") => Ok(NonTemporal::Off),
-            Some("on" | "1" | "true" | "yes") => Ok(NonTemporal::From(Self::DEFAULT_MIN)),
+            Some("off" | "0" | "false" | "no") => Ok(NonTemporal::Off),
+            None | Some("" | "on" | "1" | "true" | "yes") => {
+                Ok(NonTemporal::From(Self::DEFAULT_MIN))
+            }
             Some(s) => s
                 .parse::<u64>()
                 .ok()
@@ -137,6 +142,7 @@ fn run_parts(
 /// returns.
 pub unsafe fn mapped(pool: Option<&Pool>, pieces: &[Piece], parts: usize, nt: NonTemporal) -> bool {
     run_parts(pool, pieces, parts, &|run| {
+        let nt = nt.applies(run.iter().map(|p| p.len).sum());
         for p in run {
             let (dst, src) = match p.op {
                 Op::Write => (p.remote, p.local),
@@ -249,16 +255,16 @@ unsafe fn cma_run(pid: i32, run: &[Piece], failed: &mut Vec<(usize, Failure)>) {
     }
 }
 
-/// Copies `len` bytes; with non-temporal stores when `nt` says so for this
-/// size and the ranges do not overlap (x86-64; elsewhere always memmove).
+/// Copies `len` bytes; with non-temporal stores when `nt` and the ranges
+/// do not overlap (x86-64; elsewhere always memmove).
 ///
 /// # Safety
 /// `src` readable and `dst` writable for `len` bytes.
-pub unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize, nt: NonTemporal) {
+pub unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize, nt: bool) {
     #[cfg(target_arch = "x86_64")]
     {
         let apart = (dst as usize).abs_diff(src as usize) >= len;
-        if nt.applies(len as u64) && apart {
+        if nt && len >= 64 && apart {
             // SAFETY: the caller's contract; the ranges do not overlap.
             unsafe { copy_streaming(dst, src, len) };
             return;
@@ -432,7 +438,8 @@ mod tests {
         assert!(dst[..256 << 10].iter().all(|b| *b == 7));
         assert!(dst[512 << 10..].iter().all(|b| *b == 7));
         assert!(NonTemporal::parse(Some("on")).unwrap().applies(1 << 20));
-        assert_eq!(NonTemporal::parse(None), Ok(NonTemporal::Off));
+        assert_eq!(NonTemporal::parse(Some("off")), Ok(NonTemporal::Off));
+        assert_eq!(NonTemporal::parse(None), NonTemporal::parse(Some("on")));
         assert!(NonTemporal::parse(Some("fast")).is_err());
     }
 }
