@@ -395,14 +395,7 @@ mod tests {
         for (off, len) in [(0, 0), (1, 63), (3, 64), (5, 4000), (17, 4983)] {
             let mut dst = vec![0u8; 5000];
             // SAFETY: [off, off + len) lies inside both vectors.
-            unsafe {
-                copy_bytes(
-                    dst.as_mut_ptr().add(off),
-                    src.as_ptr().add(off),
-                    len,
-                    NonTemporal::From(1),
-                )
-            };
+            unsafe { copy_bytes(dst.as_mut_ptr().add(off), src.as_ptr().add(off), len, true) };
             assert_eq!(dst[off..off + len], src[off..off + len]);
             assert!(dst[off + len..].iter().all(|b| *b == 0));
         }
