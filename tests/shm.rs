@@ -486,3 +486,30 @@ fn a_bad_shm_setting_leaves_tcp_and_says_why() {
             .collect::<String>();
     assert!(why.contains("FERRY_SHM_COPY_THREADS=\"lots\""), "{why}");
 }
+
+#[test]
+fn a_buffer_inside_engine_memory_is_mapped_at_its_offset() {
+    // Both engines in this process: the target's memory is checked directly.
+    let target = engine("shm");
+    let initiator = engine("shm");
+    let base = target.allocate_memory(8 << 20, None).unwrap();
+    target.unregister_memory(base).unwrap();
+    // Only a part of the allocation, at an offset inside its file.
+    let (sub, sub_len) = (base + (1 << 20) + 4096, 2u64 << 20);
+    target.register_memory(sub, sub_len, None).unwrap();
+    let seg = initiator.open_segment(target.segment_name()).unwrap();
+    let d = initiator.descriptor_of(seg).unwrap();
+    let key = d.buffers.iter().find(|b| b.addr == sub).unwrap().key("shm");
+    let key = String::from_utf8(key.unwrap()).unwrap();
+    assert!(key.starts_with("map ") && key.ends_with(" 101000"), "{key}");
+    let src = pattern(sub_len as usize, 9);
+    initiator
+        .register_memory(src.as_ptr() as u64, sub_len, None)
+        .unwrap();
+    let write = Request::new(Op::Write, src.as_ptr() as u64, seg, sub, sub_len);
+    initiator.transfer_sync(&[write]).unwrap();
+    // SAFETY: sub_len bytes of the target engine's own allocation, alive
+    // until `target` drops.
+    let got = unsafe { std::slice::from_raw_parts(sub as *const u8, sub_len as usize) };
+    assert!(got == &src[..]);
+}

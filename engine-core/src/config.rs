@@ -189,6 +189,15 @@ impl EngineConfig {
         Ok(c)
     }
 
+    /// A setting as plugins see it (`shm.hugepages`): set here, else the
+    /// environment's FERRY_SHM_HUGEPAGES.
+    pub fn setting(&self, key: &str) -> Option<String> {
+        self.settings
+            .get(key)
+            .cloned()
+            .or_else(|| std::env::var(ferry_loader::config_env_var(key)).ok())
+    }
+
     /// Sets one option by name, as the C API and tools do: `listen`,
     /// `hostname`, `timeout_ms`, `connect_timeout_ms`, `plugin_path`
     /// (colon list, searched first), `transports` (allow/deny list), or a

@@ -2,12 +2,18 @@
 //! one host, without the network stack.
 //!
 //! Two ways in, decided per buffer (each buffer's key says which):
-//! - **mapped**: memory the engine allocated through this plugin is a sealed
-//!   memfd; a peer gets the fd over the instances' Unix socket, maps it once
-//!   and copies with plain loads and stores. Needs no ptrace permission.
+//! - **mapped**: memory the engine allocated is a sealed memfd, which the
+//!   engine hands over at registration (`share_fd`); a peer gets the fd over
+//!   the instances' Unix socket, maps it once and copies with plain loads
+//!   and stores (non-temporal stores for large parts). Needs no ptrace
+//!   permission.
 //! - **cross-memory attach**: any other registered memory is read or
 //!   written with process_vm_readv/writev, batched into one system call per
-//!   batch. Needs the kernel's permission (same user, Yama, seccomp); when a
+//!   stretch of requests.
+//!
+//! Large submissions are split over a pool of copy threads near the memory
+//! (one pool per NUMA node, shared by all peers); small ones are copied on
+//! the submitting thread. Needs the kernel's permission (same user, Yama, seccomp); when a
 //!   peer cannot get it, `accepts` says why and the engine uses the next
 //!   transport (TCP).
 //!
@@ -16,9 +22,9 @@
 //! peer's socket is reachable (same network namespace) and belongs to the
 //! advertised process.
 //!
-//! Safety of the target: a peer only maps allocations with a live
-//! registration and only copies into ranges the engine checked against the
-//! target's descriptor. Unregistering tells every peer (REVOKE) and waits
+//! Safety of the target: a peer only gets the file of a live registration
+//! and only copies into ranges the engine checked against the target's
+//! descriptor (and this plugin against the buffer's key). Unregistering tells every peer (REVOKE) and waits
 //! until each confirms it has stopped touching the buffer; a revoked
 //! registration is never served again. Cross-memory attach needs ptrace-level
 //! permission, with which a process could write to the target anyway; Ferry
@@ -43,10 +49,9 @@ use ferry_plugins_abi::sdk::{
 };
 use ferry_plugins_abi::sys;
 use ferry_plugins_abi::ErrorCode;
-use memory::{Allocation, Mapping};
+use memory::{Mapping, SharedFile};
 use std::collections::{HashMap, HashSet};
 use std::ffi::CStr;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
@@ -93,10 +98,9 @@ impl ferry_plugins_abi::sdk::TransportPlugin for ShmTransport {
     type Instance = ShmInstance;
 
     fn probe(host: &Host<'_>, report: &mut ProbeReport<'_>) -> PluginResult<()> {
-        // Mapped memory needs memfd and a Unix socket: try both.
-        let alloc = memory::allocate(4096, false, 1)
+        // Mapped memory needs memfd.
+        memory::memfd()
             .map_err(|e| unavailable(format!("cannot create shareable memory (memfd): {e}")))?;
-        drop(alloc);
         report.set_capabilities(sys::FERRY_MEM_HOST, sys::FERRY_SCOPE_SAME_HOST);
         let huge = memory::hugetlb_pages();
         let copiers = pool::Copiers::parse(host.config("shm.copy_threads").as_deref())
@@ -172,37 +176,27 @@ struct Region {
     key: Key,
     /// The NUMA node of its memory, when known: copies run near it.
     numa_node: Option<u32>,
+    /// Memory the engine allocated: the file peers map (Key::Map).
+    file: Option<SharedFile>,
 }
 
 /// State shared by the instance and its socket server.
 #[derive(Default)]
 struct Owned {
-    /// Allocations by address.
-    allocations: HashMap<u64, Arc<Allocation>>,
     /// Registrations by handle.
     regions: HashMap<u64, Region>,
 }
 
 impl Owned {
-    fn allocation_containing(&self, addr: u64, len: u64) -> Option<&Arc<Allocation>> {
-        self.allocations
-            .values()
-            .find(|a| addr >= a.addr && addr.saturating_add(len) <= a.addr + a.len)
-    }
-
-    /// The fd behind `token`, while some registration still uses it.
-    fn shared_fd(&self, token: u64) -> Option<(i32, u64)> {
-        let live = self
-            .regions
-            .values()
-            .any(|r| matches!(r.key, Key::Map { token: t, .. } if t == token));
-        if !live {
-            return None;
-        }
-        self.allocations
-            .values()
-            .find(|a| a.token == token)
-            .map(|a| (a.fd.as_raw_fd(), a.mapped))
+    /// A duplicate of the file behind `token`, and its size, while its
+    /// registration lives.
+    fn shared_fd(&self, token: u64) -> Option<(std::os::fd::OwnedFd, u64)> {
+        self.regions.values().find_map(|r| match (&r.key, &r.file) {
+            (Key::Map { token: t, .. }, Some(f)) if *t == token => {
+                Some((f.fd.try_clone().ok()?, f.len))
+            }
+            _ => None,
+        })
     }
 }
 
@@ -212,7 +206,6 @@ pub struct ShmInstance {
     auth_timeout: Duration,
     completer: Completer,
     timeout: Duration,
-    hugepages: bool,
     nontemporal: NonTemporal,
     pools: pool::Pools,
     endpoint: Endpoint,
@@ -225,7 +218,6 @@ pub struct ShmInstance {
 impl ShmInstance {
     fn start(host: Host<'static>, params: InitParams, completer: Completer) -> PluginResult<Self> {
         let cma = setting_on(&host, "shm.cma");
-        let hugepages = setting_on(&host, "shm.hugepages");
         let bad = |e: String| PluginError::new(ErrorCode::InvalidArgument, e);
         let copiers =
             pool::Copiers::parse(host.config("shm.copy_threads").as_deref()).map_err(bad)?;
@@ -293,7 +285,6 @@ impl ShmInstance {
             auth_timeout,
             completer,
             timeout,
-            hugepages,
             nontemporal,
             pools,
             endpoint,
@@ -412,47 +403,6 @@ impl TransportInstance for ShmInstance {
         Ok(self.endpoint.encode())
     }
 
-    fn allocate_memory(&self, len: u64, _numa_node: Option<u32>) -> Option<PluginResult<u64>> {
-        let token = random_u64();
-        Some(match memory::allocate(len, self.hugepages, token) {
-            Ok(a) => {
-                let addr = a.addr;
-                self.host.debug(&format!(
-                    "shm: allocated {len} bytes at {addr:#x} ({})",
-                    if a.huge { "huge pages" } else { "normal pages" }
-                ));
-                self.owned_mut().allocations.insert(addr, Arc::new(a));
-                Ok(addr)
-            }
-            Err(e) => Err(PluginError::new(
-                ErrorCode::NoMemory,
-                format!("shm: cannot allocate {len} bytes of shareable memory: {e}"),
-            )),
-        })
-    }
-
-    fn free_memory(&self, addr: u64) -> PluginResult<()> {
-        let mut owned = self.owned_mut();
-        let a = owned.allocations.get(&addr).cloned().ok_or_else(|| {
-            PluginError::new(
-                ErrorCode::NotFound,
-                format!("shm allocated nothing at {addr:#x}"),
-            )
-        })?;
-        let used = owned
-            .regions
-            .values()
-            .any(|r| matches!(r.key, Key::Map { token, .. } if token == a.token));
-        if used {
-            return Err(PluginError::new(
-                ErrorCode::Busy,
-                format!("memory at {addr:#x} is still registered"),
-            ));
-        }
-        owned.allocations.remove(&addr);
-        Ok(())
-    }
-
     fn register_memory(&self, region: &MemRegion) -> PluginResult<Registration> {
         if region.mem_kind != sys::FERRY_MEM_HOST {
             return Err(PluginError::new(
@@ -468,25 +418,62 @@ impl TransportInstance for ShmInstance {
             });
         }
         let id = self.next_id.fetch_add(1, Ordering::SeqCst);
-        let mut owned = self.owned_mut();
-        let key = match owned.allocation_containing(region.addr, region.len) {
-            Some(a) => Key::Map {
-                id,
-                token: a.token,
-                base: a.addr,
-                len: a.len,
-            },
-            None => Key::Cma {
-                id,
-                base: region.addr,
-                len: region.len,
-            },
+        // Memory the engine allocated comes with its file: peers map it.
+        // Anything else (or a file that does not hold the range) is reached
+        // by cross-memory attach.
+        let shared = region
+            .share_fd
+            .and_then(|(fd, offset)| match SharedFile::dup(fd) {
+                Ok(f)
+                    if offset
+                        .checked_add(region.len)
+                        .is_some_and(|end| end <= f.len) =>
+                {
+                    Some((f, offset))
+                }
+                Ok(_) => {
+                    self.host.warn(&format!(
+                        "shm: the engine's file for [{:#x}, +{}) is shorter than the buffer; \
+                         peers reach it by cross-memory attach",
+                        region.addr, region.len
+                    ));
+                    None
+                }
+                Err(e) => {
+                    self.host.warn(&format!(
+                        "shm: cannot keep the engine's file for [{:#x}, +{}) ({e}); peers \
+                         reach it by cross-memory attach",
+                        region.addr, region.len
+                    ));
+                    None
+                }
+            });
+        let (key, file) = match shared {
+            Some((file, offset)) => (
+                Key::Map {
+                    id,
+                    token: random_u64(),
+                    base: region.addr,
+                    len: region.len,
+                    offset,
+                },
+                Some(file),
+            ),
+            None => (
+                Key::Cma {
+                    id,
+                    base: region.addr,
+                    len: region.len,
+                },
+                None,
+            ),
         };
-        owned.regions.insert(
+        self.owned_mut().regions.insert(
             id,
             Region {
                 key,
                 numa_node: region.numa_node,
+                file,
             },
         );
         Ok(Registration {
@@ -608,16 +595,19 @@ impl TransportInstance for ShmInstance {
             let refused = match key {
                 None => Some(PluginError::new(ErrorCode::Protocol, "malformed shm key")),
                 Some(k) if mem.revoked.contains(&k.id()) || !within(k, r) => Some(refused_range(r)),
-                Some(Key::Map { token, base, .. }) => {
-                    match mapped_address(&mem, r, *token, *base) {
-                        Ok(at) => {
-                            mapped.push(piece(at));
-                            mapped_bytes += r.length;
-                            None
-                        }
-                        Err(e) => Some(e),
+                Some(Key::Map {
+                    token,
+                    base,
+                    offset,
+                    ..
+                }) => match mapped_address(&mem, r, *token, *base, *offset) {
+                    Ok(at) => {
+                        mapped.push(piece(at));
+                        mapped_bytes += r.length;
+                        None
                     }
-                }
+                    Err(e) => Some(e),
+                },
                 Some(Key::Cma { .. }) => {
                     cma.push(piece(r.remote_addr));
                     cma_bytes += r.length;
@@ -699,18 +689,20 @@ fn within(key: &Key, r: &TransferRequest<'_>) -> bool {
             .is_some_and(|end| end <= base + len)
 }
 
-/// Where the request's remote range is in our mapping of the peer's
-/// allocation `token` (which starts at the peer's address `base`).
+/// Where the request's remote range is in our mapping of the peer's file
+/// `token` (whose byte `offset` is the peer's address `base`).
 fn mapped_address(
     mem: &PeerMemory,
     r: &TransferRequest<'_>,
     token: u64,
     base: u64,
+    offset: u64,
 ) -> PluginResult<u64> {
     let mapping = mem.mappings.get(&token).ok_or_else(|| refused_range(r))?;
     let off = r
         .remote_addr
         .checked_sub(base)
+        .and_then(|o| o.checked_add(offset))
         .ok_or_else(|| refused_range(r))?;
     let end = off.checked_add(r.length).ok_or_else(|| refused_range(r))?;
     if end > mapping.len {
