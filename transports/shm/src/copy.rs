@@ -340,14 +340,14 @@ mod tests {
             let (cut, starts) = split(&pieces, parts);
             assert!(starts.len() - 1 <= parts, "{parts}: {starts:?}");
             assert_eq!(*starts.last().unwrap(), cut.len());
-            for req in 0..3 {
+            for (req, whole) in pieces.iter().enumerate() {
                 let mine: Vec<&Piece> = cut.iter().filter(|p| p.req == req).collect();
-                assert_eq!(mine.iter().map(|p| p.len).sum::<u64>(), pieces[req].len);
+                assert_eq!(mine.iter().map(|p| p.len).sum::<u64>(), whole.len);
                 // Consecutive, gapless slices of the request.
-                let mut at = pieces[req].local;
+                let mut at = whole.local;
                 for p in mine {
                     assert_eq!(p.local, at);
-                    assert_eq!(p.remote - pieces[req].remote, at - pieces[req].local);
+                    assert_eq!(p.remote - whole.remote, at - whole.local);
                     at += p.len;
                 }
             }
