@@ -133,10 +133,11 @@ measure() {
     l50=$(printf '%s\n' "${p50[@]:-0}" | median)
     l99=$(printf '%s\n' "${p99[@]:-0}" | median)
     GBS["$transport/$way/$op/$block/$batch/$nt"]=$g
-    local r1 rt
+    local r1 rt ntx=n/a
+    [ "$transport/$way" = shm/mapped ] && ntx=${nt:-${FERRY_SHM_NONTEMPORAL:-on}}
     r1=$(ratio "$g" "${M1[$block]}")
     rt=$(ratio "$g" "${MT[$block]}")
-    ROWS+=("{\"transport\":\"$transport\",\"way\":\"$way\",\"op\":\"$op\",\"block\":\"$block\",\"batch\":$batch,\"nontemporal\":\"${nt:-${FERRY_SHM_NONTEMPORAL:-on}}\",\"runs\":${#gbs[@]},\"gb_per_s\":$g,\"ops_per_s\":$o,\"p50_us\":$l50,\"p99_us\":$l99,\"ratio_memcpy_1_thread\":$r1,\"ratio_memcpy_threads\":$rt}")
+    ROWS+=("{\"transport\":\"$transport\",\"way\":\"$way\",\"op\":\"$op\",\"block\":\"$block\",\"batch\":$batch,\"nontemporal\":\"$ntx\",\"runs\":${#gbs[@]},\"gb_per_s\":$g,\"ops_per_s\":$o,\"p50_us\":$l50,\"p99_us\":$l99,\"ratio_memcpy_1_thread\":$r1,\"ratio_memcpy_threads\":$rt}")
     TABLE+=("$(printf '| %s | %s%s | %s | %s x %s | %.2f | %.0f | %.1f / %.1f | %s | %s |' \
         "$transport" "$way" "${nt:+, nt $nt}" "$op" "$block" "$batch" "$g" "$o" "$l50" "$l99" "$r1" "$rt")")
 }

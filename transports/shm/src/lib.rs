@@ -105,7 +105,7 @@ impl ferry_plugins_abi::sdk::TransportPlugin for ShmTransport {
         let huge = memory::hugetlb_pages();
         let copiers = pool::Copiers::parse(host.config("shm.copy_threads").as_deref())
             .map_err(|e| PluginError::new(ErrorCode::InvalidArgument, e))?
-            .for_node(numa::current_node());
+            .for_node(numa::NodeMap::read().resolve(None));
         let declared = speed::measure(copiers);
         let detail = format!(
             "mapped memfd (sealed); huge pages: {} hugetlb pages configured, shmem THP '{}'; \

@@ -60,31 +60,55 @@ pub fn node_cpus(node: u32) -> BTreeSet<usize> {
     }
 }
 
-/// The NUMA node of the CPU the calling thread runs on (0 when unknown).
-pub fn current_node() -> u32 {
-    // SAFETY: sched_getcpu has no preconditions.
-    let cpu = unsafe { libc::sched_getcpu() };
-    if cpu < 0 {
-        return 0;
-    }
-    let Ok(entries) = std::fs::read_dir(NODE_ROOT) else {
-        return 0;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(n) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix("node"))
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
+/// Which node each CPU belongs to, read once.
+pub struct NodeMap {
+    /// Node of CPU i; CPUs sysfs does not place count as node 0.
+    cpu_node: Vec<u32>,
+    nodes: BTreeSet<u32>,
+}
+
+impl NodeMap {
+    pub fn read() -> NodeMap {
+        let mut map = NodeMap {
+            cpu_node: Vec::new(),
+            nodes: BTreeSet::new(),
         };
-        let list = std::fs::read_to_string(e.path().join("cpulist")).unwrap_or_default();
-        if parse_cpulist(&list).contains(&(cpu as usize)) {
-            return n;
+        for e in std::fs::read_dir(NODE_ROOT).into_iter().flatten().flatten() {
+            let name = e.file_name();
+            let Some(n) = name
+                .to_str()
+                .and_then(|n| n.strip_prefix("node"))
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            map.nodes.insert(n);
+            let list = std::fs::read_to_string(e.path().join("cpulist")).unwrap_or_default();
+            for cpu in parse_cpulist(&list) {
+                if map.cpu_node.len() <= cpu {
+                    map.cpu_node.resize(cpu + 1, 0);
+                }
+                map.cpu_node[cpu] = n;
+            }
+        }
+        map
+    }
+
+    /// `node` when this host has it, else the node of the CPU the calling
+    /// thread runs on (0 when unknown).
+    pub fn resolve(&self, node: Option<u32>) -> u32 {
+        match node {
+            Some(n) if self.nodes.contains(&n) => n,
+            _ => {
+                // SAFETY: sched_getcpu has no preconditions.
+                let cpu = unsafe { libc::sched_getcpu() };
+                usize::try_from(cpu)
+                    .ok()
+                    .and_then(|c| self.cpu_node.get(c).copied())
+                    .unwrap_or(0)
+            }
         }
     }
-    0
 }
 
 /// Lets the calling thread run only on `cpus` (ignored when empty or when
@@ -119,6 +143,8 @@ mod tests {
     #[test]
     fn this_process_has_cpus_on_its_node() {
         assert!(!allowed_cpus().is_empty());
-        assert!(!node_cpus(current_node()).is_empty());
+        let map = NodeMap::read();
+        assert!(!node_cpus(map.resolve(None)).is_empty());
+        assert_eq!(map.resolve(Some(100_000)), map.resolve(None));
     }
 }

@@ -234,6 +234,7 @@ impl Copiers {
 /// The pools of one instance, by NUMA node.
 pub struct Pools {
     copiers: Copiers,
+    nodes: numa::NodeMap,
     pools: Mutex<HashMap<u32, Arc<Pool>>>,
     /// Called once per pool created, with a line for the log.
     announce: Box<dyn Fn(&str) + Send + Sync>,
@@ -243,6 +244,7 @@ impl Pools {
     pub fn new(copiers: Copiers, announce: Box<dyn Fn(&str) + Send + Sync>) -> Pools {
         Pools {
             copiers,
+            nodes: numa::NodeMap::read(),
             pools: Mutex::default(),
             announce,
         }
@@ -250,9 +252,7 @@ impl Pools {
 
     /// The pool near `node` (a node this host has; else the caller's).
     pub fn near(&self, node: Option<u32>) -> Option<Arc<Pool>> {
-        let node = node
-            .filter(|n| std::path::Path::new(&format!("/sys/devices/system/node/node{n}")).exists())
-            .unwrap_or_else(numa::current_node);
+        let node = self.nodes.resolve(node);
         let mut pools = lock(&self.pools);
         if let Some(p) = pools.get(&node) {
             return Some(p.clone());
