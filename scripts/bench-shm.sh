@@ -20,24 +20,33 @@
 #
 # Builds with cargo unless --no-build (or FERRY_PREBUILT=1) is given or cargo
 # is missing: then it uses the binaries in FERRY_BIN_DIR (default
-# target/release: ferry and the libferry_transport_{shm,tcp}.so plugins),
-# so a machine without Rust runs a build carried to it. Needs bash, awk,
-# sed, sort and nproc only.
+# target/release when it holds a ferry binary, else target/bench-bin: ferry
+# and the libferry_transport_{shm,tcp}.so plugins, found through
+# FERRY_PLUGIN_PATH), so a machine without Rust runs a build carried to it.
+# `--stage` builds and puts just those files, stripped, in target/bench-bin
+# (about 20 MB; target/release is hundreds) and exits. Needs bash, awk, sed,
+# sort and nproc only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 JSON=0
 BUILD=1
+STAGE=0
 [ "${FERRY_PREBUILT:-0}" = 1 ] && BUILD=0
 for arg in "$@"; do
     case "$arg" in
         --json) JSON=1 ;;
         --no-build) BUILD=0 ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
-        *) echo "unknown argument $arg (use --json, --no-build)" >&2; exit 2 ;;
+        --stage) STAGE=1 ;;
+        -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+        *) echo "unknown argument $arg (use --json, --no-build, --stage)" >&2; exit 2 ;;
     esac
 done
-BIN_DIR=${FERRY_BIN_DIR:-target/release}
+BIN_DIR=${FERRY_BIN_DIR:-}
+if [ -z "$BIN_DIR" ]; then
+    BIN_DIR=target/release
+    [ -x target/release/ferry ] || [ "$STAGE" = 1 ] || BIN_DIR=target/bench-bin
+fi
 if [ "$BUILD" = 1 ] && ! command -v cargo >/dev/null 2>&1; then
     if [ -x "$BIN_DIR/ferry" ]; then
         echo "==> no cargo here: using the prebuilt binaries in $BIN_DIR" >&2
@@ -52,10 +61,22 @@ if [ "$BUILD" = 1 ]; then
     ensure_base
     cargo build --release --locked -q -p ferry-cli -p ferry-transport-shm -p ferry-transport-tcp
 fi
-B=$BIN_DIR/ferry
-for f in "$B" "$BIN_DIR/libferry_transport_shm.so" "$BIN_DIR/libferry_transport_tcp.so"; do
-    [ -e "$f" ] || { echo "error: $f is missing (build it, or set FERRY_BIN_DIR)" >&2; exit 1; }
+FILES="ferry libferry_transport_shm.so libferry_transport_tcp.so"
+for f in $FILES; do
+    [ -e "$BIN_DIR/$f" ] || { echo "error: $BIN_DIR/$f is missing (build it, or set FERRY_BIN_DIR)" >&2; exit 1; }
 done
+if [ "$STAGE" = 1 ]; then
+    mkdir -p target/bench-bin
+    for f in $FILES; do
+        cp -f "$BIN_DIR/$f" target/bench-bin/
+        if command -v strip >/dev/null 2>&1; then strip --strip-debug "target/bench-bin/$f"; fi
+    done
+    echo "staged in target/bench-bin ($(du -sh target/bench-bin | cut -f1)): carry it and run this script there" >&2
+    exit 0
+fi
+B=$BIN_DIR/ferry
+# Plugins beside the binary, wherever it was carried.
+export FERRY_PLUGIN_PATH=${FERRY_PLUGIN_PATH:-$(cd "$BIN_DIR" && pwd)}
 
 RUNS=${RUNS:-3}
 DURATION=${DURATION:-2}

@@ -179,6 +179,23 @@ pub fn initiator(args: InitiatorArgs) -> Result<(), String> {
         Err(e) => return Err(e.to_string()),
     };
 
+    // One untimed batch first: connecting, and mapping the peer's memory
+    // (shm maps a whole allocation once), are not part of the figure.
+    let warm: Vec<Request> = (0..(args.batch_size as u64).min(slots))
+        .map(|k| {
+            let mut r = Request::new(
+                args.op,
+                local_addr + (k % local_slots) * args.block_size,
+                seg,
+                remote.0 + k * args.block_size,
+                args.block_size,
+            );
+            r.transport = args.transport.clone();
+            r
+        })
+        .collect();
+    run_batch(&engine, &warm, engine.config().timeout * 2)
+        .map_err(|e| format!("the first batch failed: {e}"))?;
     let stop = Arc::new(AtomicBool::new(false));
     let bytes = Arc::new(AtomicU64::new(0));
     let latencies = Arc::new(Mutex::new(Vec::<f64>::new()));
