@@ -60,7 +60,9 @@ Environment (defaults, and each one's EngineConfig key, in README.md):
   FERRY_TCP_MAX_CONNECTIONS      TCP data connections a target serves (1024)
   FERRY_TCP_MAX_CONNECTIONS_PER_HOST  of those, from one host (256)
   FERRY_SHM_CMA                  on, or off: no cross-memory attach
-  FERRY_SHM_HUGEPAGES            on, or off: normal pages
+  FERRY_SHM_HUGEPAGES            on, or off: engine allocations use normal pages
+  FERRY_SHM_COPY_THREADS         threads per large shm copy (auto: the NUMA node's CPUs)
+  FERRY_SHM_NONTEMPORAL          on, off, or bytes from which streaming stores are used
   FERRY_RDMA_SLICE_BYTES         RDMA slice size (1048576)
   FERRY_RDMA_RAILS               NIC pairs per request (0: all equally close)
   FERRY_RDMA_GID_INDEX           GID index on RoCE ports (chosen)
