@@ -109,7 +109,7 @@ impl ferry_plugins_abi::sdk::TransportPlugin for ShmTransport {
         let declared = speed::measure(copiers);
         let detail = format!(
             "mapped memfd (sealed); huge pages: {} hugetlb pages configured, shmem THP '{}'; \
-             {} copy thread(s); declares {:.1} GB/s (0.8 x memcpy on {} thread(s), {:.1} GB/s \
+             copies on {} thread(s); declares {:.1} GB/s (0.8 x memcpy on {} thread(s), {:.1} GB/s \
              measured now) and {} us",
             huge,
             memory::shmem_thp(),
