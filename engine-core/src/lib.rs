@@ -34,6 +34,7 @@ pub mod info;
 pub mod location;
 pub mod memory;
 pub mod metadata;
+mod shared_memory;
 pub mod topology;
 pub mod transport;
 

@@ -23,6 +23,9 @@ pub struct RegionSpec<'a> {
     /// `addr`'s offset inside the exported buffer.
     pub dmabuf: Option<(i32, u64)>,
     pub local_only: bool,
+    /// Host memory the engine allocated: the memfd holding it (borrowed
+    /// for the call) and `addr`'s offset inside it.
+    pub share: Option<(i32, u64)>,
 }
 
 /// Receives completions from plugins; implemented by the batch table.
@@ -325,9 +328,9 @@ impl Transport {
             },
             reserved: 0,
             dmabuf_offset: r.dmabuf.map_or(0, |(_, off)| off),
-            share_fd: -1,
+            share_fd: r.share.map_or(-1, |(fd, _)| fd),
             reserved2: 0,
-            share_offset: 0,
+            share_offset: r.share.map_or(0, |(_, off)| off),
         };
         // One call, with room for any key the descriptor can carry: calling
         // again for a longer key would register the buffer twice (plugin.h,
