@@ -62,10 +62,13 @@ impl Shared {
                     dmabuf: None,
                     local_only,
                 };
-                if let Some(r) =
+                // Same-host peers first: a copy-engine transport shares the
+                // memory itself; RDMA NICs register it by the GPU-direct ladder.
+                let direct = self.gpu_direct.register_ipc(i, t, &spec).or_else(|| {
                     self.gpu_direct
                         .register(i, t, &self.devices.plugins[plugin], &spec)
-                {
+                });
+                if let Some(r) = direct {
                     registrations.push(r);
                 }
                 continue;

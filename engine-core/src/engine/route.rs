@@ -31,7 +31,7 @@ impl Shared {
         let (t, reason) = match planner.select(&local, &seg, &view, remote, None, true) {
             Ok(r) => r,
             Err(e) if local.device.is_none() && !remote_on_device => return Err(e),
-            Err(_) => {
+            Err(direct) => {
                 // Device memory that no transport moves directly is staged:
                 // the host leg runs between pinned slots.
                 let host_local = match local.device {
@@ -53,8 +53,11 @@ impl Shared {
                     t,
                     format!(
                         "{} memory to {} memory: no transport moves device memory directly here, \
-                         so it is staged through pinned host memory {sides}, pipelined; host leg: {host_reason}",
-                        local.location, view.buffers[remote].location
+                         so it is staged through pinned host memory {sides}, pipelined; host leg: \
+                         {host_reason}; not direct: {}",
+                        local.location,
+                        view.buffers[remote].location,
+                        direct.message
                     ),
                 )
             }

@@ -134,6 +134,10 @@ pub fn recv_frame(s: &UnixStream, frame: &mut [u8]) -> io::Result<Option<Vec<Own
     let mut got = 0;
     let mut fds: Vec<OwnedFd> = Vec::new();
     let mut too_many = false;
+    // A socket timeout in the middle of a frame is waited out (up to this
+    // many times): the rest is on its way, and dropping the part read would
+    // lose the frame boundary.
+    let mut stalls = 0;
     while got < frame.len() {
         let mut control = ControlBuf([0; 128]);
         let mut iov = libc::iovec {
@@ -151,7 +155,9 @@ pub fn recv_frame(s: &UnixStream, frame: &mut [u8]) -> io::Result<Option<Vec<Own
         let n = unsafe { libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
         if n < 0 {
             let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
+            let timed_out = matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut);
+            if e.kind() == io::ErrorKind::Interrupted || (timed_out && got > 0 && stalls < 100) {
+                stalls += 1;
                 continue;
             }
             return Err(e);

@@ -12,7 +12,7 @@ use ferry_cuda_driver::driver::*;
 use ferry_cuda_driver::PrimaryContext;
 use ferry_plugins_abi::sdk::{PluginError, PluginResult};
 use ferry_plugins_abi::ErrorCode;
-use std::ffi::{c_int, c_uint, c_void};
+use std::ffi::{c_int, c_void};
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};

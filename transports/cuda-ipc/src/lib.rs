@@ -473,8 +473,8 @@ impl CudaIpcPeer {
         )
     }
 
-    /// The peer's registration `key.id`, opened on first use (on GPU `gpu`
-    /// for host memory, on the GPU that owns it for device memory).
+    /// The peer's registration `key.id`, opened on first use, on GPU `gpu`
+    /// (the one that runs the copies to and from it).
     fn import(&self, inst: &CudaIpcInstance, key: &Key, gpu: usize) -> PluginResult<Arc<Import>> {
         if let Some(i) = self
             .state
@@ -491,10 +491,6 @@ impl CudaIpcPeer {
         if self.client.is_dead() {
             return Err(self.gone());
         }
-        let owner = match &key.memory {
-            Memory::Device { gpu: uuid } => inst.gpus.by_uuid(uuid).unwrap_or(gpu),
-            Memory::Host { .. } => gpu,
-        };
         let opened = self.client.open(key.id, inst.timeout).map_err(|e| {
             PluginError::new(e.code, format!("cuda-ipc: {}: {}", self.name, e.message))
         })?;
@@ -511,9 +507,11 @@ impl CudaIpcPeer {
                 ),
             ));
         }
+        // Opened in the context of the GPU that runs the copies: the driver
+        // then enables peer access from it to the owner's GPU.
         let import = Arc::new(Import::open(
             &inst.gpus,
-            owner,
+            gpu,
             self.same_process,
             opened,
             &inst.ipc_cache,
