@@ -25,6 +25,7 @@
 //!   (default 4).
 
 mod channel;
+mod copies;
 mod gpu;
 mod import;
 pub mod wire;
@@ -36,7 +37,8 @@ use ferry_plugins_abi::sdk::{
     ProbeReport, Registration, TransferRequest, TransportInstance,
 };
 use ferry_plugins_abi::{sys, ErrorCode};
-use gpu::{Event, Gpus, Poll};
+use copies::{Copies, InFlight};
+use gpu::Gpus;
 use import::{Import, IpcCache, OPEN_MAPPINGS};
 use std::collections::{HashMap, HashSet};
 use std::ffi::CStr;
@@ -197,14 +199,6 @@ struct LocalReg {
 
 type Exports = RwLock<HashMap<u64, Arc<Exported>>>;
 
-/// A copy queued on a GPU, until its event says it is done.
-struct InFlight {
-    event: Event,
-    token: u64,
-    /// Keeps the peer's mapping open until the copy is done.
-    _import: Arc<Import>,
-}
-
 pub struct CudaIpcInstance {
     host: Host<'static>,
     completer: Completer,
@@ -216,7 +210,8 @@ pub struct CudaIpcInstance {
     locals: RwLock<HashMap<u64, LocalReg>>,
     exports: Arc<Exports>,
     ipc_cache: Arc<IpcCache>,
-    inflight: Mutex<Vec<InFlight>>,
+    copies: Arc<Copies>,
+    poller: Mutex<Option<std::thread::JoinHandle<()>>>,
     next_id: AtomicU64,
     // Last: peers' connections to it close before the state above goes.
     server: Server,
@@ -278,6 +273,12 @@ impl CudaIpcInstance {
             boot: boot_id(),
             socket,
         };
+        let (copies, poller) = Copies::start(gpus.clone(), completer).map_err(|e| {
+            PluginError::new(
+                ErrorCode::Io,
+                format!("cuda-ipc: cannot start its completion thread: {e}"),
+            )
+        })?;
         host.info(&format!(
             "cuda-ipc: ready for engine {} ({} GPU(s), {} copy streams each{})",
             params.engine_name,
@@ -296,7 +297,8 @@ impl CudaIpcInstance {
             locals: RwLock::default(),
             exports,
             ipc_cache: Arc::default(),
-            inflight: Mutex::new(Vec::new()),
+            copies,
+            poller: Mutex::new(Some(poller)),
             next_id: AtomicU64::new(random_u64() >> 1),
             server,
         })
@@ -383,7 +385,7 @@ impl CudaIpcInstance {
             Ok(InFlight {
                 event,
                 token: r.token,
-                _import: import.clone(),
+                import: import.clone(),
             })
         })
     }
@@ -392,17 +394,8 @@ impl CudaIpcInstance {
 impl Drop for CudaIpcInstance {
     fn drop(&mut self) {
         // Complete what is in flight before the mappings go.
-        self.gpus.sync_all();
-        while !lock(&self.inflight).is_empty() {
-            if self.progress() == 0 {
-                let failed: Vec<InFlight> = lock(&self.inflight).drain(..).collect();
-                for f in failed {
-                    self.completer.complete(
-                        f.token,
-                        Err(&PluginError::new(ErrorCode::Cancelled, "cuda-ipc: shut down")),
-                    );
-                }
-            }
+        if let Some(p) = lock(&self.poller).take() {
+            self.copies.shut_down(p);
         }
     }
 }
@@ -745,31 +738,13 @@ impl TransportInstance for CudaIpcInstance {
                 Err(e) => self.completer.complete(r.token, Err(&e)),
             }
         }
-        lock(&self.inflight).extend(queued);
-        self.progress();
+        self.copies.add(queued);
+        self.copies.progress();
         Ok(())
     }
 
     fn progress(&self) -> usize {
-        let Ok(mut inflight) = self.inflight.try_lock() else {
-            return 0;
-        };
-        let mut done = Vec::new();
-        let mut i = 0;
-        while i < inflight.len() {
-            match self.gpus.poll(inflight[i].event) {
-                Poll::Pending => i += 1,
-                Poll::Done => done.push((inflight.swap_remove(i), None)),
-                Poll::Failed(e) => done.push((inflight.swap_remove(i), Some(e))),
-            }
-        }
-        drop(inflight);
-        let n = done.len();
-        for (f, err) in done {
-            self.gpus.recycle(f.event);
-            self.completer.complete(f.token, err.as_ref().map_or(Ok(()), Err));
-        }
-        n
+        self.copies.progress()
     }
 
     fn describe_peer(&self, peer: &CudaIpcPeer) -> Option<String> {
