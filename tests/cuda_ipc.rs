@@ -36,7 +36,15 @@ fn emulator() -> &'static Path {
         let out = dir.path().join("libcuda.so.1");
         let src = ferry_tests::repo_root().join("tests/cuda-emulator/libcuda.c");
         let o = Command::new(c_compiler())
-            .args(["-shared", "-fPIC", "-std=gnu11", "-O1", "-Wall", "-Wextra", "-Werror"])
+            .args([
+                "-shared",
+                "-fPIC",
+                "-std=gnu11",
+                "-O1",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+            ])
             .args(["-fvisibility=hidden", "-Wl,-soname,libcuda.so.1", "-o"])
             .arg(&out)
             .arg(&src)
@@ -60,12 +68,18 @@ fn child(name: &str, extra: &[(&str, &str)]) -> String {
     built("libferry_transport_cuda_ipc.so");
     built("libferry_device_cuda.so");
     let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([name, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
-        .env(CHILD, "1")
-        .env("FERRY_CUDA_LIBRARY", emulator())
-        .env("FERRY_TRANSPORTS", "cuda-ipc,tcp")
-        .env("FERRY_TIMEOUT_MS", "10000")
-        .env("RUST_LOG", "info");
+    cmd.args([
+        name,
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(CHILD, "1")
+    .env("FERRY_CUDA_LIBRARY", emulator())
+    .env("FERRY_TRANSPORTS", "cuda-ipc,tcp")
+    .env("FERRY_TIMEOUT_MS", "10000")
+    .env("RUST_LOG", "info");
     for (k, v) in extra {
         cmd.env(k, v);
     }
@@ -76,7 +90,10 @@ fn child(name: &str, extra: &[(&str, &str)]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(out.status.success(), "child {name} failed:\n{text}");
-    assert!(text.contains("1 passed"), "child {name} did not run:\n{text}");
+    assert!(
+        text.contains("1 passed"),
+        "child {name} did not run:\n{text}"
+    );
     text
 }
 
@@ -88,12 +105,18 @@ fn cumemalloc_memory_by_ipc_handle() {
 #[test]
 fn vmm_memory_by_fd_per_chunk() {
     // 1 MiB chunks: each registration spans several; the second starts inside one.
-    child("scenario_direct", &[("FERRY_CUDA_EMU_VMM_CHUNK", "1048576")]);
+    child(
+        "scenario_direct",
+        &[("FERRY_CUDA_EMU_VMM_CHUNK", "1048576")],
+    );
 }
 
 #[test]
 fn completions_come_from_polled_events() {
-    child("scenario_direct", &[("FERRY_CUDA_EMU_COPY_DELAY_US", "2000")]);
+    child(
+        "scenario_direct",
+        &[("FERRY_CUDA_EMU_COPY_DELAY_US", "2000")],
+    );
 }
 
 #[test]
@@ -174,7 +197,9 @@ fn target_process() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
-    let base = e.allocate_device(Location::Cuda(gpu), TARGET_ALLOC).unwrap();
+    let base = e
+        .allocate_device(Location::Cuda(gpu), TARGET_ALLOC)
+        .unwrap();
     let fill = pattern(TARGET_ALLOC as usize, 7);
     // SAFETY: fill is a live Vec of TARGET_ALLOC bytes; base device memory as long.
     unsafe { e.copy_memory(base, fill.as_ptr() as u64, TARGET_ALLOC) }.unwrap();
@@ -229,7 +254,13 @@ struct Target {
 impl Target {
     fn start() -> Target {
         let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["target_process", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+            .args([
+                "target_process",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -240,7 +271,10 @@ impl Target {
         // The test harness prints "test target_process ... " before it.
         let ready = loop {
             line.clear();
-            assert!(stdout.read_line(&mut line).unwrap() > 0, "the target exited");
+            assert!(
+                stdout.read_line(&mut line).unwrap() > 0,
+                "the target exited"
+            );
             if let Some(at) = line.find("ready ") {
                 break line[at..].to_string();
             }
@@ -261,7 +295,10 @@ impl Target {
         let mut reply = String::new();
         loop {
             reply.clear();
-            assert!(self.stdout.read_line(&mut reply).unwrap() > 0, "the target exited");
+            assert!(
+                self.stdout.read_line(&mut reply).unwrap() > 0,
+                "the target exited"
+            );
             let r = reply.trim();
             if r == "ok" || r == "bad" || r.starts_with("error") || r == "unknown" {
                 return r.to_string();
@@ -343,20 +380,37 @@ fn scenario_direct() {
                 .collect::<Vec<_>>()
         };
         e.transfer_sync(&reqs(Op::Write, src)).unwrap();
-        assert_eq!(t.ask(&format!("check {remote} {len} {seed}")), "ok", "written at the target");
+        assert_eq!(
+            t.ask(&format!("check {remote} {len} {seed}")),
+            "ok",
+            "written at the target"
+        );
         e.transfer_sync(&reqs(Op::Read, dst)).unwrap();
         assert!(read(&e, dst, len) == data, "read back");
     }
     // A request inside a registration, at an odd offset.
-    e.transfer_sync(&[Request::new(Op::Read, dst + 3, seg, t.second + 12345, 77_777)])
-        .unwrap();
+    e.transfer_sync(&[Request::new(
+        Op::Read,
+        dst + 3,
+        seg,
+        t.second + 12345,
+        77_777,
+    )])
+    .unwrap();
     let back = read(&e, dst + 3, 77_777);
     assert!(back[..] == pattern(len as usize, 12)[12345..12345 + 77_777]);
 
     // Both registrations are open here; cuMemAlloc memory shares one
     // opened handle (the emulator refuses a second open, as the driver does).
-    let detail = e.route(seg, src, t.first, len).unwrap().peer_detail.unwrap();
-    assert!(detail.contains("2 of its registrations open here"), "{detail}");
+    let detail = e
+        .route(seg, src, t.first, len)
+        .unwrap()
+        .peer_detail
+        .unwrap();
+    assert!(
+        detail.contains("2 of its registrations open here"),
+        "{detail}"
+    );
     let vmm = std::env::var_os("FERRY_CUDA_EMU_VMM_CHUNK").is_some();
     let opened = open_imports();
     if vmm {
@@ -441,7 +495,10 @@ fn scenario_peer_dies() {
         .unwrap_err();
     let m = err.to_string();
     assert!(
-        m.contains("exited") || m.contains("connect") || m.contains("refused") || m.contains("reach"),
+        m.contains("exited")
+            || m.contains("connect")
+            || m.contains("refused")
+            || m.contains("reach"),
         "{m}"
     );
 }
@@ -483,7 +540,153 @@ fn scenario_host_declined() {
     e.refresh_segment(seg).unwrap();
     let route = e.route(seg, local.as_ptr() as u64, dev, MIB).unwrap();
     assert_eq!(route.transport, "cuda-ipc", "{}", route.reason);
-    e.transfer_sync(&[Request::new(Op::Write, local.as_ptr() as u64, seg, dev, MIB)])
-        .unwrap();
+    e.transfer_sync(&[Request::new(
+        Op::Write,
+        local.as_ptr() as u64,
+        seg,
+        dev,
+        MIB,
+    )])
+    .unwrap();
     assert!(read(&target, dev, MIB) == local);
+}
+
+#[test]
+fn forged_and_stale_keys_and_ranges_outside_are_refused_and_nothing_is_touched() {
+    child("scenario_forged", &[]);
+}
+
+/// Records completions from a transport used without an engine.
+#[derive(Default)]
+struct Recorder(std::sync::Mutex<std::collections::HashMap<u64, Result<(), ferry_core::Error>>>);
+
+impl ferry_core::transport::CompletionSink for Recorder {
+    fn complete(&self, token: u64, result: Result<(), ferry_core::Error>) {
+        self.0.lock().unwrap().insert(token, result);
+    }
+}
+
+/// The cuda-ipc plugin driven through its C ABI without an engine, with the
+/// target's real endpoint and keys, then forged ones.
+#[test]
+#[ignore]
+fn scenario_forged() {
+    use ferry_core::transport::{RegionSpec, Transport};
+    use ferry_core::ErrorCode;
+    use ferry_plugins_abi::sys;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    ferry_core::init_logging();
+    let mut t = Target::start();
+    let e = engine();
+    let seg = e.open_segment(&t.name).unwrap();
+    let d = e.descriptor_of(seg).unwrap();
+    let endpoint = d.endpoint("cuda-ipc").unwrap();
+    let first = d.buffers.iter().find(|b| b.addr == t.first).unwrap();
+    let key = first.key("cuda-ipc").unwrap();
+
+    let host = ferry_core::host::CoreHost::new(Default::default(), None).for_engine(
+        "forger:1",
+        ferry_core::control::Link::new(Duration::from_secs(5), Duration::from_secs(10), None),
+        Default::default(),
+    );
+    let set = ferry_core::load_plugins(&ferry_core::loader::LoaderConfig::from_env(), host);
+    let plugin = set
+        .enabled(ferry_core::loader::PluginKind::Transport)
+        .find(|p| p.report.name == "cuda-ipc")
+        .expect("cuda-ipc enabled");
+    let rec = Arc::new(Recorder::default());
+    let raw = Arc::new(
+        Transport::init(plugin, "forger:1", "127.0.0.1", rec.clone())
+            .unwrap()
+            .unwrap(),
+    );
+    let peer = raw
+        .connect(&t.name, sys::FERRY_SCOPE_SAME_HOST, &endpoint)
+        .unwrap();
+    let local = e.allocate_device(Location::Cuda(0), MIB).unwrap();
+    let (handle, _) = raw
+        .register(&RegionSpec {
+            addr: local,
+            len: MIB,
+            mem_kind: sys::FERRY_MEM_CUDA_IPC,
+            location: "cuda:0",
+            numa_node: None,
+            device_ordinal: Some(0),
+            dmabuf: None,
+            local_only: false,
+        })
+        .unwrap();
+    let run = |remote_addr: u64, length: u64, key: &[u8], token: u64| {
+        let r = sys::ferry_transfer_request_t {
+            op: sys::FERRY_OP_WRITE,
+            reserved: 0,
+            local_addr: local,
+            local_mem: handle,
+            remote_addr,
+            length,
+            remote_key: key.as_ptr(),
+            remote_key_len: key.len(),
+            token,
+        };
+        raw.submit(&peer, &[r]).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(r) = rec.0.lock().unwrap().remove(&token) {
+                return r;
+            }
+            assert!(Instant::now() < deadline, "no completion for {token}");
+            raw.progress();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    let text = String::from_utf8(key.to_vec()).unwrap();
+    let words: Vec<&str> = text.split(' ').collect();
+    let (id, addr, len): (u64, u64, u64) = (
+        words[1].parse().unwrap(),
+        u64::from_str_radix(words[2], 16).unwrap(),
+        u64::from_str_radix(words[3], 16).unwrap(),
+    );
+    assert_eq!((addr, len), (t.first, FIRST.1));
+    let with =
+        |id: u64, len: u64, rest: &str| format!("dev {id} {addr:x} {len:x} {rest}").into_bytes();
+
+    // 1. A registration the target never made.
+    let err = run(t.first, 4096, &with(id ^ 0x5555, len, words[4]), 1).unwrap_err();
+    assert_eq!(err.code, ErrorCode::NotFound, "{err}");
+    assert!(
+        err.message.contains("not (or no longer) registered"),
+        "{err}"
+    );
+    // 2. The real registration, a key claiming more than was registered: the
+    //    target's own word on the range decides.
+    let long = with(id, len * 2, words[4]);
+    let err = run(t.first + len - 4096, 8192, &long, 2).unwrap_err();
+    assert_eq!(err.code, ErrorCode::OutOfBounds, "{err}");
+    let err = run(t.first + len, 4096, &long, 3).unwrap_err();
+    assert_eq!(err.code, ErrorCode::OutOfBounds, "{err}");
+    // 3. A key that says host memory for device memory.
+    let lying = format!("host {id} {addr:x} {len:x} shared").into_bytes();
+    let err = run(t.first, 4096, &lying, 4).unwrap_err();
+    assert!(
+        err.message.contains("disagree") || err.message.contains("host memory"),
+        "{err}"
+    );
+    // 4. Garbage.
+    let err = run(t.first, 4096, b"\xff\x00garbage", 5).unwrap_err();
+    assert_eq!(err.code, ErrorCode::Protocol, "{err}");
+    // Nothing was written at the target.
+    assert_eq!(t.ask(&format!("check {} {} 7", t.first, FIRST.1)), "ok");
+    // 5. The real key works; once unregistered (revoked), it is stale.
+    run(t.first, 4096, &key, 6).unwrap();
+    assert_eq!(open_imports(), 1);
+    assert_eq!(t.ask(&format!("unregister {}", t.first)), "ok");
+    assert_eq!(open_imports(), 0, "revoked before unregister returned");
+    let err = run(t.first, 4096, &key, 7).unwrap_err();
+    assert!(err.message.contains("no longer registered"), "{err}");
+    raw.unregister(handle).unwrap();
+    drop(peer);
 }

@@ -515,8 +515,15 @@ pub fn device_limit(
 
 /// Copies of `size` bytes between two buffers of `device`, through its
 /// plugin (cuMemcpyAsync device to device), in GB/s of bytes copied.
-fn device_to_device(engine: &Engine, device: Location, size: u64, duration: f64) -> Result<f64, String> {
-    let a = engine.allocate_device(device, size).map_err(|e| e.to_string())?;
+fn device_to_device(
+    engine: &Engine,
+    device: Location,
+    size: u64,
+    duration: f64,
+) -> Result<f64, String> {
+    let a = engine
+        .allocate_device(device, size)
+        .map_err(|e| e.to_string())?;
     let b = match engine.allocate_device(device, size) {
         Ok(b) => b,
         Err(e) => {
@@ -526,7 +533,8 @@ fn device_to_device(engine: &Engine, device: Location, size: u64, duration: f64)
     };
     // One untimed copy first: the first touches the pages.
     // SAFETY: a and b are device allocations of `size` bytes made above.
-    let mut result = unsafe { engine.copy_batch(device, &[(b, a, size)]) }.map_err(|e| e.to_string());
+    let mut result =
+        unsafe { engine.copy_batch(device, &[(b, a, size)]) }.map_err(|e| e.to_string());
     let started = Instant::now();
     let mut bytes = 0u64;
     while result.is_ok() && (started.elapsed().as_secs_f64() < duration || bytes == 0) {

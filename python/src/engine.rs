@@ -78,10 +78,10 @@ impl NativeEngine {
         let Some(r) = reqs.first() else {
             return false;
         };
-        let shared = engine
-            .registrations(r.local_addr)
-            .is_ok_and(|v| v.iter()
-                    .any(|(_, kind)| *kind == ferry_plugins_abi::sys::FERRY_MEM_CUDA_IPC));
+        let shared = engine.registrations(r.local_addr).is_ok_and(|v| {
+            v.iter()
+                .any(|(_, kind)| *kind == ferry_plugins_abi::sys::FERRY_MEM_CUDA_IPC)
+        });
         if !shared {
             return false;
         }

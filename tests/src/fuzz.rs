@@ -20,6 +20,8 @@ use std::io::{Read, Write};
 // The transports are plugins (cdylibs, each exporting the same entry
 // symbol), so no binary can link two of them. Their wire modules depend on
 // nothing else of their crate: the targets compile the very same sources.
+#[path = "../../transports/cuda-ipc/src/wire.rs"]
+pub mod cuda_ipc;
 #[path = "../../transports/rdma/src/wire.rs"]
 pub mod rdma;
 #[path = "../../transports/shm/src/wire.rs"]
@@ -28,8 +30,6 @@ pub mod shm;
 pub mod shm_endpoint;
 #[path = "../../transports/tcp/src/wire.rs"]
 pub mod tcp;
-#[path = "../../transports/cuda-ipc/src/wire.rs"]
-pub mod cuda_ipc;
 
 /// A target: takes any bytes, returns how many of its decoders accepted
 /// them (the bounded driver keeps accepted inputs to mutate further).
@@ -255,7 +255,8 @@ pub fn cuda_ipc_wire(data: &[u8]) -> usize {
     let mut pieces = Vec::new();
     let mut reply = None;
     for chunk in data.chunks(w::PIECE_LEN) {
-        if let Ok(b) = <&[u8; w::REQUEST_LEN]>::try_from(&chunk[..chunk.len().min(w::REQUEST_LEN)]) {
+        if let Ok(b) = <&[u8; w::REQUEST_LEN]>::try_from(&chunk[..chunk.len().min(w::REQUEST_LEN)])
+        {
             if let Some(r) = w::Request::decode(b) {
                 accepted += 1;
                 assert_eq!(&r.encode(), b);
@@ -541,7 +542,12 @@ fn cuda_ipc_messages() -> Vec<Vec<u8>> {
     frames.extend(piece(0x40_0000).encode());
     vec![
         frames,
-        w::Request { op: w::OP_OPEN, id: 3 }.encode().to_vec(),
+        w::Request {
+            op: w::OP_OPEN,
+            id: 3,
+        }
+        .encode()
+        .to_vec(),
         w::Endpoint {
             pid: 4242,
             uid: 1000,

@@ -242,7 +242,8 @@ impl FakeView {
 #[test]
 fn without_a_driver_probe_is_cleanly_unavailable() {
     // SAFETY: only asks whether the system has a driver at all.
-    let real_driver = unsafe { libloading::Library::new(ferry_cuda_driver::driver::DEFAULT_LIBRARY) }.is_ok();
+    let real_driver =
+        unsafe { libloading::Library::new(ferry_cuda_driver::driver::DEFAULT_LIBRARY) }.is_ok();
     let (status, message, findings) = probe(host(None));
     if real_driver {
         eprintln!(

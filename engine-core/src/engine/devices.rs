@@ -87,7 +87,8 @@ impl Devices {
                 // transport can move them.
                 PointerKind::Host | PointerKind::HostPinned | PointerKind::Managed(_) => continue,
             };
-            if size > 0 && addr.saturating_add(len) > base.saturating_add(size)
+            if size > 0
+                && addr.saturating_add(len) > base.saturating_add(size)
                 && !self.contiguous_device(d, ordinal, base + size, addr.saturating_add(len))?
             {
                 return Err(Error::new(

@@ -115,11 +115,10 @@ impl<T: Candidate> Planner<'_, T> {
             hint,
             explain,
         };
-        self.transports
-            .select(&want, |t, key| {
-                let local_mem = local.registration(t).map(|r| r.handle);
-                self.peers.accepts(seg, t, local_mem, key)
-            })
+        self.transports.select(&want, |t, key| {
+            let local_mem = local.registration(t).map(|r| r.handle);
+            self.peers.accepts(seg, t, local_mem, key)
+        })
     }
 
     /// Checks and routes every request. With `slots`, remote addresses are

@@ -55,9 +55,7 @@ impl Shared {
                         "{} memory to {} memory: no transport moves device memory directly here, \
                          so it is staged through pinned host memory {sides}, pipelined; host leg: \
                          {host_reason}; not direct: {}",
-                        local.location,
-                        view.buffers[remote].location,
-                        direct.message
+                        local.location, view.buffers[remote].location, direct.message
                     ),
                 )
             }

@@ -155,7 +155,10 @@ pub fn recv_frame(s: &UnixStream, frame: &mut [u8]) -> io::Result<Option<Vec<Own
         let n = unsafe { libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
         if n < 0 {
             let e = io::Error::last_os_error();
-            let timed_out = matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut);
+            let timed_out = matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            );
             if e.kind() == io::ErrorKind::Interrupted || (timed_out && got > 0 && stalls < 100) {
                 stalls += 1;
                 continue;

@@ -221,7 +221,12 @@ fn serve(conn_id: u64, stream: UnixStream, state: &Arc<ServerState>) {
     while !state.stop.load(Ordering::SeqCst) {
         match local::recv_frame(&stream, &mut frame) {
             Ok(Some(fds)) if fds.is_empty() => {}
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
                 continue
             }
             // Closed, failed, or descriptors a client never sends.
@@ -397,7 +402,10 @@ impl Client {
     pub fn open(&self, id: u64, timeout: Duration) -> PluginResult<Opened> {
         let _one = lock(&self.opening);
         if self.is_dead() {
-            return Err(PluginError::new(ErrorCode::Connection, "the peer has exited"));
+            return Err(PluginError::new(
+                ErrorCode::Connection,
+                "the peer has exited",
+            ));
         }
         lock(&self.slot.0).answer = None;
         {
@@ -418,7 +426,10 @@ impl Client {
                 return a;
             }
             if self.is_dead() {
-                return Err(PluginError::new(ErrorCode::Connection, "the peer has exited"));
+                return Err(PluginError::new(
+                    ErrorCode::Connection,
+                    "the peer has exited",
+                ));
             }
             let now = Instant::now();
             if now >= deadline {
@@ -460,8 +471,10 @@ fn read_body(stream: &UnixStream, reply: Reply) -> io::Result<Result<Opened, Plu
                 Ok(Some(fds)) => return Ok(fds),
                 Ok(None) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Err(e)
-                    if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
-                        && Instant::now() < deadline =>
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) && Instant::now() < deadline =>
                 {
                     continue
                 }
@@ -502,11 +515,7 @@ fn read_body(stream: &UnixStream, reply: Reply) -> io::Result<Result<Opened, Plu
     if let Err(why) = wire::check_pieces(&reply, &pieces) {
         return Ok(Err(protocol(format!("the peer's registration: {why}"))));
     }
-    Ok(Ok(Opened {
-        reply,
-        pieces,
-        fds,
-    }))
+    Ok(Ok(Opened { reply, pieces, fds }))
 }
 
 fn read_loop(
@@ -520,7 +529,12 @@ fn read_loop(
     while !dead.load(Ordering::SeqCst) {
         match local::recv_frame(stream, &mut header) {
             Ok(Some(fds)) if fds.is_empty() => {}
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
                 continue
             }
             _ => break,

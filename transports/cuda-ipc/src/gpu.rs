@@ -33,13 +33,19 @@ pub fn missing_functions(d: &Driver) -> Vec<&'static str> {
     need(a.cu_ipc_get_mem_handle.is_some(), "cuIpcGetMemHandle");
     need(a.cu_ipc_open_mem_handle.is_some(), "cuIpcOpenMemHandle_v2");
     need(a.cu_ipc_close_mem_handle.is_some(), "cuIpcCloseMemHandle");
-    need(a.cu_mem_get_address_range.is_some(), "cuMemGetAddressRange_v2");
+    need(
+        a.cu_mem_get_address_range.is_some(),
+        "cuMemGetAddressRange_v2",
+    );
     need(a.cu_event_create.is_some(), "cuEventCreate");
     need(a.cu_event_record.is_some(), "cuEventRecord");
     need(a.cu_event_query.is_some(), "cuEventQuery");
     need(a.cu_event_synchronize.is_some(), "cuEventSynchronize");
     need(a.cu_event_destroy.is_some(), "cuEventDestroy_v2");
-    need(a.cu_device_can_access_peer.is_some(), "cuDeviceCanAccessPeer");
+    need(
+        a.cu_device_can_access_peer.is_some(),
+        "cuDeviceCanAccessPeer",
+    );
     out
 }
 
@@ -158,7 +164,9 @@ impl Gpus {
     /// peak: a copy reads and writes), or 0 when the driver cannot say.
     pub fn copy_bandwidth_mbps(&self, gpu: usize) -> u64 {
         let h = self.list[gpu].handle;
-        let clock_khz = self.driver.attribute(h, CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE);
+        let clock_khz = self
+            .driver
+            .attribute(h, CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE);
         let bus_bits = self
             .driver
             .attribute(h, CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH);
@@ -431,7 +439,11 @@ impl Gpus {
         // SAFETY: [addr, addr + len) is a live mapping owned by the caller,
         // unpinned before it is unmapped.
         d.check("cuMemHostRegister", unsafe {
-            f(addr as *mut c_void, len as usize, CU_MEMHOSTREGISTER_PORTABLE)
+            f(
+                addr as *mut c_void,
+                len as usize,
+                CU_MEMHOSTREGISTER_PORTABLE,
+            )
         })
     }
 

@@ -73,6 +73,8 @@ pub struct Import {
     /// pieces it sent).
     pub addr: u64,
     pub len: u64,
+    /// How the exporter shared it (wire::KIND_*).
+    pub kind: u32,
     /// The local GPU that opened it (and runs copies to and from it when the
     /// local buffer is host memory).
     pub gpu: usize,
@@ -94,11 +96,7 @@ impl Import {
         opened: Opened,
         cache: &IpcCache,
     ) -> PluginResult<Import> {
-        let Opened {
-            reply,
-            pieces,
-            fds,
-        } = opened;
+        let Opened { reply, pieces, fds } = opened;
         let first = pieces[0];
         let mapped = if same_process {
             Mapped::SameProcess
@@ -136,8 +134,17 @@ impl Import {
                     }
                 }
                 KIND_HOST => {
-                    let fd = fds.first().ok_or_else(|| protocol("no file for host memory"))?;
-                    map_host(gpus, gpu, fd.as_raw_fd(), first.start, first.len, first.fd_offset)?
+                    let fd = fds
+                        .first()
+                        .ok_or_else(|| protocol("no file for host memory"))?;
+                    map_host(
+                        gpus,
+                        gpu,
+                        fd.as_raw_fd(),
+                        first.start,
+                        first.len,
+                        first.fd_offset,
+                    )?
                 }
                 _ => return Err(protocol("unknown kind of registration")),
             }
@@ -146,6 +153,7 @@ impl Import {
             id: reply.id,
             addr: reply.addr,
             len: reply.len,
+            kind: reply.kind,
             gpu,
             gpus: gpus.clone(),
             mapped: RwLock::new(Some(mapped)),
@@ -177,7 +185,9 @@ impl Import {
             None => return Err(revoked(self.id)),
             Some(Mapped::SameProcess) => remote_addr,
             Some(Mapped::Ipc { remote_base, base }) => base.ptr + (remote_addr - remote_base),
-            Some(Mapped::Vmm { remote_base, va, .. }) => va + (remote_addr - remote_base),
+            Some(Mapped::Vmm {
+                remote_base, va, ..
+            }) => va + (remote_addr - remote_base),
             Some(Mapped::Host {
                 remote_base,
                 map,
@@ -257,7 +267,10 @@ fn map_host(
     if unsafe { libc::fstat(fd, &mut st) } != 0 {
         return Err(PluginError::new(
             ErrorCode::Io,
-            format!("fstat of the peer's file: {}", std::io::Error::last_os_error()),
+            format!(
+                "fstat of the peer's file: {}",
+                std::io::Error::last_os_error()
+            ),
         ));
     }
     let end = offset

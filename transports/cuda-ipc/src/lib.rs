@@ -31,13 +31,13 @@ mod import;
 pub mod wire;
 
 use channel::{Client, ClientEvents, Exported, Server};
+use copies::{Copies, InFlight};
 use ferry_cuda_driver::driver::{self, Driver};
 use ferry_plugins_abi::sdk::{
     Completer, Host, InitParams, MemRegion, Op, PeerInfo, PluginError, PluginResult, ProbeDevice,
     ProbeReport, Registration, TransferRequest, TransportInstance,
 };
 use ferry_plugins_abi::{sys, ErrorCode};
-use copies::{Copies, InFlight};
 use gpu::Gpus;
 use import::{Import, IpcCache, OPEN_MAPPINGS};
 use std::collections::{HashMap, HashSet};
@@ -259,12 +259,13 @@ impl CudaIpcInstance {
         let token = host
             .config("auth.token")
             .and_then(|t| ferry_plugins_abi::sdk::auth::Token::new(&t));
-        let server = Server::start(&socket, lookup, token.clone(), connect_timeout).map_err(|e| {
-            PluginError::new(
-                ErrorCode::Io,
-                format!("cuda-ipc: cannot open its Unix socket: {e}"),
-            )
-        })?;
+        let server =
+            Server::start(&socket, lookup, token.clone(), connect_timeout).map_err(|e| {
+                PluginError::new(
+                    ErrorCode::Io,
+                    format!("cuda-ipc: cannot open its Unix socket: {e}"),
+                )
+            })?;
         let endpoint = Endpoint {
             pid,
             uid,
@@ -462,13 +463,41 @@ impl CudaIpcPeer {
     fn gone(&self) -> PluginError {
         PluginError::new(
             ErrorCode::Connection,
-            format!("cuda-ipc: {} (pid {}) has exited", self.name, self.endpoint.pid),
+            format!(
+                "cuda-ipc: {} (pid {}) has exited",
+                self.name, self.endpoint.pid
+            ),
         )
     }
 
     /// The peer's registration `key.id`, opened on first use, on GPU `gpu`
     /// (the one that runs the copies to and from it).
     fn import(&self, inst: &CudaIpcInstance, key: &Key, gpu: usize) -> PluginResult<Arc<Import>> {
+        let import = self.open_cached(inst, key, gpu)?;
+        // The key's claim about the memory must match what the exporter
+        // shared under that registration, every time.
+        let expected = match key.memory {
+            Memory::Device { .. } => [wire::KIND_IPC, wire::KIND_VMM].contains(&import.kind),
+            Memory::Host { .. } => import.kind == wire::KIND_HOST,
+        };
+        if !expected {
+            return Err(PluginError::new(
+                ErrorCode::Protocol,
+                format!(
+                    "cuda-ipc: {}: its key and its registration {} disagree on the kind of memory",
+                    self.name, key.id
+                ),
+            ));
+        }
+        Ok(import)
+    }
+
+    fn open_cached(
+        &self,
+        inst: &CudaIpcInstance,
+        key: &Key,
+        gpu: usize,
+    ) -> PluginResult<Arc<Import>> {
         if let Some(i) = self
             .state
             .imports
@@ -487,19 +516,6 @@ impl CudaIpcPeer {
         let opened = self.client.open(key.id, inst.timeout).map_err(|e| {
             PluginError::new(e.code, format!("cuda-ipc: {}: {}", self.name, e.message))
         })?;
-        let expected = match key.memory {
-            Memory::Device { .. } => [wire::KIND_IPC, wire::KIND_VMM].contains(&opened.reply.kind),
-            Memory::Host { .. } => opened.reply.kind == wire::KIND_HOST,
-        };
-        if !expected {
-            return Err(PluginError::new(
-                ErrorCode::Protocol,
-                format!(
-                    "cuda-ipc: {}: its key and its registration {} disagree on the kind of memory",
-                    self.name, key.id
-                ),
-            ));
-        }
         // Opened in the context of the GPU that runs the copies: the driver
         // then enables peer access from it to the owner's GPU.
         let import = Arc::new(Import::open(

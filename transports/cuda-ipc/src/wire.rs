@@ -335,8 +335,10 @@ impl Piece {
             },
             handle,
         };
-        (p.len > 0 && p.start.checked_add(p.len).is_some() && p.fd_offset.checked_add(p.len).is_some())
-            .then_some(p)
+        (p.len > 0
+            && p.start.checked_add(p.len).is_some()
+            && p.fd_offset.checked_add(p.len).is_some())
+        .then_some(p)
     }
 }
 
@@ -435,7 +437,11 @@ mod tests {
             kind: KIND_IPC,
             count: 2,
         };
-        assert_eq!(Reply::decode(&r.encode()), None, "an IPC handle is one piece");
+        assert_eq!(
+            Reply::decode(&r.encode()),
+            None,
+            "an IPC handle is one piece"
+        );
         r.count = 1;
         assert_eq!(Reply::decode(&r.encode()), Some(r));
         r.count = MAX_PIECES + 1;
