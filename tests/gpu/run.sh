@@ -153,7 +153,7 @@ check "cuda-ipc plugin enabled" plugin_enabled cuda-ipc "$OUT/info.json"
 sed -n '/^  cuda-ipc /,/^$/p' "$OUT/info.txt"
 for block in 16M 1M; do
     check "cuda-ipc demo: 1 GiB cuda:0 -> cuda:0 in $block blocks, written, read back, verified" \
-        sh -c "FERRY_TRANSPORTS=cuda-ipc,tcp $B demo --size 1G --block $block --device cuda:0 | tee '$OUT/cuda-ipc-demo-$block.txt' | grep -q 'transport  cuda-ipc'"
+        bash -o pipefail -c "FERRY_TRANSPORTS=cuda-ipc,tcp $B demo --size 1G --block $block --device cuda:0 | tee '$OUT/cuda-ipc-demo-$block.txt' | grep 'transport  cuda-ipc' >/dev/null"
 done
 grep -h -E 'transport|GB/s|checksum' "$OUT"/cuda-ipc-demo-*.txt
 printf '| path | op | block | GB/s | ratio to same-GPU copy (%s GB/s) | p50 us |\n|---|---|---|---|---|---|\n' "${dtod:-?}" > "$OUT/cuda-ipc.md"

@@ -204,7 +204,7 @@ impl Request {
 
     pub fn decode(b: &[u8; REQUEST_LEN]) -> Option<Request> {
         let op = u32::from_le_bytes(b[..4].try_into().ok()?);
-        if !matches!(op, OP_OPEN | OP_REVOKE_ACK) {
+        if !matches!(op, OP_OPEN | OP_REVOKE_ACK) || b[4..8] != [0; 4] {
             return None;
         }
         Some(Request {
@@ -322,6 +322,9 @@ impl Piece {
             w.copy_from_slice(&b[i..i + 8]);
             u64::from_le_bytes(w)
         };
+        if b[25..32] != [0; 7] {
+            return None;
+        }
         let mut handle = [0u8; 64];
         handle.copy_from_slice(&b[32..]);
         let p = Piece {
