@@ -156,7 +156,7 @@ for block in 16M 1M; do
         bash -o pipefail -c "FERRY_TRANSPORTS=cuda-ipc,tcp $B demo --size 1G --block $block --device cuda:0 | tee '$OUT/cuda-ipc-demo-$block.txt' | grep 'transport  cuda-ipc' >/dev/null"
 done
 grep -h -E 'transport|GB/s|checksum' "$OUT"/cuda-ipc-demo-*.txt
-printf '| path | op | block | GB/s | ratio to same-GPU copy (%s GB/s) | p50 us |\n|---|---|---|---|---|---|\n' "${dtod:-?}" > "$OUT/cuda-ipc.md"
+printf '| path | op | block | GB/s | ratio to same-GPU copy (%.1f GB/s) | p50 us |\n|---|---|---|---|---|---|\n' "${dtod:-0}" > "$OUT/cuda-ipc.md"
 ipc_row() { # label op block json
     awk -v p="$1" -v o="$2" -v b="$3" -v d="${dtod:-0}" -v line="$4" 'BEGIN {
         g = 0; if (match(line, /"gb_per_s":[0-9.eE+-]+/)) g = substr(line, RSTART + 11, RLENGTH - 11) + 0
