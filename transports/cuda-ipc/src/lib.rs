@@ -729,9 +729,16 @@ impl TransportInstance for CudaIpcInstance {
         let local = self
             .local(local_mem)
             .ok_or_else(|| unavailable("the local buffer is not registered with cuda-ipc"))?;
-        self.pair_verdict(local.memory, &key)
-            .map(|_| ())
-            .map_err(unavailable)
+        let gpu = self.pair_verdict(local.memory, &key).map_err(unavailable)?;
+        // Open it now: a registration this driver cannot map (a VMM layout
+        // it refuses, a handle from a process it cannot reach) is declined
+        // here, and the engine stages it, rather than failing the request.
+        peer.import(self, &key, gpu).map(|_| ()).map_err(|e| {
+            unavailable(format!(
+                "cannot open the peer's registration {}: {}",
+                key.id, e.message
+            ))
+        })
     }
 
     fn accepts(&self, peer: &CudaIpcPeer, key: &[u8]) -> PluginResult<()> {
