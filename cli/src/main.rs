@@ -213,7 +213,9 @@ enum BenchMode {
         #[arg(long)]
         json: bool,
     },
-    /// Pinned host <-> device copy bandwidth, for staged-transfer ratios.
+    /// Pinned host <-> device copy bandwidth, for staged-transfer ratios;
+    /// with --dtod, also a device-to-device copy of that size on the same
+    /// device (the limit of same-host GPU transports such as cuda-ipc).
     DeviceLimit {
         #[arg(long, value_parser = parse_location, default_value = "cuda:0")]
         device: Location,
@@ -221,6 +223,9 @@ enum BenchMode {
         block: u64,
         #[arg(long, default_value_t = 2.0)]
         duration: f64,
+        /// Also time device-to-device copies of this size (e.g. 1G).
+        #[arg(long, value_parser = parse_size)]
+        dtod: Option<u64>,
         #[arg(long)]
         json: bool,
     },
@@ -329,8 +334,9 @@ fn main() -> ExitCode {
                 device,
                 block,
                 duration,
+                dtod,
                 json,
-            } => bench::device_limit(device, block, duration, json),
+            } => bench::device_limit(device, block, duration, dtod, json),
             BenchMode::DeviceCheck { device } => bench::device_check(device),
             BenchMode::RdmaCheck { device } => bench::rdma_check(device),
         },

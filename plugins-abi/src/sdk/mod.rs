@@ -24,6 +24,7 @@ mod boundary;
 pub mod deadline;
 mod device;
 mod host;
+pub mod local;
 pub mod net;
 mod transport;
 pub use boundary::*;
