@@ -593,7 +593,7 @@ fn scenario_forged() {
         ferry_core::control::Link::new(Duration::from_secs(5), Duration::from_secs(10), None),
         Default::default(),
     );
-    let set = ferry_core::load_plugins(&ferry_core::loader::LoaderConfig::from_env(), host);
+    let set = ferry_core::load_plugins(&ferry_core::loader::LoaderConfig::from_env().expect("loader settings"), host);
     let plugin = set
         .enabled(ferry_core::loader::PluginKind::Transport)
         .find(|p| p.report.name == "cuda-ipc")
@@ -618,6 +618,7 @@ fn scenario_forged() {
             device_ordinal: Some(0),
             dmabuf: None,
             local_only: false,
+            share: None,
         })
         .unwrap();
     let run = |remote_addr: u64, length: u64, key: &[u8], token: u64| {
