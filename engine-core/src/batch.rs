@@ -7,6 +7,7 @@
 
 use crate::error::{Error, ErrorCode, Result};
 use crate::memory::LocalBuffer;
+use crate::metrics::Tally;
 use crate::transport::CompletionSink;
 use parking_lot::{Condvar, Mutex, RwLock};
 use std::collections::HashMap;
@@ -72,6 +73,8 @@ struct Group {
     count: usize,
     local: Arc<LocalBuffer>,
     done: bool,
+    /// Where its completion counts (none with metrics off).
+    tally: Option<Tally>,
 }
 
 #[derive(Default)]
@@ -112,7 +115,13 @@ impl Batch {
     }
 
     /// Adds a group of `count` requests starting at `start`; returns its token.
-    pub(crate) fn add_group(&self, start: usize, count: usize, local: Arc<LocalBuffer>) -> u64 {
+    pub(crate) fn add_group(
+        &self,
+        start: usize,
+        count: usize,
+        local: Arc<LocalBuffer>,
+        tally: Option<Tally>,
+    ) -> u64 {
         local.inflight.fetch_add(count, Ordering::SeqCst);
         let mut st = self.state.lock();
         st.groups.push(Group {
@@ -120,6 +129,7 @@ impl Batch {
             count,
             local,
             done: false,
+            tally,
         });
         token(self.id, st.groups.len() - 1)
     }
@@ -144,6 +154,9 @@ impl Batch {
         g.done = true;
         let (start, count) = (g.start, g.count);
         let local = g.local.clone();
+        if let Some(t) = g.tally.take() {
+            t.finish(count, result.as_ref().err().map(|e| e.code));
+        }
         match result {
             Ok(()) => {
                 for s in &mut st.statuses[start..start + count] {

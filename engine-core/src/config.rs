@@ -61,6 +61,11 @@ pub struct EngineConfig {
     /// FERRY_AUTH=off: accept peers without a token on a listener that is
     /// not loopback (by default such a listener needs a token).
     pub auth_off: bool,
+    /// FERRY_METRICS=off: count nothing per request (on by default).
+    pub metrics: bool,
+    /// Where the metrics endpoint listens (FERRY_METRICS_LISTEN, e.g.
+    /// 127.0.0.1:9464); none by default.
+    pub metrics_listen: Option<String>,
 }
 
 impl Default for EngineConfig {
@@ -79,6 +84,8 @@ impl Default for EngineConfig {
             name: None,
             auth_token: None,
             auth_off: false,
+            metrics: true,
+            metrics_listen: None,
         }
     }
 }
@@ -181,6 +188,8 @@ impl EngineConfig {
             ("FERRY_AUTH_TOKEN_FILE", "auth_token_file"),
             ("FERRY_AUTH_TOKEN", "auth_token"),
             ("FERRY_AUTH", "auth"),
+            ("FERRY_METRICS", "metrics"),
+            ("FERRY_METRICS_LISTEN", "metrics_listen"),
         ] {
             if let Ok(v) = std::env::var(var) {
                 c.set(key, &v)?;
@@ -250,6 +259,21 @@ impl EngineConfig {
                         format!("{key} applies to a metadata store: set metadata (FERRY_METADATA) to etcd://host:port first"),
                     ));
                 }
+            }
+            "metrics" => {
+                self.metrics = match value.trim() {
+                    "" | "on" => true,
+                    "off" => false,
+                    other => {
+                        return Err(Error::new(
+                            ErrorCode::InvalidArgument,
+                            format!("metrics {other:?}: expected on or off"),
+                        ))
+                    }
+                }
+            }
+            "metrics_listen" => {
+                self.metrics_listen = Some(value.trim().to_string()).filter(|v| !v.is_empty())
             }
             "auth_token" => self.auth_token = Token::new(value),
             "auth_token_file" => {

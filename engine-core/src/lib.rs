@@ -34,6 +34,7 @@ pub mod info;
 pub mod location;
 pub mod memory;
 pub mod metadata;
+pub mod metrics;
 pub mod topology;
 pub mod transport;
 

@@ -4,10 +4,13 @@
 //! batch. Staged requests get their groups here and run elsewhere.
 
 use super::plan::{Plan, StagedItem};
-use super::request::SegmentId;
+use super::request::{Op, SegmentId};
+use super::segments::RemoteSegment;
 use super::shared::Shared;
 use crate::batch::{group_of, Batch};
 use crate::error::{Error, ErrorCode, Result};
+use crate::memory::LocalBuffer;
+use crate::metrics::{memory_label, FlowKey, FlowLabels, Tally};
 use ferry_plugins_abi::sys;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -34,16 +37,23 @@ impl Shared {
         // coalesced request.
         let base = batch.reserve(requests)?;
         for (i, item) in &mut staged {
-            item.group = group_of(batch.add_group(base + *i, 1, item.local.clone()));
+            let tally = self.tally(None, item.op, &item.local, 0, &item.segment, item.length);
+            item.group = group_of(batch.add_group(base + *i, 1, item.local.clone(), tally));
         }
         let mut by_target: Vec<TargetGroup> = Vec::new();
         for (n, p) in routed.iter().enumerate() {
-            let token = batch.add_group(base + p.first, p.count, p.local.clone());
-            let local_mem = p
-                .local
-                .registration(p.transport)
-                .map(|r| r.handle)
-                .unwrap_or(0);
+            let registration = p.local.registration(p.transport);
+            let local_mem = registration.map(|r| r.handle).unwrap_or(0);
+            let mem_kind = registration.map_or(p.local.mem_kind, |r| r.mem_kind);
+            let tally = self.tally(
+                Some(p.transport),
+                p.op,
+                &p.local,
+                mem_kind,
+                &p.segment,
+                p.length,
+            );
+            let token = batch.add_group(base + p.first, p.count, p.local.clone(), tally);
             let raw = sys::ferry_transfer_request_t {
                 op: p.op.raw(),
                 reserved: 0,
@@ -58,7 +68,13 @@ impl Shared {
             let key = (p.segment.id, p.transport);
             match by_target.iter_mut().find(|(k, _)| *k == key) {
                 Some((_, list)) => list.push((raw, n)),
-                None => by_target.push((key, vec![(raw, n)])),
+                None => {
+                    self.metrics
+                        .route_used(p.segment.id, mem_kind, p.transport, || {
+                            p.segment.name.clone()
+                        });
+                    by_target.push((key, vec![(raw, n)]))
+                }
             }
         }
 
@@ -134,5 +150,40 @@ impl Shared {
             Some(e) if failures == routed.len() && staged.is_empty() => Err(e),
             _ => Ok(staged.into_iter().map(|(_, it)| it).collect()),
         }
+    }
+}
+
+impl Shared {
+    /// Where a submission of `bytes` counts: its flow (transport, or
+    /// staging when `None`; local device; peer; op; memory kind).
+    fn tally(
+        &self,
+        transport: Option<usize>,
+        op: Op,
+        local: &LocalBuffer,
+        mem_kind: u64,
+        segment: &RemoteSegment,
+        bytes: u64,
+    ) -> Option<Tally> {
+        let key = FlowKey {
+            transport: transport.unwrap_or(usize::MAX),
+            segment: segment.id,
+            op: (op == Op::Write) as u8,
+            location: local.location,
+            mem_kind,
+        };
+        let flow = self.metrics.flow(key, || FlowLabels {
+            transport: transport
+                .and_then(|t| self.transports.get(t))
+                .map_or_else(|| "staging".to_string(), |t| t.name.clone()),
+            device: local.location.to_string(),
+            peer: segment.name.clone(),
+            op: match op {
+                Op::Read => "read",
+                Op::Write => "write",
+            },
+            memory: memory_label(mem_kind),
+        })?;
+        Some(Tally::new(flow, bytes))
     }
 }
