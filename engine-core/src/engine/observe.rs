@@ -17,7 +17,9 @@ impl Shared {
         for b in self.memory.all() {
             let device = b.location.to_string();
             let mut add = |transport: String, memory: &'static str| {
-                let e = registered.entry((device.clone(), transport, memory)).or_default();
+                let e = registered
+                    .entry((device.clone(), transport, memory))
+                    .or_default();
                 e.0 += 1;
                 e.1 += b.len;
             };
@@ -35,13 +37,15 @@ impl Shared {
         }
         s.registered = registered
             .into_iter()
-            .map(|((device, transport, memory), (buffers, bytes))| Registered {
-                device,
-                transport,
-                memory: memory.to_string(),
-                buffers,
-                bytes,
-            })
+            .map(
+                |((device, transport, memory), (buffers, bytes))| Registered {
+                    device,
+                    transport,
+                    memory: memory.to_string(),
+                    buffers,
+                    bytes,
+                },
+            )
             .collect();
         s.gpu_direct = self
             .devices

@@ -190,11 +190,17 @@ mod tests {
         f.finish(1, 1 << 20, 1000, None);
         f.finish(2, 100, 0, Some(ErrorCode::OutOfBounds));
         let s = f.snapshot();
-        assert_eq!((s.requests, s.bytes, s.submissions), (4, (3 << 12) + (1 << 20), 3));
+        assert_eq!(
+            (s.requests, s.bytes, s.submissions),
+            (4, (3 << 12) + (1 << 20), 3)
+        );
         assert_eq!(s.failures.get("OUT_OF_BOUNDS"), Some(&2));
         assert_eq!(s.failed_bytes, 100);
         let l = f.latency.snapshot();
-        let sizes: Vec<_> = l.iter().map(|l| (l.size.as_str(), l.histogram.count)).collect();
+        let sizes: Vec<_> = l
+            .iter()
+            .map(|l| (l.size.as_str(), l.histogram.count))
+            .collect();
         assert_eq!(sizes, [("4-64KiB", 1), ("64KiB-1MiB", 1)]);
     }
 

@@ -85,7 +85,11 @@ mod tests {
         assert_eq!(s.count, 4);
         assert_eq!(s.buckets[0], (1e-6, 1));
         assert_eq!(s.buckets[1].1, 3);
-        assert_eq!(s.buckets.last().unwrap().1, 3, "the slow one is only in +Inf");
+        assert_eq!(
+            s.buckets.last().unwrap().1,
+            3,
+            "the slow one is only in +Inf"
+        );
         assert!((s.sum_seconds - 40.0000035).abs() < 1e-9);
     }
 }

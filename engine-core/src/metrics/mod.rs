@@ -197,8 +197,13 @@ impl Metrics {
             .map(|f| f.snapshot())
             .collect();
         flows.sort_by(|a, b| {
-            (&a.transport, &a.device, &a.peer, &a.op, &a.memory)
-                .cmp(&(&b.transport, &b.device, &b.peer, &b.op, &b.memory))
+            (&a.transport, &a.device, &a.peer, &a.op, &a.memory).cmp(&(
+                &b.transport,
+                &b.device,
+                &b.peer,
+                &b.op,
+                &b.memory,
+            ))
         });
         let mut latency: Vec<_> = self
             .latencies

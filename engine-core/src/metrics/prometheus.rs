@@ -43,7 +43,12 @@ struct Family<'a> {
 }
 
 impl<'a> Family<'a> {
-    fn new(out: &'a mut String, name: &'static str, kind: &'static str, help: &'static str) -> Self {
+    fn new(
+        out: &'a mut String,
+        name: &'static str,
+        kind: &'static str,
+        help: &'static str,
+    ) -> Self {
         Family {
             out,
             name,
@@ -83,11 +88,28 @@ fn float(v: f64) -> String {
 pub fn render(s: &MetricsSnapshot) -> String {
     let mut out = String::new();
     {
-        let mut f = Family::new(&mut out, "ferry_up", "gauge", "1 while the engine runs; metrics_enabled says whether requests are counted.");
-        f.sample("", &[("engine", &s.engine), ("metrics_enabled", if s.enabled { "true" } else { "false" })], 1);
+        let mut f = Family::new(
+            &mut out,
+            "ferry_up",
+            "gauge",
+            "1 while the engine runs; metrics_enabled says whether requests are counted.",
+        );
+        f.sample(
+            "",
+            &[
+                ("engine", &s.engine),
+                ("metrics_enabled", if s.enabled { "true" } else { "false" }),
+            ],
+            1,
+        );
     }
     {
-        let mut f = Family::new(&mut out, "ferry_uptime_seconds", "gauge", "Seconds since the engine started.");
+        let mut f = Family::new(
+            &mut out,
+            "ferry_uptime_seconds",
+            "gauge",
+            "Seconds since the engine started.",
+        );
         f.sample("", &[], float(s.uptime_seconds));
     }
     let flow_families: [(&'static str, &'static str, fn(&super::snapshot::FlowCounts) -> u64); 4] = [
@@ -99,14 +121,40 @@ pub fn render(s: &MetricsSnapshot) -> String {
     for (name, help, get) in flow_families {
         let mut f = Family::new(&mut out, name, "counter", help);
         for c in &s.flows {
-            f.sample("", &[("transport", &c.transport), ("device", &c.device), ("peer", &c.peer), ("op", &c.op), ("memory", &c.memory)], get(c));
+            f.sample(
+                "",
+                &[
+                    ("transport", &c.transport),
+                    ("device", &c.device),
+                    ("peer", &c.peer),
+                    ("op", &c.op),
+                    ("memory", &c.memory),
+                ],
+                get(c),
+            );
         }
     }
     {
-        let mut f = Family::new(&mut out, "ferry_transfer_failures_total", "counter", "Requests failed after submit, by error code.");
+        let mut f = Family::new(
+            &mut out,
+            "ferry_transfer_failures_total",
+            "counter",
+            "Requests failed after submit, by error code.",
+        );
         for c in &s.flows {
             for (code, n) in &c.failures {
-                f.sample("", &[("transport", &c.transport), ("device", &c.device), ("peer", &c.peer), ("op", &c.op), ("memory", &c.memory), ("code", code)], n);
+                f.sample(
+                    "",
+                    &[
+                        ("transport", &c.transport),
+                        ("device", &c.device),
+                        ("peer", &c.peer),
+                        ("op", &c.op),
+                        ("memory", &c.memory),
+                        ("code", code),
+                    ],
+                    n,
+                );
             }
         }
     }
@@ -116,15 +164,29 @@ pub fn render(s: &MetricsSnapshot) -> String {
         for c in s.flows.iter().filter(|c| c.memory == "staged") {
             *staged.entry(&c.op).or_default() += c.bytes;
         }
-        let mut f = Family::new(&mut out, "ferry_staged_bytes_total", "counter", "Bytes of device memory moved through host staging buffers.");
+        let mut f = Family::new(
+            &mut out,
+            "ferry_staged_bytes_total",
+            "counter",
+            "Bytes of device memory moved through host staging buffers.",
+        );
         for (op, bytes) in staged {
             f.sample("", &[("op", op)], bytes);
         }
     }
     {
-        let mut f = Family::new(&mut out, "ferry_transfer_latency_seconds", "histogram", "Submit to completion of one submission, by transport, op and size class.");
+        let mut f = Family::new(
+            &mut out,
+            "ferry_transfer_latency_seconds",
+            "histogram",
+            "Submit to completion of one submission, by transport, op and size class.",
+        );
         for l in &s.latency {
-            let base = [("transport", l.transport.as_str()), ("op", &l.op), ("size", &l.size)];
+            let base = [
+                ("transport", l.transport.as_str()),
+                ("op", &l.op),
+                ("size", &l.size),
+            ];
             for (le, n) in &l.histogram.buckets {
                 let le = float(*le);
                 let mut p = base.to_vec();
@@ -139,39 +201,101 @@ pub fn render(s: &MetricsSnapshot) -> String {
         }
     }
     {
-        let mut f = Family::new(&mut out, "ferry_submit_refused_requests_total", "counter", "Requests of submits refused whole (nothing moved), by error code.");
+        let mut f = Family::new(
+            &mut out,
+            "ferry_submit_refused_requests_total",
+            "counter",
+            "Requests of submits refused whole (nothing moved), by error code.",
+        );
         for (code, n) in &s.refused {
             f.sample("", &[("code", code)], n);
         }
     }
     {
-        let mut f = Family::new(&mut out, "ferry_route_changes_total", "counter", "Times selection moved a peer's traffic to another transport.");
+        let mut f = Family::new(
+            &mut out,
+            "ferry_route_changes_total",
+            "counter",
+            "Times selection moved a peer's traffic to another transport.",
+        );
         for r in &s.route_changes {
-            f.sample("", &[("peer", &r.peer), ("memory", &r.memory), ("transport", &r.transport)], r.changes);
+            f.sample(
+                "",
+                &[
+                    ("peer", &r.peer),
+                    ("memory", &r.memory),
+                    ("transport", &r.transport),
+                ],
+                r.changes,
+            );
         }
     }
     {
-        let mut f = Family::new(&mut out, "ferry_registered_bytes", "gauge", "Memory registered now, by device, transport and registration method.");
+        let mut f = Family::new(
+            &mut out,
+            "ferry_registered_bytes",
+            "gauge",
+            "Memory registered now, by device, transport and registration method.",
+        );
         for r in &s.registered {
-            f.sample("", &[("device", &r.device), ("transport", &r.transport), ("memory", &r.memory)], r.bytes);
+            f.sample(
+                "",
+                &[
+                    ("device", &r.device),
+                    ("transport", &r.transport),
+                    ("memory", &r.memory),
+                ],
+                r.bytes,
+            );
         }
     }
     {
-        let mut f = Family::new(&mut out, "ferry_registered_buffers", "gauge", "Buffers registered now.");
+        let mut f = Family::new(
+            &mut out,
+            "ferry_registered_buffers",
+            "gauge",
+            "Buffers registered now.",
+        );
         for r in &s.registered {
-            f.sample("", &[("device", &r.device), ("transport", &r.transport), ("memory", &r.memory)], r.buffers);
+            f.sample(
+                "",
+                &[
+                    ("device", &r.device),
+                    ("transport", &r.transport),
+                    ("memory", &r.memory),
+                ],
+                r.buffers,
+            );
         }
     }
     {
-        let mut f = Family::new(&mut out, "ferry_gpu_direct_info", "gauge", "The GPU-direct decision of each GPU (1), in words.");
+        let mut f = Family::new(
+            &mut out,
+            "ferry_gpu_direct_info",
+            "gauge",
+            "The GPU-direct decision of each GPU (1), in words.",
+        );
         for g in &s.gpu_direct {
             f.sample("", &[("device", &g.device), ("decision", &g.decision)], 1);
         }
     }
     {
-        let mut f = Family::new(&mut out, "ferry_plugin_events_total", "counter", "What plugins counted: NIC pauses, retries, connections, refusals.");
+        let mut f = Family::new(
+            &mut out,
+            "ferry_plugin_events_total",
+            "counter",
+            "What plugins counted: NIC pauses, retries, connections, refusals.",
+        );
         for p in &s.plugins {
-            f.sample("", &[("plugin", &p.plugin), ("name", &p.name), ("device", &p.device)], p.value);
+            f.sample(
+                "",
+                &[
+                    ("plugin", &p.plugin),
+                    ("name", &p.name),
+                    ("device", &p.device),
+                ],
+                p.value,
+            );
         }
     }
     out
@@ -190,7 +314,11 @@ mod tests {
     #[test]
     fn every_family_has_one_header_even_when_empty() {
         let text = render(&MetricsSnapshot::default());
-        assert_eq!(text.matches("# TYPE ferry_transfer_bytes_total counter").count(), 1);
+        assert_eq!(
+            text.matches("# TYPE ferry_transfer_bytes_total counter")
+                .count(),
+            1
+        );
         assert!(text.contains("ferry_up{engine=\"\",metrics_enabled=\"false\"} 1\n"));
     }
 }
