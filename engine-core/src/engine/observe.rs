@@ -64,7 +64,7 @@ impl Shared {
 /// Serves `shared`'s metrics on `listen` for as long as the engine lives.
 pub(crate) fn serve_metrics(shared: &Arc<Shared>, listen: &str) -> Result<MetricsServer> {
     let weak = Arc::downgrade(shared);
-    MetricsServer::start(
+    let server = MetricsServer::start(
         listen,
         Arc::new(move |path: &str| {
             let shared = weak.upgrade()?;
@@ -87,5 +87,20 @@ pub(crate) fn serve_metrics(shared: &Arc<Shared>, listen: &str) -> Result<Metric
                 _ => None,
             }
         }),
-    )
+    )?;
+    // Announced in the descriptor (for `ferry top SEGMENT`): on a wildcard
+    // address, at the host peers reach the control listener on.
+    let bound = server.local_addr();
+    let advertised = if bound.ip().is_unspecified() {
+        let control = &shared.node.control_addr;
+        let host = control
+            .rsplit_once(':')
+            .map_or(control.as_str(), |(h, _)| h);
+        format!("{host}:{}", bound.port())
+    } else {
+        bound.to_string()
+    };
+    shared.metrics.set_advertised(advertised);
+    shared.publish();
+    Ok(server)
 }

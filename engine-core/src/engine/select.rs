@@ -443,6 +443,7 @@ pub(crate) mod fakes {
                         .collect(),
                 })
                 .collect(),
+            metrics: None,
         }
     }
 

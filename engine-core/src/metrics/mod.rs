@@ -66,6 +66,8 @@ pub struct Metrics {
     routes: RwLock<HashMap<(u64, u64), Arc<Route>>>,
     transport_names: RwLock<Vec<String>>,
     plugins: Arc<PluginCounters>,
+    /// Where the endpoint is, as peers reach it (descriptors announce it).
+    advertised: std::sync::OnceLock<String>,
 }
 
 /// The label of a `FERRY_MEM_*` bit.
@@ -94,11 +96,21 @@ impl Metrics {
             routes: RwLock::default(),
             transport_names: RwLock::default(),
             plugins,
+            advertised: std::sync::OnceLock::new(),
         }
     }
 
     pub fn enabled(&self) -> bool {
         self.enabled
+    }
+
+    /// The endpoint's "host:port" as peers reach it, once it serves.
+    pub fn advertised(&self) -> Option<String> {
+        self.advertised.get().cloned()
+    }
+
+    pub fn set_advertised(&self, addr: String) {
+        let _ = self.advertised.set(addr);
     }
 
     /// The flow of `key`, created with `labels()` at its first use; `None`
