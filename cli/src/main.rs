@@ -46,6 +46,8 @@ Environment (defaults, and each one's EngineConfig key, in README.md):
   FERRY_METADATA                 p2p (default) or etcd://host:port[,host:port...]
   FERRY_METADATA_PREFIX          etcd key prefix (/ferry)
   FERRY_METADATA_TTL_S           etcd lease of an engine's entry (10)
+  FERRY_METRICS                  on (default) or off: count nothing per request
+  FERRY_METRICS_LISTEN           serve Prometheus metrics at host:port (none)
  Topology and GPUs
   FERRY_SYSFS_ROOT               read topology from this tree instead of /sys
   FERRY_NICS                     allow (mlx5_0,mlx5_1) or deny (^mlx5_2) list of NICs
@@ -277,10 +279,10 @@ enum BenchMode {
     /// one run, at 4 KiB x 256 and 1 MiB x 32.
     MetricsOverhead {
         /// Rounds of each (on and off take turns).
-        #[arg(long, default_value_t = 10)]
+        #[arg(long, default_value_t = 30)]
         rounds: usize,
         /// Seconds per round.
-        #[arg(long, default_value_t = 0.5)]
+        #[arg(long, default_value_t = 0.2)]
         duration: f64,
         #[arg(long, default_value = "tcp,shm", value_delimiter = ',')]
         transports: Vec<String>,

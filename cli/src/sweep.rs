@@ -5,7 +5,7 @@
 //! on and off, interleaved, in one run.
 
 use crate::plot::{self, Line};
-use crate::util::human_size;
+use crate::util::{human_size, percentile};
 use crate::workbench::{machine_limit, Bench, TargetChild};
 use ferry_core::{Location, Op};
 use serde::Serialize;
@@ -236,54 +236,72 @@ pub struct OverheadArgs {
     pub transports: Vec<String>,
 }
 
-/// Throughput with metrics on and off, the two engines taking turns
-/// (on first in even rounds, off first in odd ones) against one target.
+/// Throughput with metrics on and off, taking turns (on first in even
+/// rounds, off first in odd ones) on one engine against one target: the
+/// same connections and buffers, only counting differs.
 pub fn metrics_overhead(args: OverheadArgs) -> Result<(), String> {
     let target = TargetChild::start(BUFFER)?;
-    let on = Bench::new(&target.segment, true, BUFFER, None)?;
-    let off = Bench::new(&target.segment, false, BUFFER, None)?;
+    let bench = Bench::new(&target.segment, true, BUFFER, None)?;
     let duration = Duration::from_secs_f64(args.duration);
     let mut results = Vec::new();
-    println!("| transport | op | block x batch | metrics on GB/s | off GB/s | on/off |");
-    println!("|---|---|---|---|---|---|");
+    let cost_ns = metrics_cost_ns();
+    println!(
+        "metrics cost per submission (flow lookup, tally, completion), measured alone: {cost_ns:.0} ns"
+    );
+    println!("| transport | op | block x batch | metrics on GB/s | off GB/s | on/off, all rounds | on/off, median of rounds | on/off, bytes per CPU second | cost per request / request time |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for t in &args.transports {
-        if let Err(e) = on.usable(t).and_then(|_| off.usable(t)) {
+        if let Err(e) = bench.usable(t) {
             eprintln!("{t}: not usable ({e}); skipped");
             continue;
         }
         for op in [Op::Write, Op::Read] {
             for (block, batch) in [(4u64 << 10, 256usize), (1 << 20, 32)] {
                 let (mut on_b, mut on_s, mut off_b, mut off_s) = (0u64, 0f64, 0u64, 0f64);
-                // Warm both up (connections, page faults) before counting.
-                on.run(op, Some(t), block, batch, duration / 4)?;
-                off.run(op, Some(t), block, batch, duration / 4)?;
+                let (mut on_cpu, mut off_cpu) = (0f64, 0f64);
+                let mut ratios = Vec::new();
+                // Warm up (connections, page faults) before counting.
+                bench.run(op, Some(t), block, batch, duration / 2)?;
                 for r in 0..args.rounds {
-                    let order: [(&Bench, bool); 2] = if r % 2 == 0 {
-                        [(&on, true), (&off, false)]
-                    } else {
-                        [(&off, false), (&on, true)]
-                    };
-                    for (b, is_on) in order {
-                        let m = b.run(op, Some(t), block, batch, duration)?;
-                        if is_on {
+                    let order = if r % 2 == 0 { [true, false] } else { [false, true] };
+                    let mut pair = [0f64; 2];
+                    for on in order {
+                        bench.engine.set_metrics_enabled(on);
+                        let m = bench.run(op, Some(t), block, batch, duration)?;
+                        pair[on as usize] = m.gb_per_s();
+                        if on {
                             on_b += m.bytes;
                             on_s += m.secs;
+                            on_cpu += m.cpu_secs;
                         } else {
                             off_b += m.bytes;
                             off_s += m.secs;
+                            off_cpu += m.cpu_secs;
                         }
                     }
+                    ratios.push(pair[1] / pair[0]);
                 }
+                bench.engine.set_metrics_enabled(true);
+                ratios.sort_by(|a, b| a.total_cmp(b));
+                let median = percentile(&ratios, 0.5);
                 let (g_on, g_off) = (on_b as f64 / on_s / 1e9, off_b as f64 / off_s / 1e9);
+                // Time of one request with metrics off, and the share the
+                // metrics path would add to it.
+                let request_ns = block as f64 / g_off;
+                let per_cpu = (on_b as f64 / on_cpu) / (off_b as f64 / off_cpu);
                 println!(
-                    "| {t} | {} | {} x {batch} | {g_on:.3} | {g_off:.3} | {:.3} |",
+                    "| {t} | {} | {} x {batch} | {g_on:.3} | {g_off:.3} | {:.3} | {median:.3} | {per_cpu:.3} | {:.4} |",
                     op_name(op),
                     human_size(block),
-                    g_on / g_off
+                    g_on / g_off,
+                    cost_ns / request_ns
                 );
                 results.push(serde_json::json!({
                     "transport": t, "op": op_name(op), "block_size": block, "batch_size": batch,
-                    "metrics_on_gb_per_s": g_on, "metrics_off_gb_per_s": g_off, "ratio": g_on / g_off,
+                    "metrics_on_gb_per_s": g_on, "metrics_off_gb_per_s": g_off,
+                    "ratio": g_on / g_off, "median_round_ratio": median,
+                    "per_cpu_second_ratio": per_cpu,
+                    "metrics_cost_ns": cost_ns, "request_ns": request_ns,
                     "rounds": args.rounds, "round_s": args.duration,
                 }));
             }
@@ -291,4 +309,47 @@ pub fn metrics_overhead(args: OverheadArgs) -> Result<(), String> {
     }
     eprintln!("{}", serde_json::to_string(&results).unwrap_or_default());
     Ok(())
+}
+
+/// What the metrics path costs one submission, timed alone on this
+/// thread as dispatch does it for a batch of 256: the flow (looked up once
+/// per batch), the tally and its completion (a clock read, a few relaxed
+/// atomic adds).
+fn metrics_cost_ns() -> f64 {
+    use ferry_core::metrics::{FlowCache, FlowKey, FlowLabels, Metrics, Tally};
+    let m = Metrics::new(true, Default::default());
+    let key = FlowKey {
+        transport: 0,
+        segment: 1,
+        op: 1,
+        location: Location::Cpu(0),
+        mem_kind: 1,
+    };
+    let labels = || FlowLabels {
+        transport: "tcp".into(),
+        device: "cpu:0".into(),
+        peer: "peer".into(),
+        op: "write",
+        memory: "host",
+    };
+    const N: u32 = 25_600;
+    // Short runs, the best of many: on a shared machine most long runs
+    // are preempted somewhere.
+    let mut best = f64::MAX;
+    for _ in 0..200 {
+        let started = std::time::Instant::now();
+        let mut cache = FlowCache::default();
+        let mut now = started;
+        for i in 0..N {
+            if i % 256 == 0 {
+                cache = FlowCache::default();
+                now = std::time::Instant::now();
+            }
+            if let Some(f) = m.cached_flow(&mut cache, key, labels) {
+                Tally::new(f, 4096, now).finish(1, None);
+            }
+        }
+        best = best.min(started.elapsed().as_nanos() as f64 / N as f64);
+    }
+    best
 }

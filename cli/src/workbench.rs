@@ -79,8 +79,23 @@ pub struct Bench {
 pub struct Measured {
     pub bytes: u64,
     pub secs: f64,
+    /// CPU time this process used meanwhile (every thread, user + system):
+    /// on a shared machine a steadier measure of work than the wall clock.
+    pub cpu_secs: f64,
     /// Per batch, submit to completion, sorted.
     pub batch_us: Vec<f64>,
+}
+
+/// User + system CPU seconds of this process so far.
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage fills the struct we pass; zeroed is a valid rusage.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid pointer to a rusage for the call.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return 0.0;
+    }
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
+    t(u.ru_utime) + t(u.ru_stime)
 }
 
 impl Measured {
@@ -173,6 +188,7 @@ impl Bench {
         let mut k = 0u64;
         let mut bytes = 0;
         let mut batch_us = Vec::new();
+        let cpu0 = cpu_seconds();
         let started = Instant::now();
         while started.elapsed() < duration {
             let reqs: Vec<Request> = (0..batch as u64)
@@ -199,10 +215,12 @@ impl Bench {
             bytes += block * batch as u64;
         }
         let secs = started.elapsed().as_secs_f64();
+        let cpu_secs = cpu_seconds() - cpu0;
         batch_us.sort_by(|a, b| a.total_cmp(b));
         Ok(Measured {
             bytes,
             secs,
+            cpu_secs,
             batch_us,
         })
     }

@@ -306,6 +306,12 @@ impl Engine {
         crate::metrics::prometheus::render(&self.metrics())
     }
 
+    /// Turns per-request counting on or off while the engine runs (it
+    /// starts as FERRY_METRICS says); what was counted stays readable.
+    pub fn set_metrics_enabled(&self, on: bool) {
+        self.shared.metrics.set_enabled(on);
+    }
+
     /// Where the metrics endpoint listens, when FERRY_METRICS_LISTEN set one.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.metrics_server.as_ref().map(|s| s.local_addr())

@@ -10,7 +10,8 @@ use super::shared::Shared;
 use crate::batch::{group_of, Batch};
 use crate::error::{Error, ErrorCode, Result};
 use crate::memory::LocalBuffer;
-use crate::metrics::{memory_label, FlowKey, FlowLabels, Tally};
+use crate::metrics::{memory_label, FlowCache, FlowKey, FlowLabels, Tally};
+use std::time::Instant;
 use ferry_plugins_abi::sys;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -36,8 +37,20 @@ impl Shared {
         // Reserve the batch slots and create one completion group per
         // coalesced request.
         let base = batch.reserve(requests)?;
+        let mut flows = Flows {
+            cache: FlowCache::default(),
+            started: Instant::now(),
+        };
         for (i, item) in &mut staged {
-            let tally = self.tally(None, item.op, &item.local, 0, &item.segment, item.length);
+            let tally = self.tally(
+                &mut flows,
+                None,
+                item.op,
+                &item.local,
+                0,
+                &item.segment,
+                item.length,
+            );
             item.group = group_of(batch.add_group(base + *i, 1, item.local.clone(), tally));
         }
         let mut by_target: Vec<TargetGroup> = Vec::new();
@@ -46,6 +59,7 @@ impl Shared {
             let local_mem = registration.map(|r| r.handle).unwrap_or(0);
             let mem_kind = registration.map_or(p.local.mem_kind, |r| r.mem_kind);
             let tally = self.tally(
+                &mut flows,
                 Some(p.transport),
                 p.op,
                 &p.local,
@@ -153,11 +167,20 @@ impl Shared {
     }
 }
 
+/// One dispatch's view of the metrics: the flow last used, and the time
+/// its submissions started.
+struct Flows {
+    cache: FlowCache,
+    started: Instant,
+}
+
 impl Shared {
     /// Where a submission of `bytes` counts: its flow (transport, or
     /// staging when `None`; local device; peer; op; memory kind).
+    #[allow(clippy::too_many_arguments)]
     fn tally(
         &self,
+        flows: &mut Flows,
         transport: Option<usize>,
         op: Op,
         local: &LocalBuffer,
@@ -172,7 +195,10 @@ impl Shared {
             location: local.location,
             mem_kind,
         };
-        let flow = self.metrics.flow(key, || FlowLabels {
+        if !self.metrics.enabled() {
+            return None;
+        }
+        let flow = self.metrics.cached_flow(&mut flows.cache, key, || FlowLabels {
             transport: transport
                 .and_then(|t| self.transports.get(t))
                 .map_or_else(|| "staging".to_string(), |t| t.name.clone()),
@@ -184,6 +210,6 @@ impl Shared {
             },
             memory: memory_label(mem_kind),
         })?;
-        Some(Tally::new(flow, bytes))
+        Some(Tally::new(flow, bytes, flows.started))
     }
 }

@@ -24,7 +24,7 @@ use ferry_plugins_abi::ErrorCode;
 use parking_lot::{Mutex, RwLock};
 use snapshot::{PluginCounter, RouteChanges};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -41,6 +41,11 @@ pub struct FlowKey {
     pub mem_kind: u64,
 }
 
+/// The flow a batch used last: requests of one batch mostly share one, so
+/// the map is asked once per batch, not once per request.
+#[derive(Default)]
+pub struct FlowCache(Option<(FlowKey, Arc<Flow>)>);
+
 /// Flows with distinct labels at most; past this, new ones count in one
 /// flow labelled "other" (peers come and go; series must not grow without
 /// bound).
@@ -55,7 +60,8 @@ struct Route {
 }
 
 pub struct Metrics {
-    enabled: bool,
+    /// Checked once per submission (relaxed): on/off at run time.
+    enabled: AtomicBool,
     started: Instant,
     flows: RwLock<HashMap<FlowKey, Arc<Flow>>>,
     /// The same flows by labels: a reopened segment keeps its series.
@@ -87,7 +93,7 @@ pub fn memory_label(mem_kind: u64) -> &'static str {
 impl Metrics {
     pub fn new(enabled: bool, plugins: Arc<PluginCounters>) -> Metrics {
         Metrics {
-            enabled,
+            enabled: AtomicBool::new(enabled),
             started: Instant::now(),
             flows: RwLock::default(),
             by_labels: Mutex::default(),
@@ -101,7 +107,12 @@ impl Metrics {
     }
 
     pub fn enabled(&self) -> bool {
-        self.enabled
+        self.enabled.load(Ordering::Relaxed)
+    }
+
+    /// Turns per-request counting on or off; what was counted stays.
+    pub fn set_enabled(&self, on: bool) {
+        self.enabled.store(on, Ordering::Relaxed);
     }
 
     /// The endpoint's "host:port" as peers reach it, once it serves.
@@ -113,10 +124,30 @@ impl Metrics {
         let _ = self.advertised.set(addr);
     }
 
+    /// [`Metrics::flow`] through `cache`.
+    pub fn cached_flow(
+        &self,
+        cache: &mut FlowCache,
+        key: FlowKey,
+        labels: impl FnOnce() -> FlowLabels,
+    ) -> Option<Arc<Flow>> {
+        if !self.enabled() {
+            return None;
+        }
+        if let Some((k, f)) = &cache.0 {
+            if *k == key {
+                return Some(f.clone());
+            }
+        }
+        let f = self.flow(key, labels)?;
+        cache.0 = Some((key, f.clone()));
+        Some(f)
+    }
+
     /// The flow of `key`, created with `labels()` at its first use; `None`
     /// when metrics are off.
     pub fn flow(&self, key: FlowKey, labels: impl FnOnce() -> FlowLabels) -> Option<Arc<Flow>> {
-        if !self.enabled {
+        if !self.enabled() {
             return None;
         }
         if let Some(f) = self.flows.read().get(&key) {
@@ -168,7 +199,7 @@ impl Metrics {
         transport: usize,
         peer: impl FnOnce() -> String,
     ) {
-        if !self.enabled {
+        if !self.enabled() {
             return;
         }
         let key = (segment, mem_kind);
@@ -244,7 +275,7 @@ impl Metrics {
         route_changes.sort_by(|a, b| (&a.peer, &a.memory).cmp(&(&b.peer, &b.memory)));
         MetricsSnapshot {
             engine: String::new(),
-            enabled: self.enabled,
+            enabled: self.enabled(),
             uptime_seconds: self.started.elapsed().as_secs_f64(),
             flows,
             latency,
