@@ -3,7 +3,6 @@
 //! device and peer, failures by code, refusals, route changes, plugins'
 //! events. Drawn with ratatui over crossterm.
 
-use crate::util::human_size;
 use ratatui::crossterm::event::{self, Event, KeyCode, KeyModifiers};
 use ratatui::layout::{Constraint, Layout};
 use ratatui::style::{Color, Modifier, Style};
@@ -134,8 +133,20 @@ fn gbps(bytes_per_s: f64) -> String {
     format!("{:.3}", bytes_per_s / 1e9)
 }
 
+/// Bytes in binary units with one decimal ("17.6 GiB").
 fn total(bytes: f64) -> String {
-    human_size(bytes as u64)
+    let units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = bytes.max(0.0);
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{v:.0} B")
+    } else {
+        format!("{v:.1} {}", units[u])
+    }
 }
 
 fn draw(f: &mut Frame, url: &str, now: &Sample, before: &Sample, error: Option<&str>) {
@@ -359,6 +370,13 @@ mod tests {
         );
         assert_eq!(metrics_url("http://h:1"), "http://h:1/metrics");
         assert_eq!(metrics_url("http://h:1/x"), "http://h:1/x");
+    }
+
+    #[test]
+    fn totals_read_in_binary_units() {
+        assert_eq!(total(0.0), "0 B");
+        assert_eq!(total(1536.0), "1.5 KiB");
+        assert_eq!(total(18_475_012.0 * 1024.0), "17.6 GiB");
     }
 
     #[test]

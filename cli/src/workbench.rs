@@ -20,6 +20,8 @@ impl TargetChild {
         let mut child = Command::new(exe)
             .args(["bench", "target", "--allocate", "--buffer-size"])
             .arg(buffer_size.to_string())
+            // The metrics endpoint is the initiator's to serve.
+            .env_remove("FERRY_METRICS_LISTEN")
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
