@@ -263,7 +263,11 @@ pub fn metrics_overhead(args: OverheadArgs) -> Result<(), String> {
                 // Warm up (connections, page faults) before counting.
                 bench.run(op, Some(t), block, batch, duration / 2)?;
                 for r in 0..args.rounds {
-                    let order = if r % 2 == 0 { [true, false] } else { [false, true] };
+                    let order = if r % 2 == 0 {
+                        [true, false]
+                    } else {
+                        [false, true]
+                    };
                     let mut pair = [0f64; 2];
                     for on in order {
                         bench.engine.set_metrics_enabled(on);

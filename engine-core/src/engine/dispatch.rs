@@ -11,10 +11,10 @@ use crate::batch::{group_of, Batch};
 use crate::error::{Error, ErrorCode, Result};
 use crate::memory::LocalBuffer;
 use crate::metrics::{memory_label, FlowCache, FlowKey, FlowLabels, Tally};
-use std::time::Instant;
 use ferry_plugins_abi::sys;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// Requests for one (segment, transport), each with its index in the
 /// plan's `routed`.
@@ -198,18 +198,20 @@ impl Shared {
         if !self.metrics.enabled() {
             return None;
         }
-        let flow = self.metrics.cached_flow(&mut flows.cache, key, || FlowLabels {
-            transport: transport
-                .and_then(|t| self.transports.get(t))
-                .map_or_else(|| "staging".to_string(), |t| t.name.clone()),
-            device: local.location.to_string(),
-            peer: segment.name.clone(),
-            op: match op {
-                Op::Read => "read",
-                Op::Write => "write",
-            },
-            memory: memory_label(mem_kind),
-        })?;
+        let flow = self
+            .metrics
+            .cached_flow(&mut flows.cache, key, || FlowLabels {
+                transport: transport
+                    .and_then(|t| self.transports.get(t))
+                    .map_or_else(|| "staging".to_string(), |t| t.name.clone()),
+                device: local.location.to_string(),
+                peer: segment.name.clone(),
+                op: match op {
+                    Op::Read => "read",
+                    Op::Write => "write",
+                },
+                memory: memory_label(mem_kind),
+            })?;
         Some(Tally::new(flow, bytes, flows.started))
     }
 }

@@ -84,6 +84,9 @@ fn float(v: f64) -> String {
     }
 }
 
+/// Reads one counter of a flow.
+type FlowValue = fn(&super::snapshot::FlowCounts) -> u64;
+
 /// The whole snapshot as Prometheus text.
 pub fn render(s: &MetricsSnapshot) -> String {
     let mut out = String::new();
@@ -112,7 +115,7 @@ pub fn render(s: &MetricsSnapshot) -> String {
         );
         f.sample("", &[], float(s.uptime_seconds));
     }
-    let flow_families: [(&'static str, &'static str, fn(&super::snapshot::FlowCounts) -> u64); 4] = [
+    let flow_families: [(&str, &str, FlowValue); 4] = [
         ("ferry_transfer_requests_total", "Requests completed, by transport, local device, peer, op and memory.", |c| c.requests),
         ("ferry_transfer_bytes_total", "Bytes of completed requests.", |c| c.bytes),
         ("ferry_transport_submissions_total", "Submissions handed to the transport (adjacent requests coalesce into one), finished or failed.", |c| c.submissions),

@@ -773,7 +773,11 @@ fn record_failure(inner: &Inner, peer: &Arc<Peer>, pair: Pair, why: &str, data: 
     }
     if let Some(h) = peer.remote_health.get(pair.1 as usize) {
         if let Verdict::Paused(d) = h.failure(why, REMOTE_PAUSE_AFTER, base, MAX_PAUSE) {
-            count_pause(inner, c"peer_nic_pauses", &peer.remote[pair.1 as usize].name);
+            count_pause(
+                inner,
+                c"peer_nic_pauses",
+                &peer.remote[pair.1 as usize].name,
+            );
             inner.host.warn(&format!(
                 "rdma: {}'s NIC {} failed {REMOTE_PAUSE_AFTER} times in a row from here (last: \
                  {why}); not using it for {:.1} s (back-off doubles while it keeps failing)",
