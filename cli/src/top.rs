@@ -317,7 +317,8 @@ pub fn run(args: TopArgs) -> Result<(), String> {
     // Fail before taking over the terminal when the endpoint is not there.
     let mut now = fetch(&args.url)?;
     let mut before = Sample::default();
-    let mut terminal = ratatui::try_init().map_err(|e| format!("terminal: {e}"))?;
+    let mut terminal = ratatui::try_init()
+        .map_err(|e| format!("ferry top draws on a terminal, and this is none ({e})"))?;
     let mut frames = 0u64;
     let mut error: Option<String> = None;
     let result = loop {
@@ -370,6 +371,68 @@ mod tests {
         );
         assert_eq!(metrics_url("http://h:1"), "http://h:1/metrics");
         assert_eq!(metrics_url("http://h:1/x"), "http://h:1/x");
+    }
+
+    #[test]
+    fn a_live_endpoint_is_read_and_summed_by_transport_peer_and_device() {
+        use ferry_core::{Engine, EngineConfig, Op, Request};
+        let config = |listen: bool| {
+            let mut c = EngineConfig::default();
+            c.set("transports", "tcp").unwrap();
+            if listen {
+                c.set("metrics_listen", "127.0.0.1:0").unwrap();
+            }
+            c
+        };
+        let (target, initiator) = (
+            Engine::new(config(false)).unwrap(),
+            Engine::new(config(true)).unwrap(),
+        );
+        let remote = vec![0u8; 1 << 16];
+        let local = vec![1u8; 1 << 16];
+        target
+            .register_memory(remote.as_ptr() as u64, 1 << 16, None)
+            .unwrap();
+        initiator
+            .register_memory(local.as_ptr() as u64, 1 << 16, None)
+            .unwrap();
+        let seg = initiator.open_segment(target.segment_name()).unwrap();
+        let reqs: Vec<Request> = (0..4u64)
+            .map(|i| {
+                Request::new(
+                    Op::Write,
+                    local.as_ptr() as u64 + i * 8192,
+                    seg,
+                    remote.as_ptr() as u64 + i * 8192,
+                    4096,
+                )
+            })
+            .collect();
+        initiator.transfer_sync(&reqs).unwrap();
+        // Past the end of the peer's buffer: refused whole.
+        let bad = Request::new(
+            Op::Write,
+            local.as_ptr() as u64,
+            seg,
+            remote.as_ptr() as u64 + (1 << 16) - 8,
+            64,
+        );
+        assert!(initiator.transfer_sync(&[bad]).is_err());
+        let url = metrics_url(&initiator.metrics_addr().unwrap().to_string());
+        let s = fetch(&url).unwrap();
+        assert_eq!(s.engine, initiator.segment_name());
+        let key = ("tcp".to_string(), "write".to_string());
+        assert_eq!(s.by_transport.get(&key), Some(&(16384.0, 4.0, 0.0)));
+        let peer = (target.segment_name().to_string(), "tcp".to_string());
+        assert_eq!(s.by_peer.get(&peer), Some(&(16384.0, 4.0, 0.0)));
+        assert_eq!(s.by_device.values().map(|d| d.0).sum::<f64>(), 16384.0);
+        assert_eq!(
+            s.events.get("refused OUT_OF_BOUNDS"),
+            Some(&1.0),
+            "{:?}",
+            s.events
+        );
+        assert!(fetch("http://127.0.0.1:1/metrics").is_err());
     }
 
     #[test]
