@@ -9,8 +9,8 @@ use super::segments::RemoteSegment;
 use super::shared::Shared;
 use crate::batch::{group_of, Batch};
 use crate::error::{Error, ErrorCode, Result};
-use crate::memory::LocalBuffer;
-use crate::metrics::{memory_label, FlowCache, FlowKey, FlowLabels, Tally};
+use crate::memory::{LocalBuffer, Visibility};
+use crate::metrics::{memory_label, FlowCache, FlowKey, FlowLabels, Tally, STAGING_SLOT};
 use ferry_plugins_abi::sys;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -188,6 +188,16 @@ impl Shared {
         segment: &RemoteSegment,
         bytes: u64,
     ) -> Option<Tally> {
+        if !self.metrics.enabled() {
+            return None;
+        }
+        // Staging's own host legs (its slots are the only local-only
+        // buffers) count apart from what applications asked.
+        let mem_kind = if local.visibility == Visibility::LocalOnly {
+            STAGING_SLOT
+        } else {
+            mem_kind
+        };
         let key = FlowKey {
             transport: transport.unwrap_or(usize::MAX),
             segment: segment.id,
@@ -195,9 +205,6 @@ impl Shared {
             location: local.location,
             mem_kind,
         };
-        if !self.metrics.enabled() {
-            return None;
-        }
         let flow = self
             .metrics
             .cached_flow(&mut flows.cache, key, || FlowLabels {

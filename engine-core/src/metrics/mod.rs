@@ -76,11 +76,16 @@ pub struct Metrics {
     advertised: std::sync::OnceLock<String>,
 }
 
+/// Stands for a `FERRY_MEM_*` bit in a flow key: the local buffer is a
+/// staging slot (the host leg of staged traffic).
+pub const STAGING_SLOT: u64 = u64::MAX;
+
 /// The label of a `FERRY_MEM_*` bit.
 pub fn memory_label(mem_kind: u64) -> &'static str {
     use ferry_plugins_abi::sys;
     match mem_kind {
         0 => "staged",
+        STAGING_SLOT => "staging_slot",
         sys::FERRY_MEM_HOST => "host",
         sys::FERRY_MEM_CUDA_DMABUF => "dmabuf",
         sys::FERRY_MEM_CUDA_PEERMEM => "peermem",
