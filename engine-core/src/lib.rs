@@ -35,6 +35,7 @@ pub mod location;
 pub mod memory;
 pub mod metadata;
 mod shared_memory;
+pub mod metrics;
 pub mod topology;
 pub mod transport;
 

@@ -265,6 +265,12 @@ impl NativeEngine {
         Ok(self.get(py)?.control_addr().port())
     }
 
+    /// The engine's metrics as JSON (`Engine::metrics_json`).
+    fn metrics_json(&self, py: Python<'_>) -> PyResult<String> {
+        let e = self.get(py)?;
+        Ok(py.detach(|| e.metrics_json()))
+    }
+
     /// Transports that can move data, in load order.
     fn transports(&self, py: Python<'_>) -> PyResult<Vec<String>> {
         Ok(self.get(py)?.transports())

@@ -361,6 +361,7 @@ fn sample_descriptor() -> SegmentDescriptor {
             name: "tcp".into(),
             endpoint: encode_blob(&tcp::encode_endpoint("10.0.0.1:7001", 0x1234)),
         }],
+        metrics: None,
         buffers: vec![
             BufferDescriptor {
                 addr: 0x7f00_0000_0000,
