@@ -317,6 +317,7 @@ fn sample_descriptor() -> SegmentDescriptor {
                     transport: "tcp".into(),
                     key: String::new(),
                 }],
+                order: 1,
             },
             BufferDescriptor {
                 addr: 0x7f00_0010_0000,
@@ -326,6 +327,7 @@ fn sample_descriptor() -> SegmentDescriptor {
                     transport: "rdma".into(),
                     key: encode_blob(&sample_rdma_key().encode()),
                 }],
+                order: 2,
             },
         ],
     }
@@ -394,6 +396,7 @@ fn staging_bodies() -> Vec<Vec<u8>> {
         len: 4 << 20,
         location: "cpu:0".into(),
         keys: vec![],
+        order: 0,
     };
     vec![
         br#"{"slots":4,"slot_len":4194304}"#.to_vec(),

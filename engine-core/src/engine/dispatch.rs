@@ -8,6 +8,7 @@ use super::request::SegmentId;
 use super::shared::Shared;
 use crate::batch::{group_of, Batch};
 use crate::error::{Error, ErrorCode, Result};
+use crate::memory::Visibility;
 use ferry_plugins_abi::sys;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -27,12 +28,16 @@ impl Shared {
     pub(crate) fn dispatch(&self, batch: &Batch, plan: Plan) -> Result<Vec<StagedItem>> {
         let Plan {
             requests,
+            empty,
             routed,
             mut staged,
         } = plan;
         // Reserve the batch slots and create one completion group per
-        // coalesced request.
+        // coalesced request; requests of length 0 are done.
         let base = batch.reserve(requests)?;
+        for i in &empty {
+            batch.complete_empty(base + i, 1);
+        }
         for (i, item) in &mut staged {
             item.group = group_of(batch.add_group(base + *i, 1, item.local.clone()));
         }
@@ -77,10 +82,11 @@ impl Shared {
             .map(|p| (p.first, &p.local))
             .chain(staged.iter().map(|(i, it)| (*i, &it.local)))
             .find(|(_, local)| {
-                !self
-                    .memory
-                    .find(local.addr, 1)
-                    .is_some_and(|b| Arc::ptr_eq(&b, local))
+                local.visibility != Visibility::Unregistered
+                    && !self
+                        .memory
+                        .find(local.addr, 1)
+                        .is_some_and(|b| Arc::ptr_eq(&b, local))
             })
             .map(|(i, local)| (i, local.addr));
         if let Some((i, addr)) = gone {

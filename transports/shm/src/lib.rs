@@ -85,6 +85,9 @@ impl ferry_plugins_abi::sdk::TransportPlugin for ShmTransport {
     const VERSION: &'static CStr = ferry_plugins_abi::c_version!();
     const DESCRIPTION: &'static CStr =
         c"Host memory between processes of one host: mapped memfd or cross-memory attach";
+    // Local memory is only an address for memcpy or process_vm_readv/
+    // writev: it needs no registration.
+    const FLAGS: u64 = ferry_plugins_abi::sys::FERRY_TRANSPORT_LOCAL_UNREGISTERED;
     type Instance = ShmInstance;
 
     fn probe(host: &Host<'_>, report: &mut ProbeReport<'_>) -> PluginResult<()> {
@@ -601,7 +604,10 @@ fn copy_mapped(
     let local = r.local_addr as *mut u8;
     // SAFETY: [off, end) lies inside the mapping, which the copy lock keeps
     // mapped; the local range lies in a buffer the engine checked is
-    // registered here and keeps registered while the request is in flight.
+    // registered here and keeps registered while the request is in flight,
+    // or (FERRY_TRANSPORT_LOCAL_UNREGISTERED) in memory the application
+    // submitted unregistered, which the engine's API requires to stay valid
+    // memory of this process until the request completes.
     // ptr::copy tolerates the two ranges aliasing (same process, same file).
     unsafe {
         match r.op {
