@@ -237,6 +237,15 @@ impl Batch {
         self.finish(st, start, count, Ok(()));
     }
 
+    /// Fails when the batch carries a notification (it takes no more
+    /// requests).
+    pub(crate) fn check_takes_requests(&self) -> Result<()> {
+        match self.state.lock().notify {
+            Some(_) => Err(self.carries_notify()),
+            None => Ok(()),
+        }
+    }
+
     fn carries_notify(&self) -> Error {
         Error::new(
             ErrorCode::InvalidArgument,

@@ -7,6 +7,7 @@
 pub mod etcd;
 pub mod fuzz;
 pub mod node;
+pub mod ordering;
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};

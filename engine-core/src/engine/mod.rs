@@ -19,8 +19,8 @@
 //!   is, the GPU-direct ladder, memory the engine allocates;
 //! - `staging/{protocol,slots,state}`: staging's messages, slots and state;
 //! - `shared`: the state all of the above make up, behind one `Arc`;
-//! - `registration`, `publish`, `peers`, `dispatch`, `submit`, `route`,
-//!   `staging/{target,initiator,job}`: what the engine does with it;
+//! - `registration`, `publish`, `peers`, `dispatch`, `submit`, `notify`,
+//!   `route`, `staging/{target,initiator,job}`: what the engine does with it;
 //! - `startup` and `api`: `Engine::new` and the rest of the public API.
 
 mod allocations;
@@ -29,6 +29,7 @@ mod devices;
 mod dispatch;
 mod ladder;
 mod node;
+mod notify;
 mod peers;
 mod plan;
 mod publish;

@@ -6,6 +6,7 @@ use super::allocations::Allocation;
 use super::devices::Devices;
 use super::ladder::GpuDirect;
 use super::node::Node;
+use super::notify::Notifier;
 use super::segments::Segments;
 use super::select::Transports;
 use super::staging::Staging;
@@ -42,6 +43,8 @@ pub(crate) struct Shared {
     pub(crate) allocations: Mutex<HashMap<u64, Allocation>>,
     /// How each GPU's memory is registered for RDMA, and what failed.
     pub(crate) gpu_direct: GpuDirect,
+    /// Notifications peers sent, and the thread that sends this engine's.
+    pub(crate) notifier: Notifier,
 }
 
 impl Shared {
