@@ -32,7 +32,8 @@ impl Peers for Shared {
             .collect();
         if takers.is_empty() {
             return Err(not_registered(format!(
-                ": register it with register_memory first ({} need local memory registered)",
+                ": register it with register_memory first (the transports here need local \
+                 memory registered: {})",
                 self.transports
                     .iter()
                     .map(|t| t.name.as_str())
