@@ -25,7 +25,7 @@ pub const MAX_NOTIFY_NAME: usize = 256;
 /// Longest notification message, in bytes.
 pub const MAX_NOTIFY_MSG: usize = 4096;
 /// Longest sender name (a segment name) a notification may carry.
-const MAX_SENDER: usize = 512;
+pub const MAX_NOTIFY_SENDER: usize = 512;
 /// Notifications an engine keeps for the application before it refuses new
 /// ones (about 4.3 MiB at most).
 pub const NOTIFY_QUEUE_DEPTH: usize = 1024;
@@ -126,7 +126,7 @@ pub fn decode_notify(body: &[u8]) -> Result<Notification> {
             .map(str::to_string)
             .map_err(|_| bad(what))
     };
-    let peer = text(take(2, MAX_SENDER, "sender")?, "sender")?;
+    let peer = text(take(2, MAX_NOTIFY_SENDER, "sender")?, "sender")?;
     let name = text(take(2, MAX_NOTIFY_NAME, "name")?, "name")?;
     let msg = take(4, MAX_NOTIFY_MSG, "message")?.to_vec();
     if !rest.is_empty() {
@@ -184,6 +184,11 @@ impl Inbox {
         }
         q.push_back(n);
         Ok(())
+    }
+
+    /// The oldest waiting notification, taken.
+    pub fn take_one(&self) -> Option<Notification> {
+        self.queue.lock().pop_front()
     }
 
     /// Every waiting notification, oldest first; the inbox is then empty.

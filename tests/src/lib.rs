@@ -258,7 +258,11 @@ pub fn run_c_transfer(target: &mut Command, initiator: &mut Command) {
         .next()
         .expect("the target answers")
         .expect("read the target's answer");
-    assert_eq!(at_target, format!("CHECKSUM {local}"), "data at the target");
+    assert_eq!(
+        at_target,
+        format!("CHECKSUM {local} NOTIFY initiator:written"),
+        "data and the batch's notification at the target"
+    );
     drop(t.stdin.take());
     assert!(t.wait().expect("wait for the target").success());
 }

@@ -245,6 +245,11 @@ impl Engine {
         self.shared.notifier.inbox.take_all()
     }
 
+    /// The oldest notification a peer sent, taken; `None` when none waits.
+    pub fn take_notify(&self) -> Option<Notification> {
+        self.shared.notifier.inbox.take_one()
+    }
+
     /// Notifications refused because this engine's queue was full (at most
     /// [`NOTIFY_QUEUE_DEPTH`](crate::notify::NOTIFY_QUEUE_DEPTH) wait; the
     /// newest is refused and its sender told), since the engine started.
