@@ -36,7 +36,9 @@ const SHAPE: Shape = Shape {
 
 #[test]
 fn notifications_arrive_after_their_data_over_tcp_and_shm() {
-    for (transports, register_source) in [("tcp", true), ("tcp", false), ("shm", true), ("shm", false)] {
+    for (transports, register_source) in
+        [("tcp", true), ("tcp", false), ("shm", true), ("shm", false)]
+    {
         let target = engine(transports);
         let initiator = engine(transports);
         let shape = Shape {
@@ -116,7 +118,13 @@ fn a_failed_request_sends_no_notification_and_the_batch_says_why() {
     // descriptor: the write is refused at the target.
     target.unregister_memory(remote.as_ptr() as u64).unwrap();
     let b = initiator.allocate_batch(1).unwrap();
-    let r = Request::new(Op::Write, local.as_ptr() as u64, seg, remote.as_ptr() as u64, 8192);
+    let r = Request::new(
+        Op::Write,
+        local.as_ptr() as u64,
+        seg,
+        remote.as_ptr() as u64,
+        8192,
+    );
     initiator
         .submit_with_notify(b, &[r], Notify::new("n", "m").unwrap())
         .unwrap();
@@ -138,15 +146,26 @@ fn notify_misuse_is_refused_with_reasons() {
     let initiator = engine("tcp");
     let remote = vec![0u8; 4096];
     for e in [&target, &other] {
-        e.register_memory(remote.as_ptr() as u64, 4096, None).unwrap();
+        e.register_memory(remote.as_ptr() as u64, 4096, None)
+            .unwrap();
     }
     let local = vec![1u8; 4096];
     let a = initiator.open_segment(target.segment_name()).unwrap();
     let b = initiator.open_segment(other.segment_name()).unwrap();
-    let w = |seg| Request::new(Op::Write, local.as_ptr() as u64, seg, remote.as_ptr() as u64, 4096);
+    let w = |seg| {
+        Request::new(
+            Op::Write,
+            local.as_ptr() as u64,
+            seg,
+            remote.as_ptr() as u64,
+            4096,
+        )
+    };
     let n = || Notify::new("n", "m").unwrap();
     let batch = initiator.allocate_batch(4).unwrap();
-    let e = initiator.submit_with_notify(batch, &[w(a), w(b)], n()).unwrap_err();
+    let e = initiator
+        .submit_with_notify(batch, &[w(a), w(b)], n())
+        .unwrap_err();
     assert_eq!(e.code, ErrorCode::InvalidArgument);
     assert!(e.message.contains("one peer"), "{e}");
     let e = initiator.submit_with_notify(batch, &[], n()).unwrap_err();
@@ -162,7 +181,9 @@ fn notify_misuse_is_refused_with_reasons() {
     assert!(st.succeeded(), "{st:?}");
     initiator.free_batch(batch).unwrap();
     // Sent alone, and a zero-length transfer with a message.
-    initiator.send_notify(b, Notify::new("alone", "x").unwrap()).unwrap();
+    initiator
+        .send_notify(b, Notify::new("alone", "x").unwrap())
+        .unwrap();
     let zero = Request::new(Op::Write, 0, a, 0, 0);
     initiator
         .transfer_sync_with_notify(&[zero], Notify::new("zero", "").unwrap())
@@ -193,7 +214,10 @@ fn a_full_queue_refuses_the_newest_counts_it_and_tells_the_sender() {
     assert_eq!(got.len(), NOTIFY_QUEUE_DEPTH);
     // The oldest are kept, in order.
     assert_eq!(got[0].msg, b"0");
-    assert_eq!(got[NOTIFY_QUEUE_DEPTH - 1].msg, (NOTIFY_QUEUE_DEPTH - 1).to_string().into_bytes());
+    assert_eq!(
+        got[NOTIFY_QUEUE_DEPTH - 1].msg,
+        (NOTIFY_QUEUE_DEPTH - 1).to_string().into_bytes()
+    );
     initiator
         .send_notify(seg, Notify::new("q", "again").unwrap())
         .unwrap();
@@ -251,16 +275,37 @@ fn unregistered_local_memory_moves_over_tcp_and_shm_and_rdma_would_say_register(
         let mut back = vec![0u8; 1 << 20];
         let r = remote.as_ptr() as u64;
         initiator
-            .transfer_sync(&[Request::new(Op::Write, src.as_ptr() as u64, seg, r, 1 << 20)])
+            .transfer_sync(&[Request::new(
+                Op::Write,
+                src.as_ptr() as u64,
+                seg,
+                r,
+                1 << 20,
+            )])
             .unwrap();
-        assert!(remote == src, "{transports}: written from unregistered memory");
+        assert!(
+            remote == src,
+            "{transports}: written from unregistered memory"
+        );
         initiator
-            .transfer_sync(&[Request::new(Op::Read, back.as_mut_ptr() as u64, seg, r, 1 << 20)])
+            .transfer_sync(&[Request::new(
+                Op::Read,
+                back.as_mut_ptr() as u64,
+                seg,
+                r,
+                1 << 20,
+            )])
             .unwrap();
         assert!(back == src, "{transports}: read into unregistered memory");
         // The target still serves only what it registered.
         let e = initiator
-            .transfer_sync(&[Request::new(Op::Write, src.as_ptr() as u64, seg, back.as_ptr() as u64, 4096)])
+            .transfer_sync(&[Request::new(
+                Op::Write,
+                src.as_ptr() as u64,
+                seg,
+                back.as_ptr() as u64,
+                4096,
+            )])
             .unwrap_err();
         assert_eq!(e.code, ErrorCode::OutOfBounds, "{e}");
         // Straddling the end of a registered local buffer is refused.

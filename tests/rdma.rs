@@ -684,7 +684,13 @@ fn child_notify() {
     let seg = initiator.open_segment(target.segment_name()).unwrap();
     let loose = vec![1u8; 4096];
     let e = initiator
-        .transfer_sync(&[Request::new(Op::Write, loose.as_ptr() as u64, seg, raddr, 4096)])
+        .transfer_sync(&[Request::new(
+            Op::Write,
+            loose.as_ptr() as u64,
+            seg,
+            raddr,
+            4096,
+        )])
         .unwrap_err();
     assert!(e.message.contains("register_memory first"), "{e}");
     assert!(e.message.contains("rdma"), "{e}");

@@ -455,14 +455,18 @@ mod tests {
         b.complete_empty(start + 2, 1);
         let ran = Arc::new(Mutex::new(None));
         let r = ran.clone();
-        b.attach_notify(Box::new(move |e| *r.lock() = Some(e))).unwrap();
+        b.attach_notify(Box::new(move |e| *r.lock() = Some(e)))
+            .unwrap();
         assert!(ran.lock().is_none());
         assert_eq!(b.reserve(1).unwrap_err().code, ErrorCode::InvalidArgument);
         assert!(b.attach_notify(Box::new(|_| ())).is_err());
         b.complete_group(g0, Ok(()));
         assert_eq!(*ran.lock(), Some(None));
         let st = b.status();
-        assert_eq!((st.pending, st.notify.clone()), (0, Some(NotifyStatus::Pending)));
+        assert_eq!(
+            (st.pending, st.notify.clone()),
+            (0, Some(NotifyStatus::Pending))
+        );
         assert!(!st.is_done());
         assert_eq!(table.free(b.id).unwrap_err().code, ErrorCode::Busy);
         b.finish_notify(Ok(()));
@@ -481,8 +485,10 @@ mod tests {
         b.complete_group(g, Err(Error::new(ErrorCode::Connection, "gone")));
         let ran = Arc::new(Mutex::new(None));
         let r = ran.clone();
-        b.attach_notify(Box::new(move |e| *r.lock() = Some(e.map(|(i, e)| (i, e.code)))))
-            .unwrap();
+        b.attach_notify(Box::new(move |e| {
+            *r.lock() = Some(e.map(|(i, e)| (i, e.code)))
+        }))
+        .unwrap();
         assert_eq!(*ran.lock(), Some(Some((0, ErrorCode::Connection))));
         b.finish_notify(Err(Error::new(ErrorCode::Connection, "not sent")));
         let st = b.status();

@@ -116,7 +116,11 @@ impl MemoryRegistry {
 
     /// Every buffer, by address.
     pub fn all(&self) -> Vec<Arc<LocalBuffer>> {
-        self.buffers.read().values().map(|(_, b)| b.clone()).collect()
+        self.buffers
+            .read()
+            .values()
+            .map(|(_, b)| b.clone())
+            .collect()
     }
 
     /// Every buffer by address, each with its registration number (1 for

@@ -5,8 +5,9 @@
 //!
 //! This file holds what travels and what waits: the message and its
 //! limits, its wire form (checked field by field: it arrives from the
-//! network), and the bounded inbox a receiving engine keeps until the
-//! application takes its notifications.
+//! network), the bounded inbox a receiving engine keeps until the
+//! application takes its notifications, and the thread that sends an
+//! engine's own.
 //!
 //! Drop policy: the inbox holds at most [`NOTIFY_QUEUE_DEPTH`] messages.
 //! When it is full a new message is refused, never an old one evicted: the
@@ -15,10 +16,13 @@
 //! refusal in [`Inbox::dropped`]. Messages already queued are delivered in
 //! the order they arrived.
 
+use crate::batch::Batch;
+use crate::control::{ControlClient, Link, MsgType};
 use crate::error::{Error, ErrorCode, Result};
 use parking_lot::Mutex;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Weak};
 
 /// Longest notification name, in bytes.
 pub const MAX_NOTIFY_NAME: usize = 256;
@@ -199,6 +203,106 @@ impl Inbox {
     /// Notifications refused because the inbox was full, since the start.
     pub fn dropped(&self) -> u64 {
         self.dropped.load(Ordering::Relaxed)
+    }
+}
+
+/// One message to send, for one batch.
+pub(crate) struct Outgoing {
+    pub(crate) batch: Weak<Batch>,
+    /// The peer's segment name (for messages).
+    pub(crate) peer: String,
+    /// Its control address.
+    pub(crate) control: String,
+    /// The encoded notification.
+    pub(crate) body: Vec<u8>,
+}
+
+/// The engine's notifications: what peers sent it, and the thread that
+/// sends its own.
+#[derive(Default)]
+pub(crate) struct Notifier {
+    pub(crate) inbox: Inbox,
+    outbox: Mutex<Option<mpsc::Sender<Outgoing>>>,
+}
+
+impl Notifier {
+    /// The sending thread's queue, starting the thread on first use.
+    pub(crate) fn outbox(&self, link: &Link) -> Result<mpsc::Sender<Outgoing>> {
+        let mut out = self.outbox.lock();
+        if let Some(tx) = out.as_ref() {
+            return Ok(tx.clone());
+        }
+        let (tx, rx) = mpsc::channel();
+        let link = link.clone();
+        std::thread::Builder::new()
+            .name("ferry-notify".into())
+            .spawn(move || send_loop(rx, link))
+            .map_err(|e| {
+                Error::new(
+                    ErrorCode::NoMemory,
+                    format!("cannot start the notification thread: {e}"),
+                )
+            })?;
+        *out = Some(tx.clone());
+        Ok(tx)
+    }
+}
+
+/// Sends each job's message and records the outcome in its batch, until
+/// the engine (every sender) is gone.
+fn send_loop(rx: mpsc::Receiver<Outgoing>, link: Link) {
+    let mut clients: HashMap<String, ControlClient> = HashMap::new();
+    while let Ok(job) = rx.recv() {
+        let result = deliver(&mut clients, &link, &job).map_err(|e| {
+            Error::new(
+                e.code,
+                format!("notification to {} not delivered: {}", job.peer, e.message),
+            )
+        });
+        if let Err(e) = &result {
+            log::debug!("{e}");
+        }
+        if let Some(batch) = job.batch.upgrade() {
+            batch.finish_notify(result);
+        }
+    }
+}
+
+/// One message over the peer's control connection (kept for the next).
+/// A message is sent once: a connection that fails midway is not retried,
+/// so a peer never queues one twice.
+fn deliver(
+    clients: &mut HashMap<String, ControlClient>,
+    link: &Link,
+    job: &Outgoing,
+) -> Result<()> {
+    if clients.get(&job.control).is_some_and(|c| !c.reusable()) {
+        clients.remove(&job.control);
+    }
+    let client = match clients.entry(job.control.clone()) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => {
+            e.insert(ControlClient::connect(&job.control, link)?)
+        }
+    };
+    let answer = client
+        .send(MsgType::Notify, &job.body)
+        .and_then(|()| client.recv_reply());
+    match answer {
+        Ok(Ok((MsgType::NotifyAck, _))) => Ok(()),
+        // The peer refused (its queue is full): the connection is fine.
+        Ok(Err(e)) => Err(e),
+        Ok(Ok(_)) => {
+            clients.remove(&job.control);
+            Err(Error::new(
+                ErrorCode::Protocol,
+                "the peer answered with an unexpected message",
+            ))
+        }
+        Err(e) => {
+            clients.remove(&job.control);
+            Err(e)
+        }
     }
 }
 

@@ -10,8 +10,7 @@
 
 use crate::errors::{ferry_err, invalid};
 use ferry_core::{
-    BatchId, BatchStatus, Engine, EngineConfig, Error, ErrorCode, Notify, NotifyStatus, Op,
-    Request,
+    BatchId, BatchStatus, Engine, EngineConfig, Error, ErrorCode, Notify, NotifyStatus, Op, Request,
 };
 use parking_lot::{Mutex, RwLock};
 use pyo3::prelude::*;
@@ -404,7 +403,13 @@ impl NativeEngine {
 
     /// Sends a notification (name, message) alone to a segment and waits
     /// until the peer has it queued.
-    fn send_notify(&self, py: Python<'_>, segment: u64, name: String, msg: Vec<u8>) -> PyResult<()> {
+    fn send_notify(
+        &self,
+        py: Python<'_>,
+        segment: u64,
+        name: String,
+        msg: Vec<u8>,
+    ) -> PyResult<()> {
         let notify = Notify::new(name, msg).map_err(|e| ferry_err(py, e))?;
         let engine = self.get(py)?;
         py.detach(|| engine.send_notify(segment, notify))

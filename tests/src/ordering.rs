@@ -75,7 +75,10 @@ pub fn notifications_follow_their_data(
                     continue;
                 }
                 for n in batch {
-                    assert_eq!((n.peer.as_str(), n.name.as_str()), (me.as_str(), "ordering"));
+                    assert_eq!(
+                        (n.peer.as_str(), n.name.as_str()),
+                        (me.as_str(), "ordering")
+                    );
                     let k: usize = std::str::from_utf8(&n.msg).unwrap().parse().unwrap();
                     assert!(!seen[k], "notification {k} arrived twice");
                     seen[k] = true;

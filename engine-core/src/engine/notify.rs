@@ -19,115 +19,21 @@
 //! the data did not all land: the message is then not sent, and the batch
 //! reports why.
 //!
-//! One thread per engine ("ferry-notify", started on first use) sends the
-//! messages, in the order their batches finished, over control connections
-//! it keeps per peer; the receiving side queues them in the engine's
-//! bounded [`Inbox`] (its drop policy is in crate::notify).
+//! One thread per engine ("ferry-notify", started on first use; see
+//! [`Notifier`](crate::notify::Notifier)) sends the messages, in the order
+//! their batches finished, over control connections it keeps per peer; the
+//! receiving side queues them in the engine's bounded inbox (its drop
+//! policy is in crate::notify).
 
 use super::request::{Request, SegmentId};
 use super::segments::RemoteSegment;
 use super::shared::Shared;
 use crate::batch::{Batch, BatchId};
-use crate::control::{ControlClient, Link, MsgType};
+use crate::control::MsgType;
 use crate::error::{Error, ErrorCode, Result};
-use crate::notify::{decode_notify, encode_notify, Inbox, Notification, Notify};
-use parking_lot::Mutex;
-use std::collections::HashMap;
+use crate::notify::{decode_notify, encode_notify, Notification, Notify, Outgoing};
 use std::sync::mpsc;
-use std::sync::{Arc, Weak};
-
-/// One message to send, for one batch.
-struct Job {
-    batch: Weak<Batch>,
-    peer: String,
-    control: String,
-    body: Vec<u8>,
-}
-
-/// The engine's notifications: what peers sent it, and the thread that
-/// sends its own.
-#[derive(Default)]
-pub(crate) struct Notifier {
-    pub(crate) inbox: Inbox,
-    outbox: Mutex<Option<mpsc::Sender<Job>>>,
-}
-
-impl Notifier {
-    /// The sending thread's queue, starting the thread on first use.
-    fn outbox(&self, link: &Link) -> Result<mpsc::Sender<Job>> {
-        let mut out = self.outbox.lock();
-        if let Some(tx) = out.as_ref() {
-            return Ok(tx.clone());
-        }
-        let (tx, rx) = mpsc::channel();
-        let link = link.clone();
-        std::thread::Builder::new()
-            .name("ferry-notify".into())
-            .spawn(move || send_loop(rx, link))
-            .map_err(|e| {
-                Error::new(
-                    ErrorCode::NoMemory,
-                    format!("cannot start the notification thread: {e}"),
-                )
-            })?;
-        *out = Some(tx.clone());
-        Ok(tx)
-    }
-}
-
-/// Sends each job's message and records the outcome in its batch, until
-/// the engine (every sender) is gone.
-fn send_loop(rx: mpsc::Receiver<Job>, link: Link) {
-    let mut clients: HashMap<String, ControlClient> = HashMap::new();
-    while let Ok(job) = rx.recv() {
-        let result = deliver(&mut clients, &link, &job).map_err(|e| {
-            Error::new(
-                e.code,
-                format!("notification to {} not delivered: {}", job.peer, e.message),
-            )
-        });
-        if let Err(e) = &result {
-            log::debug!("{e}");
-        }
-        if let Some(batch) = job.batch.upgrade() {
-            batch.finish_notify(result);
-        }
-    }
-}
-
-/// One message over the peer's control connection (kept for the next).
-/// A message is sent once: a connection that fails midway is not retried,
-/// so a peer never queues one twice.
-fn deliver(clients: &mut HashMap<String, ControlClient>, link: &Link, job: &Job) -> Result<()> {
-    if clients.get(&job.control).is_some_and(|c| !c.reusable()) {
-        clients.remove(&job.control);
-    }
-    let client = match clients.entry(job.control.clone()) {
-        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-        std::collections::hash_map::Entry::Vacant(e) => {
-            e.insert(ControlClient::connect(&job.control, link)?)
-        }
-    };
-    let answer = client
-        .send(MsgType::Notify, &job.body)
-        .and_then(|()| client.recv_reply());
-    match answer {
-        Ok(Ok((MsgType::NotifyAck, _))) => Ok(()),
-        // The peer refused (its queue is full): the connection is fine.
-        Ok(Err(e)) => Err(e),
-        Ok(Ok(_)) => {
-            clients.remove(&job.control);
-            Err(Error::new(
-                ErrorCode::Protocol,
-                "the peer answered with an unexpected message",
-            ))
-        }
-        Err(e) => {
-            clients.remove(&job.control);
-            Err(e)
-        }
-    }
-}
+use std::sync::Arc;
 
 impl Shared {
     /// Submits `requests` to a batch and attaches `notify`, which goes to
@@ -181,7 +87,7 @@ impl Shared {
     }
 
     fn attach_notify(&self, batch: &Arc<Batch>, seg: &RemoteSegment, notify: Notify) -> Result<()> {
-        let job = Job {
+        let job = Outgoing {
             batch: Arc::downgrade(batch),
             peer: seg.name.clone(),
             control: seg.view.read().descriptor.control_addr().to_string(),
