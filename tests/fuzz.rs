@@ -73,4 +73,5 @@ targets!(
     shm_wire,
     rdma_wire,
     auth,
+    notify,
 );
