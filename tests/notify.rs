@@ -297,6 +297,13 @@ fn unregistered_local_memory_moves_over_tcp_and_shm_and_rdma_would_say_register(
             )])
             .unwrap();
         assert!(back == src, "{transports}: read into unregistered memory");
+        // Memory that is not this process's is refused before any transport
+        // sees it.
+        let e = initiator
+            .transfer_sync(&[Request::new(Op::Write, 0x10, seg, r, 16)])
+            .unwrap_err();
+        assert_eq!(e.code, ErrorCode::OutOfBounds, "{e}");
+        assert!(e.message.contains("not mapped memory"), "{e}");
         // The target still serves only what it registered.
         let e = initiator
             .transfer_sync(&[Request::new(

@@ -41,7 +41,18 @@ impl Peers for Shared {
                     .join(", ")
             )));
         }
+        // Device memory first (the CPU may not touch it), then whether the
+        // range's ends are this process's memory at all.
         let (location, mem_kind, device) = self.devices.classify(addr, len, None)?;
+        if device.is_none()
+            && [addr, addr + len - 1]
+                .iter()
+                .any(|&a| crate::location::is_mapped(a) == Some(false))
+        {
+            return Err(not_registered(
+                " and is not mapped memory of this process".into(),
+            ));
+        }
         if device.is_some() {
             return Err(not_registered(format!(
                 ": {location} memory must be registered with register_memory first"
