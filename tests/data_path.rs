@@ -101,10 +101,6 @@ fn out_of_bounds_requests_are_refused_and_touch_nothing() {
             ErrorCode::OutOfBounds,
         ),
         (
-            Request::new(Op::Write, l, seg, mid, 0),
-            ErrorCode::InvalidArgument,
-        ),
-        (
             Request::new(Op::Write, l + 8000, seg, mid, 500),
             ErrorCode::OutOfBounds,
         ),

@@ -905,13 +905,46 @@ impl Guarded {
     }
 }
 
+/// `Engine::transfer_sync`, with the submission (not the wait) under the
+/// read side of `closing`; `None`, nothing submitted, once it is set.
+fn transfer_gated(
+    e: &Engine,
+    reqs: &[Request],
+    closing: &std::sync::RwLock<bool>,
+) -> Option<Result<(), ferry_core::Error>> {
+    let b = e.allocate_batch(reqs.len()).unwrap();
+    {
+        let closed = closing.read().unwrap();
+        if *closed {
+            e.free_batch(b).unwrap();
+            return None;
+        }
+        if let Err(err) = e.submit(b, reqs) {
+            e.wait(b, Duration::from_secs(60)).unwrap();
+            let _ = e.free_batch(b);
+            return Some(Err(err));
+        }
+    }
+    let st = e.wait(b, Duration::from_secs(60)).unwrap();
+    assert!(st.is_done(), "a transfer did not finish: {st:?}");
+    e.free_batch(b).unwrap();
+    Some(match st.first_error {
+        Some((_, err)) => Err(err),
+        None => Ok(()),
+    })
+}
+
 /// Unregistering while transfers are in flight, at the target and at the
 /// initiator, in cycles. Before each unregister the memory holds pattern P
 /// and every transfer moves P; the moment unregister returns the test
 /// fills the memory with a sentinel. Every transfer must succeed with
 /// verified P or fail with a clear code, and the sentinel (and the guard
 /// bytes around the buffer) must be intact at the end: nothing wrote into
-/// memory after it was unregistered.
+/// memory after it was unregistered. (Local memory need not be registered
+/// over tcp: a read submitted after the initiator's unregister would land
+/// in it legitimately, as unregistered memory. So new submissions stop
+/// just before the initiator unregisters; those already submitted, still
+/// in flight, are what unregister must wait for.)
 #[test]
 fn unregister_during_transfers() {
     let _serial = serial();
@@ -944,10 +977,11 @@ fn unregister_during_transfers() {
         // Re-read: the buffer may be new since the segment was opened.
         e.refresh_segment(seg).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
+        let closing = Arc::new(std::sync::RwLock::new(false));
         let (r, l, s) = (remote.addr(), local.addr(), srcbuf.as_ptr() as u64);
         let workers: Vec<_> = (0..2u64)
             .map(|w| {
-                let (e, stop) = (e.clone(), stop.clone());
+                let (e, stop, closing) = (e.clone(), stop.clone(), closing.clone());
                 let p = p.clone();
                 std::thread::spawn(move || {
                     let mut out: BTreeMap<String, usize> = BTreeMap::new();
@@ -976,7 +1010,10 @@ fn unregister_during_transfers() {
                                 }
                             })
                             .collect();
-                        let key = match e.transfer_sync(&reqs) {
+                        let Some(result) = transfer_gated(&e, &reqs, &closing) else {
+                            break;
+                        };
+                        let key = match result {
                             Ok(()) => {
                                 if op == Op::Read && at_target {
                                     // Each block read must be P: a read the
@@ -1027,6 +1064,7 @@ fn unregister_during_transfers() {
             target.unregister_memory(r).unwrap();
             remote.mem[remote.guard..remote.guard + LEN].fill(0xEE);
         } else {
+            *closing.write().unwrap() = true;
             e.unregister_memory(l).unwrap();
             local.mem[local.guard..local.guard + LEN].fill(0xEE);
         }

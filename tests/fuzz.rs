@@ -74,4 +74,5 @@ targets!(
     cuda_ipc_wire,
     rdma_wire,
     auth,
+    notify,
 );

@@ -16,6 +16,7 @@
 use ferry_core::transport::{CompletionSink, RegionSpec, Transport};
 use ferry_core::{Engine, EngineConfig, ErrorCode, Location, Op, Request, SegmentId};
 use ferry_plugins_abi::sys;
+use ferry_tests::ordering::{notifications_follow_their_data, Shape};
 use ferry_tests::{
     build_verbs_emulator, built, ferry_bin, repo_root, write_fixture, TargetProcess,
 };
@@ -657,6 +658,53 @@ fn child_forged_keys() {
     assert!(back[..64 << 10].iter().all(|b| *b == 0xee));
     drop(peer);
     raw.unregister(handle).unwrap();
+}
+
+#[test]
+fn notifications_arrive_after_their_data_over_rdma() {
+    child("child_notify", &[]);
+}
+
+#[test]
+#[ignore = "runs in a child process with the verbs emulator (see child())"]
+fn child_notify() {
+    if !in_child() {
+        return;
+    }
+    let target = engine(&[]);
+    let initiator = engine(&[]);
+    let shape = Shape {
+        batches: 48,
+        per_batch: 4,
+        size: 256 << 10,
+        register_source: true,
+    };
+    let remote = vec![0u8; shape.bytes() as usize];
+    let raddr = remote.as_ptr() as u64;
+    target.register_memory(raddr, shape.bytes(), None).unwrap();
+    let read = |addr: u64, len: usize| {
+        let mut out = vec![0u8; len];
+        // SAFETY: [addr, +len) lies inside `remote`, alive for the check.
+        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), len) };
+        out
+    };
+    let n = notifications_follow_their_data(&target, &initiator, raddr, &read, shape);
+    assert_eq!(n, shape.batches);
+    // rdma needs local memory registered, and says so.
+    let seg = initiator.open_segment(target.segment_name()).unwrap();
+    let loose = vec![1u8; 4096];
+    let e = initiator
+        .transfer_sync(&[Request::new(
+            Op::Write,
+            loose.as_ptr() as u64,
+            seg,
+            raddr,
+            4096,
+        )])
+        .unwrap_err();
+    assert!(e.message.contains("register_memory first"), "{e}");
+    assert!(e.message.contains("rdma"), "{e}");
+    drop(remote);
 }
 
 #[test]

@@ -19,6 +19,52 @@
 #include "ferry/plugin.h"
 
 /**
+ * The batch carries no notification.
+ */
+#define FERRY_NOTIFY_NONE 0
+
+/**
+ * Its requests are in flight, or the message is on its way.
+ */
+#define FERRY_NOTIFY_PENDING 1
+
+/**
+ * The peer has it queued.
+ */
+#define FERRY_NOTIFY_DELIVERED 2
+
+/**
+ * Not delivered (a request failed, so it was not sent; or the peer was
+ * unreachable or its queue full): see notify_error.
+ */
+#define FERRY_NOTIFY_FAILED 3
+
+/**
+ * Longest notification name, in bytes.
+ */
+#define FERRY_NOTIFY_NAME_MAX 256
+
+/**
+ * Longest notification message, in bytes.
+ */
+#define FERRY_NOTIFY_MSG_MAX 4096
+
+/**
+ * Longest sender name a received notification carries, in bytes.
+ */
+#define FERRY_NOTIFY_PEER_MAX 512
+
+/**
+ * Room for a sender name and its NUL.
+ */
+#define FERRY_NOTIFY_PEER_BUF 513
+
+/**
+ * Room for a notification name and its NUL.
+ */
+#define FERRY_NOTIFY_NAME_BUF 257
+
+/**
  * A request still in flight.
  */
 #define FERRY_REQUEST_PENDING 0
@@ -87,7 +133,30 @@ typedef struct ferry_batch_summary {
    * Its error code, or FERRY_OK.
    */
   ferry_status_t first_error;
+  /**
+   * The batch's notification: FERRY_NOTIFY_NONE, _PENDING, _DELIVERED
+   * or _FAILED.
+   */
+  uint32_t notify;
+  /**
+   * Why the notification failed, or FERRY_OK.
+   */
+  ferry_status_t notify_error;
 } ferry_batch_summary;
+
+/**
+ * A notification a peer sent (see `ferry_notify_next`). Strings are
+ * NUL-terminated.
+ */
+typedef struct ferry_notification {
+  /**
+   * The sender's segment name.
+   */
+  char peer[FERRY_NOTIFY_PEER_BUF];
+  char name[FERRY_NOTIFY_NAME_BUF];
+  uint8_t msg[FERRY_NOTIFY_MSG_MAX];
+  size_t msg_len;
+} ferry_notification;
 
 #ifdef __cplusplus
 extern "C" {
@@ -329,6 +398,75 @@ ferry_status_t ferry_batch_wait(const struct ferry_engine *engine,
                                 ferry_batch_id batch,
                                 int64_t timeout_ms,
                                 struct ferry_batch_summary *out);
+
+/**
+ * Like ferry_batch_submit, and attaches a notification: the requests' peer
+ * (they must all name one segment) receives it once every request of the
+ * batch has finished with its data in the peer's memory, never before. The
+ * batch then takes no more requests and stays pending until the message
+ * was delivered or failed (`notify` in ferry_batch_summary); if a request
+ * fails, the message is not sent. The peer takes it with
+ * ferry_notify_next.
+ *
+ * # Safety
+ * `engine` valid; `requests` valid for `count` elements; `name`
+ * NUL-terminated; `msg` valid for `msg_len` bytes.
+ */
+ferry_status_t ferry_batch_submit_with_notify(const struct ferry_engine *engine,
+                                              ferry_batch_id batch,
+                                              const struct ferry_request *requests,
+                                              size_t count,
+                                              const char *name,
+                                              const uint8_t *msg,
+                                              size_t msg_len);
+
+/**
+ * Sends a notification alone to an open segment and waits until the peer
+ * has it queued (or it failed).
+ *
+ * # Safety
+ * `engine` valid; `name` NUL-terminated; `msg` valid for `msg_len` bytes.
+ */
+ferry_status_t ferry_notify_send(const struct ferry_engine *engine,
+                                 ferry_segment_id segment,
+                                 const char *name,
+                                 const uint8_t *msg,
+                                 size_t msg_len);
+
+/**
+ * Takes the oldest notification peers sent: `*got` is 1 and `out` filled,
+ * or 0 when none waits. At most 1024 wait; past that a peer's new one is
+ * refused (its batch reports FERRY_ERR_BUSY) and counted
+ * (ferry_notifies_dropped).
+ *
+ * # Safety
+ * `engine` valid; `out` and `got` valid.
+ */
+ferry_status_t ferry_notify_next(const struct ferry_engine *engine,
+                                 struct ferry_notification *out,
+                                 uint32_t *got);
+
+/**
+ * How many notifications peers sent that this engine refused because its
+ * queue was full, since it started.
+ *
+ * # Safety
+ * `engine` valid; `out` valid.
+ */
+ferry_status_t ferry_notifies_dropped(const struct ferry_engine *engine, uint64_t *out);
+
+/**
+ * The buffer an open segment registered first (of those it publishes; by
+ * registration order, not address): `*addr` and `*len`, or 0 and 0 when it
+ * publishes none.
+ *
+ * # Safety
+ * `engine` valid; `addr` and `len` valid.
+ */
+ferry_status_t ferry_segment_first_buffer(const struct ferry_engine *engine,
+                                          ferry_segment_id segment,
+                                          uint64_t *addr,
+                                          uint64_t *len);
 
 /**
  * Frees a batch whose requests have all finished (FERRY_ERR_BUSY if not).

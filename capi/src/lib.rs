@@ -63,7 +63,50 @@ pub struct ferry_batch_summary {
     pub first_failed: i64,
     /// Its error code, or FERRY_OK.
     pub first_error: ferry_status_t,
+    /// The batch's notification: FERRY_NOTIFY_NONE, _PENDING, _DELIVERED
+    /// or _FAILED.
+    pub notify: u32,
+    /// Why the notification failed, or FERRY_OK.
+    pub notify_error: ferry_status_t,
 }
+
+/// The batch carries no notification.
+pub const FERRY_NOTIFY_NONE: u32 = 0;
+/// Its requests are in flight, or the message is on its way.
+pub const FERRY_NOTIFY_PENDING: u32 = 1;
+/// The peer has it queued.
+pub const FERRY_NOTIFY_DELIVERED: u32 = 2;
+/// Not delivered (a request failed, so it was not sent; or the peer was
+/// unreachable or its queue full): see notify_error.
+pub const FERRY_NOTIFY_FAILED: u32 = 3;
+/// Longest notification name, in bytes.
+pub const FERRY_NOTIFY_NAME_MAX: usize = 256;
+/// Longest notification message, in bytes.
+pub const FERRY_NOTIFY_MSG_MAX: usize = 4096;
+/// Longest sender name a received notification carries, in bytes.
+pub const FERRY_NOTIFY_PEER_MAX: usize = 512;
+
+/// Room for a sender name and its NUL.
+pub const FERRY_NOTIFY_PEER_BUF: usize = 513;
+/// Room for a notification name and its NUL.
+pub const FERRY_NOTIFY_NAME_BUF: usize = 257;
+
+/// A notification a peer sent (see `ferry_notify_next`). Strings are
+/// NUL-terminated.
+#[repr(C)]
+pub struct ferry_notification {
+    /// The sender's segment name.
+    pub peer: [c_char; FERRY_NOTIFY_PEER_BUF],
+    pub name: [c_char; FERRY_NOTIFY_NAME_BUF],
+    pub msg: [u8; FERRY_NOTIFY_MSG_MAX],
+    pub msg_len: usize,
+}
+
+const _: () = assert!(FERRY_NOTIFY_PEER_BUF == FERRY_NOTIFY_PEER_MAX + 1);
+const _: () = assert!(FERRY_NOTIFY_NAME_BUF == FERRY_NOTIFY_NAME_MAX + 1);
+const _: () = assert!(FERRY_NOTIFY_NAME_MAX == ferry_core::notify::MAX_NOTIFY_NAME);
+const _: () = assert!(FERRY_NOTIFY_MSG_MAX == ferry_core::notify::MAX_NOTIFY_MSG);
+const _: () = assert!(FERRY_NOTIFY_PEER_MAX == ferry_core::notify::MAX_NOTIFY_SENDER);
 
 /// A request still in flight.
 pub const FERRY_REQUEST_PENDING: u32 = 0;
@@ -606,7 +649,14 @@ pub unsafe extern "C" fn ferry_batch_submit(
 }
 
 fn fill_status(s: &ferry_core::BatchStatus, out: Option<&mut ferry_batch_summary>) {
+    use ferry_core::NotifyStatus;
     if let Some(out) = out {
+        let (notify, notify_error) = match &s.notify {
+            None => (FERRY_NOTIFY_NONE, sys::FERRY_OK),
+            Some(NotifyStatus::Pending) => (FERRY_NOTIFY_PENDING, sys::FERRY_OK),
+            Some(NotifyStatus::Delivered) => (FERRY_NOTIFY_DELIVERED, sys::FERRY_OK),
+            Some(NotifyStatus::Failed(e)) => (FERRY_NOTIFY_FAILED, e.code.as_raw()),
+        };
         *out = ferry_batch_summary {
             total: s.total as u64,
             completed: s.completed as u64,
@@ -617,14 +667,17 @@ fn fill_status(s: &ferry_core::BatchStatus, out: Option<&mut ferry_batch_summary
                 .first_error
                 .as_ref()
                 .map_or(sys::FERRY_OK, |(_, e)| e.code.as_raw()),
+            notify,
+            notify_error,
         };
     }
 }
 
 fn status_result(s: &ferry_core::BatchStatus) -> Result<(), Error> {
-    match &s.first_error {
-        Some((i, e)) => Err(Error::new(e.code, format!("request {i}: {}", e.message))),
-        None => Ok(()),
+    match (&s.first_error, &s.notify) {
+        (Some((i, e)), _) => Err(Error::new(e.code, format!("request {i}: {}", e.message))),
+        (None, Some(ferry_core::NotifyStatus::Failed(e))) => Err(e.clone()),
+        _ => Ok(()),
     }
 }
 
@@ -714,10 +767,207 @@ pub unsafe extern "C" fn ferry_batch_wait(
         if !s.is_done() {
             return Err(Error::new(
                 ErrorCode::Timeout,
-                format!("{} of {} requests still pending", s.pending, s.total),
+                match s.pending {
+                    0 => "the batch's notification is still on its way".to_string(),
+                    n => format!("{n} of {} requests still pending", s.total),
+                },
             ));
         }
         status_result(&s)
+    })
+}
+
+/// The notification `name` (NUL-terminated, at most FERRY_NOTIFY_NAME_MAX
+/// bytes) with `msg_len` bytes of `msg` (at most FERRY_NOTIFY_MSG_MAX;
+/// `msg` may be NULL when msg_len is 0).
+///
+/// # Safety
+/// `name` NULL or NUL-terminated; `msg` valid for `msg_len` bytes.
+unsafe fn to_notify(
+    name: *const c_char,
+    msg: *const u8,
+    msg_len: usize,
+) -> Result<ferry_core::Notify, Error> {
+    // SAFETY: per the contract.
+    let name = unsafe { str_arg(name, "name")? };
+    let msg: &[u8] = if msg_len == 0 {
+        &[]
+    } else if msg.is_null() {
+        return Err(invalid("msg"));
+    } else {
+        if msg_len > FERRY_NOTIFY_MSG_MAX {
+            return Err(Error::new(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "a notification's message is at most {FERRY_NOTIFY_MSG_MAX} bytes, not \
+                     {msg_len}"
+                ),
+            ));
+        }
+        // SAFETY: non-null and valid for msg_len bytes per the contract.
+        unsafe { std::slice::from_raw_parts(msg, msg_len) }
+    };
+    ferry_core::Notify::new(name, msg)
+}
+
+/// Like ferry_batch_submit, and attaches a notification: the requests' peer
+/// (they must all name one segment) receives it once every request of the
+/// batch has finished with its data in the peer's memory, never before. The
+/// batch then takes no more requests and stays pending until the message
+/// was delivered or failed (`notify` in ferry_batch_summary); if a request
+/// fails, the message is not sent. The peer takes it with
+/// ferry_notify_next.
+///
+/// # Safety
+/// `engine` valid; `requests` valid for `count` elements; `name`
+/// NUL-terminated; `msg` valid for `msg_len` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_batch_submit_with_notify(
+    engine: *const ferry_engine,
+    batch: ferry_batch_id,
+    requests: *const ferry_request,
+    count: usize,
+    name: *const c_char,
+    msg: *const u8,
+    msg_len: usize,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let e = unsafe { obj(engine, "engine")? };
+        // SAFETY: per the contract.
+        let reqs = to_requests(unsafe { request_slice(requests, count)? })?;
+        // SAFETY: per the contract.
+        let notify = unsafe { to_notify(name, msg, msg_len)? };
+        e.inner.submit_with_notify(batch, &reqs, notify)
+    })
+}
+
+/// Sends a notification alone to an open segment and waits until the peer
+/// has it queued (or it failed).
+///
+/// # Safety
+/// `engine` valid; `name` NUL-terminated; `msg` valid for `msg_len` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_notify_send(
+    engine: *const ferry_engine,
+    segment: ferry_segment_id,
+    name: *const c_char,
+    msg: *const u8,
+    msg_len: usize,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let e = unsafe { obj(engine, "engine")? };
+        // SAFETY: per the contract.
+        let notify = unsafe { to_notify(name, msg, msg_len)? };
+        e.inner.send_notify(segment, notify)
+    })
+}
+
+/// Takes the oldest notification peers sent: `*got` is 1 and `out` filled,
+/// or 0 when none waits. At most 1024 wait; past that a peer's new one is
+/// refused (its batch reports FERRY_ERR_BUSY) and counted
+/// (ferry_notifies_dropped).
+///
+/// # Safety
+/// `engine` valid; `out` and `got` valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_notify_next(
+    engine: *const ferry_engine,
+    out: *mut ferry_notification,
+    got: *mut u32,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let e = unsafe { obj(engine, "engine")? };
+        if out.is_null() || got.is_null() {
+            return Err(invalid("out or got"));
+        }
+        let Some(n) = e.inner.take_notify() else {
+            // SAFETY: checked non-null.
+            unsafe { *got = 0 };
+            return Ok(());
+        };
+        let mut filled = ferry_notification {
+            peer: [0; FERRY_NOTIFY_PEER_BUF],
+            name: [0; FERRY_NOTIFY_NAME_BUF],
+            msg: [0; FERRY_NOTIFY_MSG_MAX],
+            msg_len: 0,
+        };
+        fill_c_string(&mut filled.peer, &n.peer);
+        fill_c_string(&mut filled.name, &n.name);
+        let len = n.msg.len().min(FERRY_NOTIFY_MSG_MAX);
+        filled.msg[..len].copy_from_slice(&n.msg[..len]);
+        filled.msg_len = len;
+        // SAFETY: both checked non-null and valid per the contract; the
+        // caller's struct may be uninitialized, so it is written whole.
+        unsafe {
+            out.write(filled);
+            *got = 1;
+        }
+        Ok(())
+    })
+}
+
+/// Copies `text` into `buf` with a NUL, cut to fit.
+fn fill_c_string(buf: &mut [c_char], text: &str) {
+    let n = text.len().min(buf.len().saturating_sub(1));
+    for (d, s) in buf.iter_mut().zip(&text.as_bytes()[..n]) {
+        *d = *s as c_char;
+    }
+    if let Some(end) = buf.get_mut(n) {
+        *end = 0;
+    }
+}
+
+/// How many notifications peers sent that this engine refused because its
+/// queue was full, since it started.
+///
+/// # Safety
+/// `engine` valid; `out` valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_notifies_dropped(
+    engine: *const ferry_engine,
+    out: *mut u64,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let e = unsafe { obj(engine, "engine")? };
+        if out.is_null() {
+            return Err(invalid("out"));
+        }
+        // SAFETY: checked non-null.
+        unsafe { *out = e.inner.notifies_dropped() };
+        Ok(())
+    })
+}
+
+/// The buffer an open segment registered first (of those it publishes; by
+/// registration order, not address): `*addr` and `*len`, or 0 and 0 when it
+/// publishes none.
+///
+/// # Safety
+/// `engine` valid; `addr` and `len` valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_segment_first_buffer(
+    engine: *const ferry_engine,
+    segment: ferry_segment_id,
+    addr: *mut u64,
+    len: *mut u64,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let e = unsafe { obj(engine, "engine")? };
+        if addr.is_null() || len.is_null() {
+            return Err(invalid("addr or len"));
+        }
+        let (a, l) = e.inner.first_buffer(segment)?.unwrap_or((0, 0));
+        // SAFETY: both checked non-null.
+        unsafe {
+            *addr = a;
+            *len = l;
+        }
+        Ok(())
     })
 }
 

@@ -56,15 +56,19 @@ pub struct BatchStatus {
     pub pending: usize,
     /// The first request that failed, by index, and why.
     pub first_error: Option<(usize, Error)>,
+    /// The batch's notification to its peer, if it carries one.
+    pub notify: Option<NotifyStatus>,
 }
 
 impl BatchStatus {
+    /// Every request finished, and the notification (if any) was
+    /// delivered or failed.
     pub fn is_done(&self) -> bool {
-        self.pending == 0
+        self.pending == 0 && self.notify != Some(NotifyStatus::Pending)
     }
 
     pub fn succeeded(&self) -> bool {
-        self.pending == 0 && self.failed == 0
+        self.is_done() && self.failed == 0 && !matches!(self.notify, Some(NotifyStatus::Failed(_)))
     }
 }
 
@@ -72,6 +76,22 @@ impl BatchStatus {
 pub(crate) trait GroupObserver: Send + Sync {
     fn finished(&self, ok: bool);
 }
+
+/// What became of a batch's notification.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NotifyStatus {
+    /// Requests still in flight, or the message on its way.
+    Pending,
+    /// The peer has it queued for its application.
+    Delivered,
+    /// Not delivered: a request failed (the data did not all land, so the
+    /// message was not sent), the peer was unreachable, or it refused.
+    Failed(Error),
+}
+
+/// Runs once every request submitted so far has finished, with the first
+/// failure if any; must not block (it runs on a completion thread).
+pub(crate) type DoneHook = Box<dyn FnOnce(Option<(usize, Error)>) + Send>;
 
 struct Group {
     start: usize,
@@ -90,6 +110,24 @@ struct BatchState {
     completed: usize,
     failed: usize,
     first_error: Option<(usize, Error)>,
+    notify: Option<NotifyStatus>,
+    /// Set with the notification; taken when the requests are done.
+    on_done: Option<DoneHook>,
+}
+
+impl BatchState {
+    fn requests_pending(&self) -> usize {
+        self.statuses.len() - self.completed - self.failed
+    }
+
+    /// The hook to run now that no request is pending, if one waits.
+    fn hook_if_done(&mut self) -> Option<(DoneHook, Option<(usize, Error)>)> {
+        if self.requests_pending() != 0 {
+            return None;
+        }
+        let hook = self.on_done.take()?;
+        Some((hook, self.first_error.clone()))
+    }
 }
 
 pub struct Batch {
@@ -104,6 +142,9 @@ impl Batch {
     /// Reserves `count` request slots; returns the index of the first.
     pub(crate) fn reserve(&self, count: usize) -> Result<usize> {
         let mut st = self.state.lock();
+        if st.notify.is_some() {
+            return Err(self.carries_notify());
+        }
         let start = st.statuses.len();
         if start + count > self.capacity {
             return Err(Error::new(
@@ -170,10 +211,25 @@ impl Batch {
         let (start, count) = (g.start, g.count);
         let local = g.local.clone();
         let observer = g.observer.take();
-        let ok = result.is_ok();
         if let Some(t) = g.tally.take() {
             t.finish(count, result.as_ref().err().map(|e| e.code));
         }
+        local.inflight.fetch_sub(count, Ordering::SeqCst);
+        self.finish(st, start, count, result, observer);
+    }
+
+    /// Marks `count` requests from `start` finished, tells the group's
+    /// observer, wakes waiters when nothing is left, and runs the
+    /// notification hook when the last request finished.
+    fn finish(
+        &self,
+        mut st: parking_lot::MutexGuard<'_, BatchState>,
+        start: usize,
+        count: usize,
+        result: std::result::Result<(), Error>,
+        observer: Option<Arc<dyn GroupObserver>>,
+    ) {
+        let ok = result.is_ok();
         match result {
             Ok(()) => {
                 for s in &mut st.statuses[start..start + count] {
@@ -191,7 +247,7 @@ impl Batch {
                 st.failed += count;
             }
         }
-        local.inflight.fetch_sub(count, Ordering::SeqCst);
+        let hook = st.hook_if_done();
         drop(st);
         // Measured before waiters wake: what a finished batch showed counts
         // for the next one.
@@ -202,6 +258,76 @@ impl Batch {
         if before == count {
             self.done.notify_all();
         }
+        if let Some((hook, first_error)) = hook {
+            hook(first_error);
+        }
+    }
+
+    /// Finishes `count` requests from `start` that move nothing (length 0):
+    /// they succeed at once.
+    pub(crate) fn complete_empty(&self, start: usize, count: usize) {
+        if count == 0 {
+            return;
+        }
+        let st = self.state.lock();
+        self.finish(st, start, count, Ok(()), None);
+    }
+
+    /// Fails when the batch carries a notification (it takes no more
+    /// requests).
+    pub(crate) fn check_takes_requests(&self) -> Result<()> {
+        match self.state.lock().notify {
+            Some(_) => Err(self.carries_notify()),
+            None => Ok(()),
+        }
+    }
+
+    fn carries_notify(&self) -> Error {
+        Error::new(
+            ErrorCode::InvalidArgument,
+            format!(
+                "batch {} carries a notification already: it takes no more requests (use a new \
+                 batch)",
+                self.id
+            ),
+        )
+    }
+
+    /// Attaches a notification: `hook` runs once every request submitted so
+    /// far has finished (now, if none is pending), and the batch stays
+    /// pending until [`Batch::finish_notify`]. After this the batch takes
+    /// no more requests.
+    pub(crate) fn attach_notify(&self, hook: DoneHook) -> Result<()> {
+        let mut st = self.state.lock();
+        if st.notify.is_some() {
+            return Err(self.carries_notify());
+        }
+        st.notify = Some(NotifyStatus::Pending);
+        st.on_done = Some(hook);
+        self.pending.fetch_add(1, Ordering::SeqCst);
+        let ready = st.hook_if_done();
+        drop(st);
+        if let Some((hook, first_error)) = ready {
+            hook(first_error);
+        }
+        Ok(())
+    }
+
+    /// Records what became of the notification and wakes waiters.
+    pub(crate) fn finish_notify(&self, result: std::result::Result<(), Error>) {
+        let mut st = self.state.lock();
+        if st.notify != Some(NotifyStatus::Pending) {
+            return;
+        }
+        st.notify = Some(match result {
+            Ok(()) => NotifyStatus::Delivered,
+            Err(e) => NotifyStatus::Failed(e),
+        });
+        let before = self.pending.fetch_sub(1, Ordering::SeqCst);
+        drop(st);
+        if before == 1 {
+            self.done.notify_all();
+        }
     }
 
     pub fn status(&self) -> BatchStatus {
@@ -210,8 +336,9 @@ impl Batch {
             total: st.statuses.len(),
             completed: st.completed,
             failed: st.failed,
-            pending: st.statuses.len() - st.completed - st.failed,
+            pending: st.requests_pending(),
             first_error: st.first_error.clone(),
+            notify: st.notify.clone(),
         }
     }
 
@@ -338,5 +465,70 @@ mod tests {
     #[test]
     fn tokens_round_trip() {
         assert_eq!(split_token(token(12345, 678)), (12345, 678));
+    }
+
+    fn local() -> Arc<LocalBuffer> {
+        Arc::new(LocalBuffer {
+            addr: 0x1000,
+            len: 4096,
+            location: crate::location::Location::Cpu(0),
+            mem_kind: 1,
+            device: None,
+            visibility: crate::memory::Visibility::LocalOnly,
+            registrations: Vec::new(),
+            inflight: AtomicUsize::new(0),
+        })
+    }
+
+    /// The hook runs after the last request, not before; the batch stays
+    /// pending until the notification is finished.
+    #[test]
+    fn the_notification_waits_for_every_request() {
+        let table = BatchTable::default();
+        let b = table.allocate(4).unwrap();
+        let start = b.reserve(3).unwrap();
+        let g0 = group_of(b.add_group(start, 2, local(), None));
+        b.complete_empty(start + 2, 1);
+        let ran = Arc::new(Mutex::new(None));
+        let r = ran.clone();
+        b.attach_notify(Box::new(move |e| *r.lock() = Some(e)))
+            .unwrap();
+        assert!(ran.lock().is_none());
+        assert_eq!(b.reserve(1).unwrap_err().code, ErrorCode::InvalidArgument);
+        assert!(b.attach_notify(Box::new(|_| ())).is_err());
+        b.complete_group(g0, Ok(()));
+        assert_eq!(*ran.lock(), Some(None));
+        let st = b.status();
+        assert_eq!(
+            (st.pending, st.notify.clone()),
+            (0, Some(NotifyStatus::Pending))
+        );
+        assert!(!st.is_done());
+        assert_eq!(table.free(b.id).unwrap_err().code, ErrorCode::Busy);
+        b.finish_notify(Ok(()));
+        let st = b.wait(Duration::from_secs(1), Duration::ZERO, || ());
+        assert!(st.succeeded(), "{st:?}");
+        assert_eq!(st.notify, Some(NotifyStatus::Delivered));
+        table.free(b.id).unwrap();
+    }
+
+    #[test]
+    fn a_failed_request_reaches_the_hook_and_a_batch_with_nothing_pending_runs_it_at_once() {
+        let table = BatchTable::default();
+        let b = table.allocate(1).unwrap();
+        let start = b.reserve(1).unwrap();
+        let g = group_of(b.add_group(start, 1, local(), None));
+        b.complete_group(g, Err(Error::new(ErrorCode::Connection, "gone")));
+        let ran = Arc::new(Mutex::new(None));
+        let r = ran.clone();
+        b.attach_notify(Box::new(move |e| {
+            *r.lock() = Some(e.map(|(i, e)| (i, e.code)))
+        }))
+        .unwrap();
+        assert_eq!(*ran.lock(), Some(Some((0, ErrorCode::Connection))));
+        b.finish_notify(Err(Error::new(ErrorCode::Connection, "not sent")));
+        let st = b.status();
+        assert!(st.is_done() && !st.succeeded());
+        assert!(matches!(st.notify, Some(NotifyStatus::Failed(_))));
     }
 }

@@ -103,6 +103,11 @@ pub enum MsgType {
     /// (plugin messaging: handshakes such as RDMA queue pair numbers).
     PluginRequest = 8,
     PluginReply = 9,
+    /// A batch's notification, sent once the batch's data has landed
+    /// (crate::notify has its wire form); answered NotifyAck, or an error
+    /// (BUSY: the receiver's queue is full).
+    Notify = 10,
+    NotifyAck = 11,
 }
 
 impl MsgType {
@@ -117,6 +122,8 @@ impl MsgType {
             7 => Some(MsgType::StageDone),
             8 => Some(MsgType::PluginRequest),
             9 => Some(MsgType::PluginReply),
+            10 => Some(MsgType::Notify),
+            11 => Some(MsgType::NotifyAck),
             _ => None,
         }
     }
@@ -128,6 +135,7 @@ impl MsgType {
                 | MsgType::StageOpen
                 | MsgType::StageCopy
                 | MsgType::PluginRequest
+                | MsgType::Notify
         )
     }
 }

@@ -56,6 +56,10 @@ pub struct BufferDescriptor {
     pub location: String,
     /// Per transport, base64 of the key its register_memory returned.
     pub keys: Vec<BufferKey>,
+    /// Its place in registration order: 1 for the engine's first buffer,
+    /// increasing (0 in descriptors of engines that did not say).
+    #[serde(default)]
+    pub order: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -85,6 +89,17 @@ fn protocol(msg: &str) -> Error {
 }
 
 impl SegmentDescriptor {
+    /// The buffer registered first (Mooncake's `get_first_buffer_address`),
+    /// by registration order, not by address; without order numbers (an
+    /// older peer), the lowest address.
+    pub fn first_buffer(&self) -> Option<&BufferDescriptor> {
+        self.buffers
+            .iter()
+            .enumerate()
+            .min_by_key(|(i, b)| (b.order, *i))
+            .map(|(_, b)| b)
+    }
+
     /// Where the engine's control listener is.
     pub fn control_addr(&self) -> &str {
         if self.control.is_empty() {
@@ -216,12 +231,14 @@ mod tests {
                     len: 0x1000,
                     location: "cpu:0".into(),
                     keys: vec![],
+                    order: 2,
                 },
                 BufferDescriptor {
                     addr: 0x2000,
                     len: 0x100,
                     location: "cpu:0".into(),
                     keys: vec![],
+                    order: 1,
                 },
             ],
         }
@@ -240,6 +257,13 @@ mod tests {
         assert!(d.buffer_containing(0xfff, 2).is_none());
         assert!(d.buffer_containing(0x2000, 0x101).is_none());
         assert!(d.buffer_containing(u64::MAX, 2).is_none());
+        // Registered first, though at the higher address.
+        assert_eq!(d.first_buffer().unwrap().addr, 0x2000);
+        let mut old = d.clone();
+        for b in &mut old.buffers {
+            b.order = 0;
+        }
+        assert_eq!(old.first_buffer().unwrap().addr, 0x1000);
     }
 
     #[test]

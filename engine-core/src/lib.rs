@@ -36,16 +36,18 @@ pub mod memory;
 pub mod metadata;
 mod shared_memory;
 pub mod metrics;
+pub mod notify;
 pub mod topology;
 pub mod transport;
 
-pub use batch::{BatchId, BatchStatus, RequestStatus};
+pub use batch::{BatchId, BatchStatus, NotifyStatus, RequestStatus};
 pub use config::EngineConfig;
 pub use engine::{Engine, Op, Request, Route, RouteEstimate, RouteNic, Scope, SegmentId};
 pub use error::{Error, ErrorCode, Result};
 pub use ferry_loader as loader;
 pub use host::load_plugins;
 pub use location::Location;
+pub use notify::{Notification, Notify};
 
 /// Logging to stderr, filtered by FERRY_LOG (env_logger syntax, default
 /// `warn`), with millisecond timestamps: what the `ferry` binary, the C

@@ -44,6 +44,34 @@ pub fn numa_node_of(addr: u64) -> Option<u32> {
     }
 }
 
+/// Whether the page holding `addr` is mapped in this process: `Some(false)`
+/// when the kernel says it is not (get_mempolicy's EFAULT), `None` when it
+/// will not say.
+pub fn is_mapped(addr: u64) -> Option<bool> {
+    const MPOL_F_NODE: libc::c_ulong = 1;
+    const MPOL_F_ADDR: libc::c_ulong = 2;
+    let mut node: libc::c_int = -1;
+    // SAFETY: as in numa_node_of: one int written into `node`; the kernel
+    // looks up addr itself and fails cleanly for an unmapped address.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_get_mempolicy,
+            &mut node as *mut libc::c_int,
+            std::ptr::null_mut::<libc::c_ulong>(),
+            0 as libc::c_ulong,
+            addr as libc::c_ulong,
+            MPOL_F_NODE | MPOL_F_ADDR,
+        )
+    };
+    if rc == 0 {
+        return Some(true);
+    }
+    match std::io::Error::last_os_error().raw_os_error() {
+        Some(libc::EFAULT) => Some(false),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -60,6 +88,13 @@ mod tests {
                 "{s}"
             );
         }
+    }
+
+    #[test]
+    fn unmapped_pages_are_told_apart() {
+        let v = vec![1u8; 8192];
+        assert_ne!(is_mapped(v.as_ptr() as u64), Some(false));
+        assert_ne!(is_mapped(0x10), Some(true));
     }
 
     #[test]

@@ -5,7 +5,7 @@ use crate::error::{Error, ErrorCode, Result};
 use crate::location::Location;
 use parking_lot::RwLock;
 use std::collections::BTreeMap;
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// One transport's registration of a buffer.
@@ -29,6 +29,11 @@ pub enum Visibility {
     Hidden,
     /// A local source or destination only; no peer reaches it.
     LocalOnly,
+    /// Not registered at all: the application's memory, standing in one
+    /// submission for the transports that move local memory without
+    /// registering it (`FERRY_TRANSPORT_LOCAL_UNREGISTERED`). Never in the
+    /// registry, never reachable by peers.
+    Unregistered,
 }
 
 #[derive(Debug)]
@@ -57,10 +62,14 @@ impl LocalBuffer {
     }
 }
 
-/// Registered buffers by start address; they never overlap.
+/// Registered buffers by start address; they never overlap. Each keeps its
+/// place in registration order (peers ask for "the first buffer
+/// registered", Mooncake's `get_first_buffer_address`).
 #[derive(Default)]
 pub struct MemoryRegistry {
-    buffers: RwLock<BTreeMap<u64, Arc<LocalBuffer>>>,
+    /// Start address -> (registration number, buffer).
+    buffers: RwLock<BTreeMap<u64, (u64, Arc<LocalBuffer>)>>,
+    registered: AtomicU64,
 }
 
 impl MemoryRegistry {
@@ -68,7 +77,7 @@ impl MemoryRegistry {
     pub fn find(&self, addr: u64, len: u64) -> Option<Arc<LocalBuffer>> {
         let end = addr.checked_add(len)?;
         let map = self.buffers.read();
-        let (_, b) = map.range(..=addr).next_back()?;
+        let (_, (_, b)) = map.range(..=addr).next_back()?;
         (end <= b.end()).then(|| b.clone())
     }
 
@@ -81,7 +90,7 @@ impl MemoryRegistry {
             )
         })?;
         let map = self.buffers.read();
-        if let Some((_, b)) = map.range(..end).next_back() {
+        if let Some((_, (_, b))) = map.range(..end).next_back() {
             if b.end() > addr {
                 return Err(Error::new(
                     ErrorCode::InvalidArgument,
@@ -96,15 +105,58 @@ impl MemoryRegistry {
         Ok(())
     }
 
+    /// Adds a buffer; it is numbered after every buffer added before.
     pub fn insert(&self, buffer: Arc<LocalBuffer>) {
-        self.buffers.write().insert(buffer.addr, buffer);
+        let n = self.registered.fetch_add(1, Ordering::Relaxed) + 1;
+        self.buffers.write().insert(buffer.addr, (n, buffer));
     }
 
     pub fn remove(&self, addr: u64) -> Option<Arc<LocalBuffer>> {
-        self.buffers.write().remove(&addr)
+        self.buffers.write().remove(&addr).map(|(_, b)| b)
     }
 
+    /// Every buffer, by address.
     pub fn all(&self) -> Vec<Arc<LocalBuffer>> {
+        self.buffers
+            .read()
+            .values()
+            .map(|(_, b)| b.clone())
+            .collect()
+    }
+
+    /// Every buffer by address, each with its registration number (1 for
+    /// the first registered, increasing; never reused).
+    pub fn all_numbered(&self) -> Vec<(u64, Arc<LocalBuffer>)> {
         self.buffers.read().values().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn buffer(addr: u64) -> Arc<LocalBuffer> {
+        Arc::new(LocalBuffer {
+            addr,
+            len: 16,
+            location: Location::Cpu(0),
+            mem_kind: 1,
+            device: None,
+            visibility: Visibility::Published,
+            registrations: Vec::new(),
+            inflight: AtomicUsize::new(0),
+        })
+    }
+
+    #[test]
+    fn registration_order_is_kept_beside_address_order() {
+        let m = MemoryRegistry::default();
+        for addr in [0x3000, 0x1000, 0x2000] {
+            m.insert(buffer(addr));
+        }
+        m.remove(0x3000);
+        m.insert(buffer(0x4000));
+        let got: Vec<(u64, u64)> = m.all_numbered().iter().map(|(n, b)| (b.addr, *n)).collect();
+        assert_eq!(got, [(0x1000, 2), (0x2000, 3), (0x4000, 4)]);
     }
 }

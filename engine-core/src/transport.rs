@@ -48,6 +48,9 @@ pub struct Transport {
     /// The devices the plugin reported from probe, with what it declared
     /// of each (ABI 1.2: bandwidth, latency, memory kinds).
     pub devices: Vec<ferry_loader::DeviceReport>,
+    /// Its submit moves local memory never registered with it
+    /// (`FERRY_TRANSPORT_LOCAL_UNREGISTERED`, ABI 1.3).
+    pub local_unregistered: bool,
     library: Arc<LoadedLibrary>,
     // Points into `library`, which stays loaded as long as self.
     table: *const sys::ferry_transport_plugin_v1_t,
@@ -258,11 +261,18 @@ impl Transport {
             let e = err.error(&name, "init", status);
             return Err(e);
         }
+        let flags = if ferry_plugins_abi::has_field!(table, sys::ferry_transport_plugin_v1_t, flags)
+        {
+            table.flags
+        } else {
+            0
+        };
         Ok(Some(Transport {
             name,
             mem_kinds: plugin.report.capabilities.mem_bits,
             scopes: plugin.report.capabilities.scope_bits,
             devices: plugin.report.devices.clone(),
+            local_unregistered: flags & sys::FERRY_TRANSPORT_LOCAL_UNREGISTERED != 0,
             table: table as *const sys::ferry_transport_plugin_v1_t,
             library,
             instance,

@@ -44,11 +44,17 @@ int main(int argc, char **argv) {
         reqs[i] = (ferry_request){FERRY_OP_WRITE, 0, src + i * block, seg, remote + i * block,
                                   block};
     }
+    /* The batch carries a notification: the target receives it once all of
+     * the batch's data is in its memory, and the wait returns once the
+     * target has it. */
     ferry_batch_id batch = 0;
     CHECK(ferry_batch_new(engine, n, &batch));
-    CHECK(ferry_batch_submit(engine, batch, reqs, n));
+    const char note[] = "written";
+    CHECK(ferry_batch_submit_with_notify(engine, batch, reqs, n, "initiator",
+                                         (const uint8_t *)note, strlen(note)));
     ferry_batch_summary st;
     CHECK(ferry_batch_wait(engine, batch, -1, &st));
+    if (st.notify != FERRY_NOTIFY_DELIVERED) return 1;
     printf("WROTE %llu requests\n", (unsigned long long)st.completed);
     CHECK(ferry_batch_free(engine, batch));
     printf("LOCAL %016llx\n", (unsigned long long)checksum(src, size));

@@ -4,7 +4,8 @@
  *   ./target [size]
  *
  * Prints "SEGMENT <name> <address> <size>" once ready; on each "checksum"
- * line from stdin it prints "CHECKSUM <hex>" of its buffer.
+ * line from stdin it prints "CHECKSUM <hex>" of its buffer, followed by
+ * " NOTIFY <name>:<message>" for each notification initiators sent.
  */
 #include "common.h"
 #include <string.h>
@@ -33,7 +34,13 @@ int main(int argc, char **argv) {
     char line[64];
     while (fgets(line, sizeof line, stdin) != NULL) {
         if (strncmp(line, "checksum", 8) == 0) {
-            printf("CHECKSUM %016llx\n", (unsigned long long)checksum(buf, size));
+            printf("CHECKSUM %016llx", (unsigned long long)checksum(buf, size));
+            ferry_notification note;
+            uint32_t got = 0;
+            while (ferry_notify_next(engine, &note, &got) == FERRY_OK && got) {
+                printf(" NOTIFY %s:%.*s", note.name, (int)note.msg_len, (const char *)note.msg);
+            }
+            printf("\n");
             fflush(stdout);
         }
     }

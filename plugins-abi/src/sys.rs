@@ -10,7 +10,7 @@ use std::ffi::c_char;
 use std::ffi::c_void;
 
 pub const FERRY_PLUGIN_ABI_MAJOR: u16 = 1;
-pub const FERRY_PLUGIN_ABI_MINOR: u16 = 2;
+pub const FERRY_PLUGIN_ABI_MINOR: u16 = 3;
 
 pub type ferry_status_t = i32;
 
@@ -381,7 +381,14 @@ pub struct ferry_transport_plugin_v1_t {
             err: *mut ferry_errbuf_t,
         ) -> ferry_status_t,
     >,
+    // ABI 1.3
+    /// `FERRY_TRANSPORT_*` bits.
+    pub flags: u64,
 }
+
+/// submit moves local memory never registered with the transport (see
+/// plugin.h).
+pub const FERRY_TRANSPORT_LOCAL_UNREGISTERED: u64 = 1 << 0;
 
 pub const FERRY_TRANSPORT_PLUGIN_V1_SYMBOL: &str = "ferry_transport_plugin_v1";
 pub type ferry_transport_plugin_v1_entry_fn =

@@ -150,7 +150,8 @@ fn rust_layouts() -> Vec<Layout> {
                 free_memory,
                 accepts,
                 on_peer_request,
-                accepts_pair
+                accepts_pair,
+                flags
             ]
         ),
         layout!(
@@ -264,6 +265,7 @@ fn rust_constants() -> Vec<(&'static str, i128)> {
         FERRY_PTR_HOST_PINNED,
         FERRY_PTR_MANAGED,
         FERRY_REGION_LOCAL_ONLY,
+        FERRY_TRANSPORT_LOCAL_UNREGISTERED,
         FERRY_PEER_MSG_MAX,
     ]
 }

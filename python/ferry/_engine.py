@@ -136,6 +136,16 @@ class Allocation(Registration):
         return f"<ferry.Allocation {self.nbytes} bytes at {self.addr:#x}>"
 
 
+def _notify(notify):
+    """(name, message bytes) for the native module, or None."""
+    if notify is None:
+        return None
+    name, msg = notify
+    if not isinstance(msg, (bytes, bytearray, memoryview)):
+        msg = str(msg).encode()
+    return (str(name), bytes(msg))
+
+
 def _resolve(obj, length=None, *, writable=False) -> _buffers.Resolved:
     own = getattr(obj, "__ferry_memory__", None)
     if own is not None:
@@ -261,10 +271,10 @@ class Segment:
             lengths.append(m.nbytes)
         return keep, local, remote, lengths
 
-    def _transfer(self, op: str, items: Sequence[Item], transport: Optional[str]) -> None:
+    def _transfer(self, op: str, items: Sequence[Item], transport: Optional[str], notify=None) -> None:
         keep, local, remote, lengths = self._requests(op, items)
         try:
-            self._engine._native.transfer(op, self.id, local, remote, lengths, transport)
+            self._engine._native.transfer(op, self.id, local, remote, lengths, transport, _notify(notify))
         finally:
             for m in keep:
                 m.release()
@@ -287,9 +297,18 @@ class Segment:
         """Copies the peer's memory at ``remote_addr`` into ``dst`` (registered)."""
         self._transfer("read", [(dst, remote_addr, length)], transport)
 
-    def write_batch(self, items: Sequence[Item], *, transport: Optional[str] = None) -> None:
-        """Writes many ``(src, remote_addr[, length])`` as one batch and waits."""
-        self._transfer("write", items, transport)
+    def write_batch(self, items: Sequence[Item], *, transport: Optional[str] = None, notify=None) -> None:
+        """Writes many ``(src, remote_addr[, length])`` as one batch and waits.
+        With ``notify=(name, msg)`` (str or bytes, at most 256 and 4096
+        bytes) the peer's ``take_notifies()`` gets it once all of the batch's
+        data is in its memory, never before; this returns once it has."""
+        self._transfer("write", items, transport, notify)
+
+    def notify(self, name: str, msg) -> None:
+        """Sends a notification alone (see ``write_batch``) and waits until
+        the peer has it."""
+        n, m = _notify((name, msg))
+        self._engine._native.send_notify(self.id, n, m)
 
     def read_batch(self, items: Sequence[Item], *, transport: Optional[str] = None) -> None:
         """Reads many ``(dst, remote_addr[, length])`` as one batch and waits."""
@@ -427,6 +446,17 @@ class Engine:
     def _forget(self, reg: Registration) -> None:
         with self._lock:
             self._owned.pop(id(reg), None)
+
+    def take_notifies(self) -> List[Tuple[str, str, bytes]]:
+        """Notifications peers sent since the last call, oldest first, as
+        (sender segment, name, message). At most 1024 wait; past that a new
+        one is refused (its sender's transfer fails with BUSY) and counted in
+        ``notifies_dropped``."""
+        return [(p, n, bytes(m)) for p, n, m in self._native.take_notifies()]
+
+    @property
+    def notifies_dropped(self) -> int:
+        return self._native.notifies_dropped()
 
     def open(self, name: str) -> Segment:
         """Opens a peer's segment by name ("host:port", or a name in etcd)."""

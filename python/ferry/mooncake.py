@@ -10,8 +10,9 @@ The differences are listed in docs/python.md. In short: ``protocol`` is a
 preference the engine honours when that transport can serve a peer (else it
 picks one that can, instead of failing); ``device_name`` filters NICs; a
 target must register the memory peers write (Mooncake's TCP transport does
-not check); notifications are not supported. The message of the last
-failure is in ``last_error`` and is logged to the "ferry" logger.
+not check). Notifications (``TransferNotify``, ``get_notifies``) work as in
+Mooncake, on every transport. The message of the last failure is in
+``last_error`` and is logged to the "ferry" logger.
 """
 
 from __future__ import annotations
@@ -38,11 +39,24 @@ class TransferOpcode(enum.IntEnum):
 
 
 class TransferNotify:
-    """Accepted for compatibility; Ferry does not deliver notifications."""
+    """A short message a transfer carries to its target, as in Mooncake: the
+    target's ``get_notifies()`` returns it once all of the transfer's data
+    is in its memory (never before). ``name`` is at most 256 bytes and
+    ``msg`` at most 4096 (UTF-8); ``msg`` may also be bytes."""
 
     def __init__(self, name: str = "", msg: str = ""):
         self.name = name
         self.msg = msg
+
+    def _wire(self):
+        msg = self.msg if isinstance(self.msg, (bytes, bytearray)) else str(self.msg).encode()
+        return (str(self.name), bytes(msg))
+
+    def __repr__(self) -> str:
+        return f"TransferNotify(name={self.name!r}, msg={self.msg!r})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, TransferNotify) and (self.name, self.msg) == (other.name, other.msg)
 
 
 def _split_host_port(local_hostname: str):
@@ -264,8 +278,8 @@ class TransferEngine:
     def get_first_buffer_address(self, segment_name: str) -> int:
         """The address of the first buffer the peer registered, or 0."""
         try:
-            buffers = self._native().segment_buffers(self._segment(segment_name))
-            return buffers[0][0] if buffers else 0
+            first = self._native().first_buffer(self._segment(segment_name))
+            return first[0] if first else 0
         except BaseException as e:
             self._fail(e, "get_first_buffer_address")
             return 0
@@ -281,8 +295,22 @@ class TransferEngine:
             return self._fail(e, "send_probe")
 
     def get_notifies(self) -> list:
-        """Always empty: Ferry does not deliver notifications."""
-        return []
+        """The notifications peers sent since the last call, oldest first, as
+        ``TransferNotify`` (taking them empties the queue, as Mooncake's). At
+        most 1024 wait: past that a sender's new one is refused and its
+        transfer fails with BUSY (counted in ``notifies_dropped()``)."""
+        try:
+            return [
+                TransferNotify(name, msg.decode("utf-8", errors="replace"))
+                for _peer, name, msg in self._native().take_notifies()
+            ]
+        except BaseException as e:
+            self._fail(e, "get_notifies")
+            return []
+
+    def notifies_dropped(self) -> int:
+        """Notifications refused because the queue was full (Ferry only)."""
+        return self._native().notifies_dropped()
 
     # -- transfers --------------------------------------------------------
 
@@ -294,12 +322,13 @@ class TransferEngine:
         keep = [_buffers.resolve(b, n, writable=op == "read") for b, n in zip(buffers, lengths)]
         return [m.addr for m in keep], keep
 
-    def _sync(self, op: str, target: str, buffers, peers, lengths, hint: str) -> int:
+    def _sync(self, op: str, target: str, buffers, peers, lengths, hint: str, notify=None) -> int:
         keep = []
         try:
             lengths = [int(n) for n in lengths]
             local, keep = self._locals(op, buffers, lengths)
-            self._native().transfer(op, self._segment(target), local, [int(p) for p in peers], lengths, hint or None)
+            wire = notify._wire() if notify is not None else None
+            self._native().transfer(op, self._segment(target), local, [int(p) for p in peers], lengths, hint or None, wire)
             return 0
         except BaseException as e:
             return self._fail(e, f"{op} to {target}")
@@ -324,9 +353,7 @@ class TransferEngine:
         return self._sync("read", target_hostname, [buffer], [peer_buffer_address], [length], transport_hint)
 
     def transfer_sync(self, target_hostname: str, buffer, peer_buffer_address: int, length: int, opcode, notify=None, transport_hint: str = "") -> int:
-        if notify is not None:
-            return self._fail(_error("UNSUPPORTED", "notifications are not supported"), "transfer_sync")
-        return self._sync(self._op(opcode), target_hostname, [buffer], [peer_buffer_address], [length], transport_hint)
+        return self._sync(self._op(opcode), target_hostname, [buffer], [peer_buffer_address], [length], transport_hint, notify)
 
     def batch_transfer_sync_write(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
         return self._sync("write", target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
@@ -335,9 +362,7 @@ class TransferEngine:
         return self._sync("read", target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
 
     def batch_transfer_sync(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], opcode, notify=None, transport_hint: str = "") -> int:
-        if notify is not None:
-            return self._fail(_error("UNSUPPORTED", "notifications are not supported"), "batch_transfer_sync")
-        return self._sync(self._op(opcode), target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+        return self._sync(self._op(opcode), target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint, notify)
 
     def transfer_submit_write(self, target_hostname: str, buffer, peer_buffer_address: int, length: int, transport_hint: str = "") -> int:
         """Starts a write; its batch id (> 0), or a negative code."""

@@ -11,7 +11,9 @@
 //! a network transport, which would stage them through host memory.
 
 use crate::errors::{ferry_err, invalid};
-use ferry_core::{BatchId, BatchStatus, Engine, EngineConfig, Error, ErrorCode, Op, Request};
+use ferry_core::{
+    BatchId, BatchStatus, Engine, EngineConfig, Error, ErrorCode, Notify, NotifyStatus, Op, Request,
+};
 use parking_lot::{Mutex, RwLock};
 use pyo3::prelude::*;
 use std::collections::HashSet;
@@ -103,15 +105,21 @@ impl NativeEngine {
         here
     }
 
-    /// Allocates a batch and submits `reqs` to it, preferring the preferred
-    /// transport for this segment unless it was declined before.
+    /// Allocates a batch and submits `reqs` to it (with `notify` attached,
+    /// if given), preferring the preferred transport for this segment
+    /// unless it was declined before.
     fn submit_preferring(
         &self,
         engine: &Engine,
         segment: u64,
         mut reqs: Vec<Request>,
+        notify: Option<Notify>,
     ) -> Result<BatchId, Error> {
         let batch = engine.allocate_batch(reqs.len().max(1))?;
+        let submit = |reqs: &[Request]| match &notify {
+            Some(n) => engine.submit_with_notify(batch, reqs, n.clone()),
+            None => engine.submit(batch, reqs),
+        };
         let pinned = reqs.iter().any(|r| r.transport.is_some());
         if let (Some(p), false) = (&self.preferred, pinned) {
             if !self.declined.lock().contains(&segment)
@@ -120,7 +128,7 @@ impl NativeEngine {
                 for r in &mut reqs {
                     r.transport = Some(p.clone());
                 }
-                match engine.submit(batch, &reqs) {
+                match submit(&reqs) {
                     Ok(()) => return Ok(batch),
                     // Refused while routing: nothing was submitted.
                     Err(e) if e.code == ErrorCode::Unsupported => {
@@ -141,7 +149,7 @@ impl NativeEngine {
                 }
             }
         }
-        match engine.submit(batch, &reqs) {
+        match submit(&reqs) {
             Ok(()) => Ok(batch),
             Err(e) => {
                 let _ = engine.free_batch(batch);
@@ -195,16 +203,20 @@ fn finish(engine: &Engine, batch: BatchId, timeout: Duration) -> Result<(), Erro
     if !status.is_done() {
         return Err(Error::new(
             ErrorCode::Timeout,
-            format!(
-                "{} of {} requests did not finish within {:?}",
-                status.pending, status.total, timeout
-            ),
+            match status.pending {
+                0 => format!("the notification was not delivered within {timeout:?}"),
+                n => format!(
+                    "{n} of {} requests did not finish within {timeout:?}",
+                    status.total
+                ),
+            },
         ));
     }
     let _ = engine.free_batch(batch);
-    match status.first_error {
-        Some((i, e)) => Err(Error::new(e.code, format!("request {i}: {}", e.message))),
-        None => Ok(()),
+    match (status.first_error, status.notify) {
+        (Some((i, e)), _) => Err(Error::new(e.code, format!("request {i}: {}", e.message))),
+        (None, Some(NotifyStatus::Failed(e))) => Err(e),
+        _ => Ok(()),
     }
 }
 
@@ -394,14 +406,17 @@ impl NativeEngine {
     ) -> PyResult<u64> {
         let reqs = self.requests(py, op, segment, local, remote, lengths, transport)?;
         let engine = self.get(py)?;
-        py.detach(|| self.submit_preferring(&engine, segment, reqs))
+        py.detach(|| self.submit_preferring(&engine, segment, reqs, None))
             .map_err(|e| ferry_err(py, e))
     }
 
     /// Submits one batch and waits for it (up to twice the engine's
     /// timeout, as `Engine::transfer_sync`); raises on the first failure.
+    /// With `notify` (name, message), the peer receives it once all of the
+    /// batch's data is in its memory, and this returns once the peer has
+    /// it queued.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (op, segment, local, remote, lengths, transport = None))]
+    #[pyo3(signature = (op, segment, local, remote, lengths, transport = None, notify = None))]
     fn transfer(
         &self,
         py: Python<'_>,
@@ -411,17 +426,68 @@ impl NativeEngine {
         remote: Vec<u64>,
         lengths: Vec<u64>,
         transport: Option<String>,
+        notify: Option<(String, Vec<u8>)>,
     ) -> PyResult<()> {
         let reqs = self.requests(py, op, segment, local, remote, lengths, transport)?;
-        if reqs.is_empty() {
-            return Ok(());
-        }
+        let notify = notify
+            .map(|(name, msg)| Notify::new(name, msg))
+            .transpose()
+            .map_err(|e| ferry_err(py, e))?;
         let engine = self.get(py)?;
+        if reqs.is_empty() {
+            return match notify {
+                Some(n) => py
+                    .detach(|| engine.send_notify(segment, n))
+                    .map_err(|e| ferry_err(py, e)),
+                None => Ok(()),
+            };
+        }
         py.detach(|| {
-            let batch = self.submit_preferring(&engine, segment, reqs)?;
+            let batch = self.submit_preferring(&engine, segment, reqs, notify)?;
             finish(&engine, batch, engine.config().timeout * 2)
         })
         .map_err(|e| ferry_err(py, e))
+    }
+
+    /// Sends a notification (name, message) alone to a segment and waits
+    /// until the peer has it queued.
+    fn send_notify(
+        &self,
+        py: Python<'_>,
+        segment: u64,
+        name: String,
+        msg: Vec<u8>,
+    ) -> PyResult<()> {
+        let notify = Notify::new(name, msg).map_err(|e| ferry_err(py, e))?;
+        let engine = self.get(py)?;
+        py.detach(|| engine.send_notify(segment, notify))
+            .map_err(|e| ferry_err(py, e))
+    }
+
+    /// Every notification peers sent since the last call, oldest first, as
+    /// (sender segment, name, message bytes); taking them empties the
+    /// queue.
+    fn take_notifies(&self, py: Python<'_>) -> PyResult<Vec<(String, String, Vec<u8>)>> {
+        Ok(self
+            .get(py)?
+            .take_notifies()
+            .into_iter()
+            .map(|n| (n.peer, n.name, n.msg))
+            .collect())
+    }
+
+    /// Notifications refused because the queue was full (the newest is
+    /// refused and its sender told), since the engine started.
+    fn notifies_dropped(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.get(py)?.notifies_dropped())
+    }
+
+    /// The buffer the peer registered first (address, length), by
+    /// registration order; None when it publishes none.
+    fn first_buffer(&self, py: Python<'_>, segment: u64) -> PyResult<Option<(u64, u64)>> {
+        self.get(py)?
+            .first_buffer(segment)
+            .map_err(|e| ferry_err(py, e))
     }
 
     /// Waits up to `timeout_s` (default: twice the engine's timeout) for a

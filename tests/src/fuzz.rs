@@ -46,6 +46,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("rdma_wire", rdma_wire),
     ("cuda_ipc_wire", cuda_ipc_wire),
     ("auth", auth_exchange),
+    ("notify", notify),
 ];
 
 // ---- targets ---------------------------------------------------------------
@@ -71,6 +72,7 @@ pub fn control_frame(data: &[u8]) -> usize {
                 accepted += match kind {
                     MsgType::Descriptor => descriptor(&body),
                     MsgType::PluginRequest => plugin_message(&body),
+                    MsgType::Notify => notify(&body),
                     MsgType::StageOpen | MsgType::StageCopy | MsgType::StageOpened => {
                         staging(&body)
                     }
@@ -137,6 +139,19 @@ pub fn staging(data: &[u8]) -> usize {
         assert!(!r.slots.is_empty() && r.slots.iter().all(|s| s.len >= 4096));
     }
     accepted
+}
+
+/// A batch's notification on the control plane: a decoded one re-encodes
+/// to the same bytes and stays within the limits.
+pub fn notify(data: &[u8]) -> usize {
+    use ferry_core::notify::{decode_notify, encode_notify, Notify, MAX_NOTIFY_MSG};
+    let Ok(n) = decode_notify(data) else {
+        return 0;
+    };
+    assert!(n.msg.len() <= MAX_NOTIFY_MSG);
+    let again = Notify::new(n.name.clone(), n.msg.clone()).expect("within the limits");
+    assert_eq!(encode_notify(&n.peer, &again), data);
+    1
 }
 
 /// A plugin message on the control plane, and the RDMA handshake it may
@@ -371,6 +386,7 @@ fn sample_descriptor() -> SegmentDescriptor {
                     transport: "tcp".into(),
                     key: String::new(),
                 }],
+                order: 1,
             },
             BufferDescriptor {
                 addr: 0x7f00_0010_0000,
@@ -380,6 +396,7 @@ fn sample_descriptor() -> SegmentDescriptor {
                     transport: "rdma".into(),
                     key: encode_blob(&sample_rdma_key().encode()),
                 }],
+                order: 2,
             },
         ],
     }
@@ -448,6 +465,7 @@ fn staging_bodies() -> Vec<Vec<u8>> {
         len: 4 << 20,
         location: "cpu:0".into(),
         keys: vec![],
+        order: 0,
     };
     vec![
         br#"{"slots":4,"slot_len":4194304}"#.to_vec(),
@@ -681,6 +699,16 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
         "cuda_ipc_wire" => cuda_ipc_messages(),
         "rdma_wire" => sample_rdma_messages(),
         "auth" => auth_messages(),
+        "notify" => {
+            use ferry_core::notify::{encode_notify, Notify};
+            vec![
+                encode_notify(
+                    "10.0.0.2:7000",
+                    &Notify::new("kv", &b"blocks 1..9"[..]).unwrap(),
+                ),
+                encode_notify("", &Notify::new("", Vec::new()).unwrap()),
+            ]
+        }
         _ => Vec::new(),
     };
     out.push(Vec::new());

@@ -7,6 +7,7 @@
 pub mod etcd;
 pub mod fuzz;
 pub mod node;
+pub mod ordering;
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -267,7 +268,11 @@ pub fn run_c_transfer(target: &mut Command, initiator: &mut Command) {
         .next()
         .expect("the target answers")
         .expect("read the target's answer");
-    assert_eq!(at_target, format!("CHECKSUM {local}"), "data at the target");
+    assert_eq!(
+        at_target,
+        format!("CHECKSUM {local} NOTIFY initiator:written"),
+        "data and the batch's notification at the target"
+    );
     drop(t.stdin.take());
     assert!(t.wait().expect("wait for the target").success());
 }

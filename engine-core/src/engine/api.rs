@@ -6,12 +6,13 @@ use super::node::list_segments;
 use super::plan::Peers;
 use super::request::{Request, Route, SegmentId};
 use super::shared::Shared;
-use crate::batch::{BatchId, BatchStatus, RequestStatus};
+use crate::batch::{BatchId, BatchStatus, NotifyStatus, RequestStatus};
 use crate::config::EngineConfig;
 use crate::control::ControlServer;
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{Error, ErrorCode, Result};
 use crate::location::Location;
+use crate::notify::{Notification, Notify};
 use crate::topology::Topology;
 use ferry_loader::PluginSet;
 use std::net::SocketAddr;
@@ -203,12 +204,59 @@ impl Engine {
     }
 
     /// Adds requests to a batch and starts them. Requests are checked first;
-    /// if any is invalid (zero length, memory not registered here or at the
-    /// peer, unknown segment, no transport can serve it), the call fails and
-    /// nothing is submitted. Requests a transport then refuses (an unreachable
-    /// peer) are marked failed in the batch.
+    /// if any is invalid (memory not registered at the peer, unknown
+    /// segment, no transport can serve it), the call fails and nothing is
+    /// submitted. Requests a transport then refuses (an unreachable peer)
+    /// are marked failed in the batch. A request of length 0 moves nothing
+    /// and succeeds at once, whatever its addresses.
+    ///
+    /// Local memory need not be registered when a transport that moves
+    /// unregistered local memory serves the peer (tcp, shm: plugins that
+    /// declare `FERRY_TRANSPORT_LOCAL_UNREGISTERED`); it must then stay
+    /// valid memory of this process until its request completes. Others
+    /// (rdma) need it registered, and the error says so. Device memory
+    /// must always be registered.
     pub fn submit(&self, batch: BatchId, requests: &[Request]) -> Result<()> {
         self.shared.submit(batch, requests)
+    }
+
+    /// Like [`Engine::submit`], and attaches `notify`: the requests' peer
+    /// (they must all name one segment) receives it once every request of
+    /// the batch has finished with its data in the peer's memory, never
+    /// before. The batch then takes no more requests, and stays pending
+    /// until the message was delivered or failed
+    /// ([`BatchStatus::notify`](crate::BatchStatus::notify)). If a request
+    /// fails, the message is not sent.
+    pub fn submit_with_notify(
+        &self,
+        batch: BatchId,
+        requests: &[Request],
+        notify: Notify,
+    ) -> Result<()> {
+        self.shared.submit_with_notify(batch, requests, notify)
+    }
+
+    /// Sends `notify` alone to an open segment and waits for its delivery.
+    pub fn send_notify(&self, segment: SegmentId, notify: Notify) -> Result<()> {
+        self.shared.send_notify(segment, notify)
+    }
+
+    /// Every notification peers sent since the last call, oldest first
+    /// (Mooncake's `getNotifies`: taking them empties the queue).
+    pub fn take_notifies(&self) -> Vec<Notification> {
+        self.shared.notifier.inbox.take_all()
+    }
+
+    /// The oldest notification a peer sent, taken; `None` when none waits.
+    pub fn take_notify(&self) -> Option<Notification> {
+        self.shared.notifier.inbox.take_one()
+    }
+
+    /// Notifications refused because this engine's queue was full (at most
+    /// [`NOTIFY_QUEUE_DEPTH`](crate::notify::NOTIFY_QUEUE_DEPTH) wait; the
+    /// newest is refused and its sender told), since the engine started.
+    pub fn notifies_dropped(&self) -> u64 {
+        self.shared.notifier.inbox.dropped()
     }
 
     /// The batch's status now (after completing what has already arrived).
@@ -238,10 +286,23 @@ impl Engine {
     /// Submits `requests` as one batch and waits for them (up to twice the
     /// configured timeout); the first failure is the error.
     pub fn transfer_sync(&self, requests: &[Request]) -> Result<()> {
+        self.transfer_sync_inner(requests, None)
+    }
+
+    /// [`Engine::transfer_sync`] with a notification to the requests' peer
+    /// (see [`Engine::submit_with_notify`]); returns once the peer has it
+    /// queued. A notification that was not delivered is the error.
+    pub fn transfer_sync_with_notify(&self, requests: &[Request], notify: Notify) -> Result<()> {
+        self.transfer_sync_inner(requests, Some(notify))
+    }
+
+    fn transfer_sync_inner(&self, requests: &[Request], notify: Option<Notify>) -> Result<()> {
         let batch = self.allocate_batch(requests.len().max(1))?;
-        let result = self
-            .submit(batch, requests)
-            .and_then(|_| self.wait(batch, self.shared.config.timeout * 2));
+        let submitted = match notify {
+            Some(n) => self.submit_with_notify(batch, requests, n),
+            None => self.submit(batch, requests),
+        };
+        let result = submitted.and_then(|_| self.wait(batch, self.shared.config.timeout * 2));
         let status = match result {
             Ok(s) => s,
             Err(e) => {
@@ -254,13 +315,17 @@ impl Engine {
             // Leave the batch allocated: its requests are still in flight.
             return Err(Error::new(
                 ErrorCode::Timeout,
-                format!("{} requests did not finish in time", status.pending),
+                match status.pending {
+                    0 => "the notification was not delivered in time".to_string(),
+                    n => format!("{n} requests did not finish in time"),
+                },
             ));
         }
         let _ = self.free_batch(batch);
-        match status.first_error {
-            Some((i, e)) => Err(Error::new(e.code, format!("request {i}: {}", e.message))),
-            None => Ok(()),
+        match (status.first_error, status.notify) {
+            (Some((i, e)), _) => Err(Error::new(e.code, format!("request {i}: {}", e.message))),
+            (None, Some(NotifyStatus::Failed(e))) => Err(e),
+            _ => Ok(()),
         }
     }
 
@@ -274,6 +339,16 @@ impl Engine {
         len: u64,
     ) -> Result<Route> {
         self.shared.route(segment, local_addr, remote_addr, len)
+    }
+
+    /// The address and length of the buffer the peer registered first, of
+    /// those it publishes (Mooncake's `get_first_buffer_address`: by
+    /// registration order, not by address), as last fetched; `None` when
+    /// it publishes none.
+    pub fn first_buffer(&self, id: SegmentId) -> Result<Option<(u64, u64)>> {
+        let seg = self.shared.segments.get(id)?;
+        let view = seg.view.read();
+        Ok(view.descriptor.first_buffer().map(|b| (b.addr, b.len)))
     }
 
     /// The descriptor of an open segment, as last fetched.

@@ -32,12 +32,16 @@ impl Shared {
     pub(crate) fn dispatch(&self, batch: &Batch, plan: Plan) -> Result<Vec<StagedItem>> {
         let Plan {
             requests,
+            empty,
             routed,
             mut staged,
         } = plan;
         // Reserve the batch slots and create one completion group per
-        // coalesced request.
+        // coalesced request; requests of length 0 are done.
         let base = batch.reserve(requests)?;
+        for i in &empty {
+            batch.complete_empty(base + i, 1);
+        }
         let mut flows = Flows {
             cache: FlowCache::default(),
             started: Instant::now(),
@@ -108,10 +112,11 @@ impl Shared {
             .map(|p| (p.first, &p.local))
             .chain(staged.iter().map(|(i, it)| (*i, &it.local)))
             .find(|(_, local)| {
-                !self
-                    .memory
-                    .find(local.addr, 1)
-                    .is_some_and(|b| Arc::ptr_eq(&b, local))
+                local.visibility != Visibility::Unregistered
+                    && !self
+                        .memory
+                        .find(local.addr, 1)
+                        .is_some_and(|b| Arc::ptr_eq(&b, local))
             })
             .map(|(i, local)| (i, local.addr));
         if let Some((i, addr)) = gone {

@@ -21,8 +21,8 @@
 //!   is, the GPU-direct ladder, memory the engine allocates;
 //! - `staging/{protocol,slots,state}`: staging's messages, slots and state;
 //! - `shared`: the state all of the above make up, behind one `Arc`;
-//! - `registration`, `publish`, `peers`, `dispatch`, `submit`, `route`,
-//!   `staging/{target,initiator,job}`: what the engine does with it;
+//! - `registration`, `publish`, `peers`, `dispatch`, `submit`, `notify`,
+//!   `route`, `staging/{target,initiator,job}`: what the engine does with it;
 //! - `observe`: the metrics as the engine reads them out, and its endpoint;
 //! - `startup` and `api`: `Engine::new` and the rest of the public API.
 
@@ -35,6 +35,7 @@ mod ladder;
 mod measure;
 mod node;
 mod observe;
+mod notify;
 mod peers;
 mod plan;
 mod publish;

@@ -13,9 +13,14 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// What planning asks of live peers: only an engine with connections can
-/// answer these (tests answer them from tables).
+/// What planning asks of the live engine: only an engine with connections
+/// and devices can answer these (tests answer them from tables).
 pub(crate) trait Peers {
+    /// A local buffer standing for `[addr, addr + len)` of request `i`,
+    /// memory not registered here: host memory, which the transports that
+    /// need no local registration move as it is; or the error that says
+    /// why not (device memory must be registered).
+    fn unregistered_local(&self, i: usize, addr: u64, len: u64) -> Result<Arc<LocalBuffer>>;
     /// Re-reads a segment's descriptor (the peer may have restarted, or
     /// registered more memory).
     fn refresh(&self, seg: &RemoteSegment) -> Result<Arc<RemoteView>>;
@@ -64,6 +69,8 @@ pub(crate) struct StagedItem {
 pub(crate) struct Plan {
     /// How many requests were submitted.
     pub(crate) requests: usize,
+    /// Requests of length 0, by index: they move nothing and succeed.
+    pub(crate) empty: Vec<usize>,
     pub(crate) routed: Vec<Pending>,
     /// Staged requests, each with its index in the submitted list.
     pub(crate) staged: Vec<(usize, StagedItem)>,
@@ -83,18 +90,25 @@ pub(crate) struct Planner<'a, T> {
 }
 
 impl<T: Candidate> Planner<'_, T> {
-    /// The registered local buffer holding `[addr, addr + len)`.
+    /// The registered local buffer holding `[addr, addr + len)`; for
+    /// memory registered nowhere, a buffer standing for it that only the
+    /// transports needing no local registration move. A range that
+    /// straddles a registered buffer's end is an error.
     pub(crate) fn local_buffer(&self, i: usize, addr: u64, len: u64) -> Result<Arc<LocalBuffer>> {
-        self.memory.find(addr, len).ok_or_else(|| {
-            Error::new(
+        if let Some(b) = self.memory.find(addr, len) {
+            return Ok(b);
+        }
+        if self.memory.check_free(addr, len).is_err() {
+            return Err(Error::new(
                 ErrorCode::OutOfBounds,
                 format!(
                     "request {i}: local range [{addr:#x}, {:#x}) is not inside one buffer \
-                     registered with this engine",
+                     registered with this engine (it overlaps one and runs past its end)",
                     addr.saturating_add(len)
                 ),
-            )
-        })
+            ));
+        }
+        self.peers.unregistered_local(i, addr, len)
     }
 
     /// Selection for one request of `bytes`, asking live peers what only
@@ -138,12 +152,13 @@ impl<T: Candidate> Planner<'_, T> {
             HashMap::new();
         let mut last_route: Option<(RouteMemo, usize, Arc<[u8]>)> = None;
         let mut staged: Vec<(usize, StagedItem)> = Vec::new();
+        let mut empty: Vec<usize> = Vec::new();
         for (i, r) in requests.iter().enumerate() {
             if r.length == 0 {
-                return Err(Error::new(
-                    ErrorCode::InvalidArgument,
-                    format!("request {i}: length is 0"),
-                ));
+                // Nothing to move (Mooncake's convention): it succeeds
+                // without looking at its addresses.
+                empty.push(i);
+                continue;
             }
             let local = self.local_buffer(i, r.local_addr, r.length)?;
             let entry = match segs.entry(r.segment) {
@@ -271,6 +286,7 @@ impl<T: Candidate> Planner<'_, T> {
         }
         Ok(Plan {
             requests: requests.len(),
+            empty,
             routed,
             staged,
         })
@@ -283,6 +299,7 @@ mod tests {
     use super::super::select::fakes::*;
     use super::*;
     use crate::descriptor::SegmentDescriptor;
+    use crate::memory::Visibility;
     use parking_lot::Mutex;
 
     const LOCAL: u64 = 0x10_0000;
@@ -299,6 +316,16 @@ mod tests {
     }
 
     impl Peers for FakePeers {
+        fn unregistered_local(&self, i: usize, addr: u64, len: u64) -> Result<Arc<LocalBuffer>> {
+            match addr {
+                // Below LOCAL: memory tcp (transport 0) moves unregistered.
+                a if a < LOCAL => Ok(unregistered_host_buffer(addr, len, &[0])),
+                _ => Err(Error::new(
+                    ErrorCode::OutOfBounds,
+                    format!("request {i}: not registered"),
+                )),
+            }
+        }
         fn refresh(&self, seg: &RemoteSegment) -> Result<Arc<RemoteView>> {
             *self.refreshes.lock() += 1;
             match self.reread.lock().clone() {
@@ -440,13 +467,71 @@ mod tests {
     }
 
     #[test]
+    fn zero_length_requests_move_nothing_and_check_nothing() {
+        let w = world();
+        let mut nowhere = write(0, 0, 0);
+        nowhere.segment = 7;
+        nowhere.local_addr = 1;
+        let plan = w
+            .plan(&[write(0, 0, 0), write(0, 0, 4096), nowhere])
+            .unwrap();
+        assert_eq!(plan.empty, vec![0, 2]);
+        assert_eq!(shape(&plan), vec![(1, 1, 0, 4096, 1)]);
+    }
+
+    #[test]
+    fn unregistered_local_memory_goes_to_a_transport_that_needs_no_registration() {
+        let w = world();
+        // shm ranks first between same-host peers, but needs registration
+        // in this table: tcp takes it.
+        let r = Request::new(Op::Write, 0x8000, 1, REMOTE, 4096);
+        let plan = w.plan(&[r]).unwrap();
+        assert_eq!(plan.routed.len(), 1);
+        assert_eq!(plan.routed[0].transport, 0);
+        // Straddling the end of a registered buffer is still an error.
+        let e = w.plan(&[write((1 << 20) - 4096, 0, 8192)]).err().unwrap();
+        assert!(e.message.contains("runs past its end"), "{}", e.message);
+        // Only tcp's "registration" stands for it: with tcp asked to
+        // decline, selection says shm needs the memory registered.
+        let mut w = world();
+        w.peers.declined = vec![0];
+        let e = w.plan(&[r_at(0x8000)]).err().unwrap();
+        assert!(
+            e.message.contains("shm needs local memory registered"),
+            "{}",
+            e.message
+        );
+    }
+
+    /// Host memory registered nowhere; `transports` take it as it is.
+    fn unregistered_host_buffer(addr: u64, len: u64, transports: &[usize]) -> Arc<LocalBuffer> {
+        Arc::new(LocalBuffer {
+            addr,
+            len,
+            location: crate::location::Location::Cpu(0),
+            mem_kind: HOST,
+            device: None,
+            visibility: Visibility::Unregistered,
+            registrations: transports
+                .iter()
+                .map(|&transport| crate::memory::TransportRegistration {
+                    transport,
+                    handle: 0,
+                    key: Vec::new(),
+                    mem_kind: HOST,
+                })
+                .collect(),
+            inflight: Default::default(),
+        })
+    }
+
+    fn r_at(addr: u64) -> Request {
+        Request::new(Op::Write, addr, 1, REMOTE, 4096)
+    }
+
+    #[test]
     fn one_bad_request_fails_the_whole_plan() {
         let w = world();
-        let e = w.plan(&[write(0, 0, 4096), write(0, 0, 0)]).err().unwrap();
-        assert_eq!(
-            (e.code, e.message.as_str()),
-            (ErrorCode::InvalidArgument, "request 1: length is 0")
-        );
         let e = w.plan(&[write((1 << 20) - 4096, 0, 8192)]).err().unwrap();
         assert_eq!(e.code, ErrorCode::OutOfBounds);
         assert!(

@@ -10,7 +10,8 @@ use crate::descriptor::{
 use crate::memory::{LocalBuffer, Visibility};
 
 impl Shared {
-    pub(crate) fn buffer_descriptor(&self, b: &LocalBuffer) -> BufferDescriptor {
+    /// A buffer as peers see it; `order` is its registration number.
+    pub(crate) fn buffer_descriptor(&self, b: &LocalBuffer, order: u64) -> BufferDescriptor {
         BufferDescriptor {
             addr: b.addr,
             len: b.len,
@@ -23,16 +24,17 @@ impl Shared {
                     key: encode_blob(&r.key),
                 })
                 .collect(),
+            order,
         }
     }
 
     pub(crate) fn describe(&self) -> SegmentDescriptor {
         let buffers = self
             .memory
-            .all()
+            .all_numbered()
             .iter()
-            .filter(|b| b.visibility == Visibility::Published)
-            .map(|b| self.buffer_descriptor(b))
+            .filter(|(_, b)| b.visibility == Visibility::Published)
+            .map(|(n, b)| self.buffer_descriptor(b, *n))
             .collect();
         SegmentDescriptor {
             version: DESCRIPTOR_VERSION,

@@ -18,7 +18,7 @@ use super::measure::{Measured, Meter, BANDWIDTH_MIN_BYTES, MIN_SAMPLES};
 use super::request::{Scope, SegmentId};
 use super::segments::{RemoteSegment, RemoteView};
 use crate::error::{Error, ErrorCode, Result};
-use crate::memory::LocalBuffer;
+use crate::memory::{LocalBuffer, Visibility};
 use crate::topology::Topology;
 use crate::transport::Transport;
 use ferry_loader::DeviceReport;
@@ -246,7 +246,16 @@ impl<T: Candidate> Transports<T> {
             if hint.is_some_and(|h| h != name) {
                 continue;
             }
-            let verdict = if local.device.is_some() && local.registration(i).is_none() {
+            let verdict = if local.visibility == Visibility::Unregistered
+                && local.registration(i).is_none()
+            {
+                Some(format!(
+                    "{name} needs local memory registered (register [{:#x}, {:#x}) with \
+                     register_memory first)",
+                    local.addr,
+                    local.end()
+                ))
+            } else if local.device.is_some() && local.registration(i).is_none() {
                 Some(format!(
                     "{name} did not register this {} memory directly",
                     local.location

@@ -13,6 +13,7 @@ use crate::batch::{Batch, BatchStatus, BatchTable};
 use crate::config::EngineConfig;
 use crate::memory::MemoryRegistry;
 use crate::metrics::Metrics;
+use crate::notify::Notifier;
 use crate::topology::Topology;
 use crate::transport::Transport;
 use ferry_loader::PluginSet;
@@ -45,6 +46,8 @@ pub(crate) struct Shared {
     pub(crate) gpu_direct: GpuDirect,
     /// What moved, where, how fast, and what failed.
     pub(crate) metrics: Metrics,
+    /// Notifications peers sent, and the thread that sends this engine's.
+    pub(crate) notifier: Notifier,
 }
 
 impl Shared {

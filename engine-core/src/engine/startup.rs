@@ -44,6 +44,7 @@ impl ControlHandler for Shared {
         match kind {
             control::MsgType::StageOpen => self.stage_open(conn, body),
             control::MsgType::StageCopy => self.stage_copy(conn, body),
+            control::MsgType::Notify => self.receive_notify(body),
             control::MsgType::PluginRequest => {
                 let (name, from, payload) = control::decode_plugin_request(body)?;
                 let t = self
@@ -246,6 +247,7 @@ impl Engine {
             transports,
             devices,
             gpu_direct,
+            notifier: Default::default(),
             memory: MemoryRegistry::default(),
             allocations: Mutex::new(HashMap::new()),
             segments: Segments::new(peer_controls),

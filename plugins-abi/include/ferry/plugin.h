@@ -85,7 +85,7 @@ extern "C" {
 #endif
 
 #define FERRY_PLUGIN_ABI_MAJOR 1
-#define FERRY_PLUGIN_ABI_MINOR 2
+#define FERRY_PLUGIN_ABI_MINOR 3
 
 /* ------------------------------------------------------------------------ */
 /* Status codes (shared with the public C API in ferry.h)                    */
@@ -539,7 +539,22 @@ typedef struct ferry_transport_plugin_v1 {
     ferry_status_t (*accepts_pair)(void *instance, void *peer_handle, uint64_t local_mem,
                                    const uint8_t *remote_key, size_t key_len,
                                    ferry_errbuf_t *err);
+
+    /* --- ABI 1.3 (the host checks struct_size) --- */
+
+    /* FERRY_TRANSPORT_* facts about how this transport works (0: none). */
+    uint64_t flags;
 } ferry_transport_plugin_v1_t;
+
+/* submit moves local memory that was never registered with this transport
+ * (local_mem is then 0): the transport reads and writes the local range as
+ * plain memory of the process (send/recv, process_vm_writev, memcpy), so the
+ * engine may hand it the application's unregistered host memory, as
+ * Mooncake's TCP transport takes it. Transports that need a registration
+ * (RDMA memory regions) leave it clear; the engine then tells the
+ * application to register the memory. The target side is unchanged: a
+ * target serves only memory it registered. */
+#define FERRY_TRANSPORT_LOCAL_UNREGISTERED (1ull << 0)
 
 #define FERRY_TRANSPORT_PLUGIN_V1_SYMBOL "ferry_transport_plugin_v1"
 typedef const ferry_transport_plugin_v1_t *(*ferry_transport_plugin_v1_entry_fn)(void);

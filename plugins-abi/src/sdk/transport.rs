@@ -13,6 +13,10 @@ pub trait TransportPlugin: 'static {
     const NAME: &'static CStr;
     const VERSION: &'static CStr;
     const DESCRIPTION: &'static CStr;
+    /// `FERRY_TRANSPORT_*` facts about the data path (ABI 1.3), e.g.
+    /// [`sys::FERRY_TRANSPORT_LOCAL_UNREGISTERED`] for a transport whose
+    /// submit reads and writes local memory it never registered.
+    const FLAGS: u64 = 0;
 
     /// One instance per engine. Probe-only plugins use [`NoDataPath`].
     type Instance: TransportInstance;
@@ -693,6 +697,7 @@ pub const fn transport_table_v1<P: TransportPlugin>() -> sys::ferry_transport_pl
         accepts: Some(accepts_trampoline::<P>),
         on_peer_request: Some(on_peer_request_trampoline::<P>),
         accepts_pair: Some(accepts_pair_trampoline::<P>),
+        flags: P::FLAGS,
     }
 }
 

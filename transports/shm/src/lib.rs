@@ -95,6 +95,9 @@ impl ferry_plugins_abi::sdk::TransportPlugin for ShmTransport {
     const VERSION: &'static CStr = ferry_plugins_abi::c_version!();
     const DESCRIPTION: &'static CStr =
         c"Host memory between processes of one host: mapped memfd or cross-memory attach";
+    // Local memory is only an address for memcpy or process_vm_readv/
+    // writev: it needs no registration.
+    const FLAGS: u64 = ferry_plugins_abi::sys::FERRY_TRANSPORT_LOCAL_UNREGISTERED;
     type Instance = ShmInstance;
 
     fn probe(host: &Host<'_>, report: &mut ProbeReport<'_>) -> PluginResult<()> {
@@ -628,7 +631,10 @@ impl TransportInstance for ShmInstance {
         // SAFETY: every mapped piece's remote range was checked inside a
         // mapping that the copy lock (`mem`) keeps mapped until after the
         // copies; every local range lies in a buffer the engine checked is
-        // registered here and keeps registered while the request is in flight.
+        // registered here and keeps registered while the request is in flight,
+        // or (FERRY_TRANSPORT_LOCAL_UNREGISTERED) in memory the application
+        // submitted unregistered, which the engine checked is mapped in this
+        // process and whose API requires it to stay valid until completion.
         let finished = unsafe {
             copy::mapped(
                 pool.as_deref(),

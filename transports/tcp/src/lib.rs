@@ -40,6 +40,9 @@ impl ferry_plugins_abi::sdk::TransportPlugin for TcpTransport {
     const NAME: &'static CStr = c"tcp";
     const VERSION: &'static CStr = ferry_plugins_abi::c_version!();
     const DESCRIPTION: &'static CStr = c"Host memory over TCP sockets; works on every host";
+    // Local memory is only read by send and written by recv: it needs no
+    // registration (Mooncake's TCP transport takes any local buffer).
+    const FLAGS: u64 = ferry_plugins_abi::sys::FERRY_TRANSPORT_LOCAL_UNREGISTERED;
     type Instance = TcpInstance;
 
     fn probe(host: &Host<'_>, report: &mut ProbeReport<'_>) -> PluginResult<()> {

@@ -22,8 +22,11 @@ pub struct IoSlices {
 }
 
 // SAFETY: the iovecs point at memory whose owner (the engine's registered
-// buffers, or buffers owned next to the IoSlices) keeps it valid while the
-// I/O runs; IoSlices itself is only plain data.
+// buffers, the application's unregistered local buffers, which the engine's
+// API requires to stay valid until their requests complete, or buffers owned
+// next to the IoSlices) keeps it valid while the I/O runs; the kernel, not
+// this code, dereferences them (a bad one is EFAULT); IoSlices itself is only
+// plain data.
 unsafe impl Send for IoSlices {}
 
 impl IoSlices {

@@ -163,6 +163,7 @@ pub(crate) fn descriptor(
                         key: encode_blob(format!("{t}@{addr:#x}").as_bytes()),
                     })
                     .collect(),
+                order: 0,
             })
             .collect(),
         metrics: None,

@@ -126,6 +126,7 @@ mod tests {
             len,
             location: "cpu:0".into(),
             keys: Vec::new(),
+            order: 0,
         };
         let reply =
             |slots: Vec<BufferDescriptor>| serde_json::to_vec(&OpenReply { slots }).unwrap();

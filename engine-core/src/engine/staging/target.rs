@@ -95,7 +95,7 @@ impl Shared {
             .memory
             .find(addr, len)
             .ok_or_else(|| Error::new(ErrorCode::Internal, "a staging slot vanished"))?;
-        Ok((addr, self.buffer_descriptor(&buffer)))
+        Ok((addr, self.buffer_descriptor(&buffer, 0)))
     }
 
     fn release_slot(&self, addr: u64) {
