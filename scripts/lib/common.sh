@@ -48,7 +48,8 @@ apt_install() {
     fi
     echo "==> installing $* (apt-get)" >&2
     apt_update
-    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends "$@" >&2
+    # dpkg's progress lines go nowhere; apt's and dpkg's errors stay on stderr.
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends "$@" >/dev/null
 }
 
 # ensure_rust_components COMPONENT ... (clippy, rustfmt)
@@ -86,9 +87,10 @@ ensure_base() {
 find_libclang() {
     local roots=(/usr/local /usr/lib /usr/lib32 /usr/lib64 /usr/libx32) depth=4
     [ -n "${LIBCLANG_PATH:-}" ] && { roots=("$LIBCLANG_PATH"); depth=1; }
-    find "${roots[@]}" -maxdepth "$depth" \( -type f -o -type l \) \
+    # find fails on a root that does not exist: not an error here.
+    { find "${roots[@]}" -maxdepth "$depth" \( -type f -o -type l \) \
         \( -name libclang.so -o -name 'libclang-*.so' -o -name 'libclang.so.*' -o -name 'libclang-*.so.*' \) \
-        ! -name '*-cpp.*' 2>/dev/null | sort -V | tail -1
+        ! -name '*-cpp.*' 2>/dev/null || true; } | sort -V | tail -1
 }
 
 # ensure_libclang installs libclang (libclang1-N) and clang's own headers
@@ -101,10 +103,11 @@ ensure_libclang() {
     if [ -n "$lib" ] && compgen -G '/usr/lib/llvm-*/lib/clang/*/include/stddef.h' >/dev/null; then
         return 0
     fi
-    n=$(basename "$lib" 2>/dev/null | sed -n 's/^libclang-\([0-9][0-9]*\)\..*/\1/p')
+    n=$(basename "${lib:-none}" | sed -n 's/^libclang-\([0-9][0-9]*\)\..*/\1/p')
     if [ -z "$n" ]; then
         apt_update
-        n=$(apt-cache depends libclang-dev 2>/dev/null | sed -n 's/.*Depends: libclang-\([0-9][0-9]*\)-dev.*/\1/p' | head -1)
+        n=$({ apt-cache depends libclang-dev 2>/dev/null || true; } |
+            sed -n 's/.*Depends: libclang-\([0-9][0-9]*\)-dev.*/\1/p' | head -1)
     fi
     if [ -n "$n" ]; then
         apt_install "libclang1-$n" "libclang-common-$n-dev"
