@@ -174,8 +174,8 @@ ensure_cluster_tools() {
 
 # ensure_mooncake installs Mooncake's own Python package (the reference the
 # compatibility test python/tests/test_mooncake_compat.py compares Ferry
-# with) into the venv whose python is $1. Its engine needs libibverbs and
-# librdmacm to import, even for tcp. Never fails: where it cannot be
+# with) into the venv whose python is $1. Its engine links libibverbs,
+# librdmacm, libnuma and libcurl, so it needs them to import, even for tcp. Never fails: where it cannot be
 # installed it says why, and the test is skipped with that reason
 # (FERRY_MOONCAKE_SKIP).
 FERRY_MOONCAKE_PACKAGE=mooncake-transfer-engine-non-cuda
@@ -185,8 +185,10 @@ ensure_mooncake() {
     if [ "$(uname -m)" != x86_64 ]; then
         export FERRY_MOONCAKE_SKIP="$FERRY_MOONCAKE_PACKAGE has wheels for x86_64 only"
     elif ! ensure_files /usr/lib/x86_64-linux-gnu/libibverbs.so.1:libibverbs1 \
-        /usr/lib/x86_64-linux-gnu/librdmacm.so.1:librdmacm1; then
-        export FERRY_MOONCAKE_SKIP="libibverbs1 and librdmacm1 (which $FERRY_MOONCAKE_PACKAGE needs to import) cannot be installed"
+        /usr/lib/x86_64-linux-gnu/librdmacm.so.1:librdmacm1 \
+        /usr/lib/x86_64-linux-gnu/libnuma.so.1:libnuma1 \
+        /usr/lib/x86_64-linux-gnu/libcurl.so.4:libcurl4; then
+        export FERRY_MOONCAKE_SKIP="libibverbs1, librdmacm1, libnuma1 and libcurl4 (which $FERRY_MOONCAKE_PACKAGE needs to import) cannot be installed"
     elif ! "$py" -m pip install -q "$FERRY_MOONCAKE_PACKAGE" >&2; then
         export FERRY_MOONCAKE_SKIP="pip cannot install $FERRY_MOONCAKE_PACKAGE (no PyPI, or no wheel for this Python)"
     elif ! err=$("$py" -c 'import mooncake.engine' 2>&1); then
