@@ -9,8 +9,9 @@ are never 0, 0 for a failed allocation. Switching is an import change::
 The differences are listed in docs/python.md. In short: ``protocol`` is a
 preference the engine honours when that transport can serve a peer (else it
 picks one that can, instead of failing); ``device_name`` filters NICs; an
-engine other hosts can reach needs FERRY_AUTH_TOKEN; notifications are not supported. The message of the last
-failure is in ``last_error`` and is logged to the "ferry" logger.
+engine other hosts can reach needs FERRY_AUTH_TOKEN; notifications are not
+supported. The message of the last failure is in ``last_error`` and is
+logged to the "ferry" logger.
 """
 
 from __future__ import annotations
