@@ -19,12 +19,13 @@
 # created and filled with pip when missing; PYTHON picks the interpreter).
 # Prints the wheel's path.
 set -euo pipefail
+caller=$PWD
 cd "$(dirname "$0")/.."
 . scripts/lib/common.sh
 
 profile=dist
 glibc=2.28
-out=dist
+out=
 zig=1
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -36,6 +37,10 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
+
+# maturin runs in python/: --out made absolute (a relative one is from where
+# this script was called; the default, dist, is the repository's).
+case $out in "") out=$PWD/dist ;; /*) ;; *) out=$caller/$out ;; esac
 
 venv=target/pyenv
 if [ ! -x "$venv/bin/python" ]; then
@@ -98,7 +103,7 @@ fi
 
 mkdir -p "$out"
 rm -f "$out"/ferry-*.whl
-(cd python && "$maturin" build --profile "$profile" "${build_args[@]}" --out "../$out") >&2
+(cd python && "$maturin" build --profile "$profile" "${build_args[@]}" --out "$out") >&2
 wheel=$(ls "$out"/ferry-*.whl 2>/dev/null | head -1)
 [ -n "$wheel" ] || { echo "packaging/wheel.sh: maturin made no wheel" >&2; exit 1; }
 

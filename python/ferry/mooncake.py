@@ -9,10 +9,10 @@ are never 0, 0 for a failed allocation. Switching is an import change::
 The differences are listed in docs/python.md. In short: ``protocol`` is a
 preference the engine honours when that transport can serve a peer (else it
 picks one that can, instead of failing); ``device_name`` filters NICs; a
-target must register the memory peers write (Mooncake's TCP transport does
-not check). Notifications (``TransferNotify``, ``get_notifies``) work as in
-Mooncake, on every transport. The message of the last failure is in
-``last_error`` and is logged to the "ferry" logger.
+target serves only memory it registered; an engine other hosts can reach
+needs FERRY_AUTH_TOKEN. Notifications (``TransferNotify``, ``get_notifies``)
+work as in Mooncake, on every transport. The message of the last failure is
+in ``last_error`` and is logged to the "ferry" logger.
 """
 
 from __future__ import annotations
@@ -34,8 +34,18 @@ _CODES = {name: code for code, name in _ferry.error_codes()}
 
 
 class TransferOpcode(enum.IntEnum):
+    """Mooncake's opcode: ``TransferOpcode.Read``/``.Write``, also reachable
+    as ``TransferEngine.TransferOpcode`` and as the module's ``Read`` and
+    ``Write`` (as Mooncake exports them). ``READ``/``WRITE`` are aliases."""
+
+    Read = 0
+    Write = 1
     READ = 0
     WRITE = 1
+
+
+Read = TransferOpcode.Read
+Write = TransferOpcode.Write
 
 
 class TransferNotify:
@@ -74,6 +84,15 @@ def _split_host_port(local_hostname: str):
     return host, int(port or 0)
 
 
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _listen_address(host: str, port: int) -> str:
     """Where to listen for peers that will dial ``host``: that address when
     it is one, loopback for "localhost", every interface for a name."""
@@ -86,10 +105,30 @@ def _listen_address(host: str, port: int) -> str:
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
+def _no_token_error(local_hostname: str) -> FerryError:
+    """The first message a SGLang or vLLM deployment meets: one line saying
+    what to set and why (Mooncake has no authentication; Ferry does)."""
+    return _error(
+        "PERMISSION",
+        f"local_hostname {local_hostname.strip()!r} is reachable from other hosts, and Ferry lets "
+        "no one reach registered memory without the cluster's secret: set FERRY_AUTH_TOKEN "
+        "(or FERRY_AUTH_TOKEN_FILE) to the same secret in every process, or FERRY_AUTH=off "
+        "on a trusted network",
+    )
+
+
+def _location(location) -> Optional[str]:
+    """Mooncake's ``location`` argument: "*" (or "") means "find it"."""
+    text = (location or "").strip()
+    return None if text in ("", "*") else text
+
+
 class TransferEngine:
     """Mooncake's ``TransferEngine`` on Ferry. Create, ``initialize``, then
     register memory and transfer by segment name ("host:rpc_port" with
     P2PHANDSHAKE, the peer's local_hostname with etcd)."""
+
+    TransferOpcode = TransferOpcode
 
     def __init__(self):
         self._engine: Optional[Engine] = None
@@ -151,7 +190,12 @@ class TransferEngine:
                 )
             if device_name and device_name.strip():
                 options["nics"] = device_name.strip()
-            self._engine = Engine(prefer=(protocol or "").strip() or None, **options)
+            try:
+                self._engine = Engine(prefer=(protocol or "").strip() or None, **options)
+            except FerryError as e:
+                if getattr(e, "name", None) == "PERMISSION" and not _is_loopback(host):
+                    raise _no_token_error(local_hostname) from e
+                raise
             return 0
         except BaseException as e:
             return self._fail(e, "initialize")
@@ -185,13 +229,15 @@ class TransferEngine:
 
     # -- memory -----------------------------------------------------------
 
-    def register_memory(self, buffer_addr, capacity: int) -> int:
+    def register_memory(self, buffer_addr, capacity: int, location: str = "*") -> int:
         """Registers ``[buffer_addr, buffer_addr + capacity)``; host memory or
-        GPU memory (the engine asks the device plugin which)."""
+        GPU memory. ``location`` ("cpu:0", "cuda:1"; "*" or "": let the
+        engine find it, asking the device plugin) says where it is."""
         try:
             m = _buffers.resolve(buffer_addr, capacity, writable=True) if not isinstance(buffer_addr, int) else None
             addr = m.addr if m is not None else int(buffer_addr)
-            self._native().register_memory(addr, int(capacity), m.location if m else None)
+            where = _location(location) or (m.location if m else None)
+            self._native().register_memory(addr, int(capacity), where)
             if m is not None:
                 with self._lock:
                     self._registered[addr] = m
@@ -211,11 +257,11 @@ class TransferEngine:
         except BaseException as e:
             return self._fail(e, "unregister_memory")
 
-    def batch_register_memory(self, buffer_addresses: List[int], capacities: List[int]) -> int:
+    def batch_register_memory(self, buffer_addresses: List[int], capacities: List[int], location: str = "*") -> int:
         if len(buffer_addresses) != len(capacities):
             return self._fail(ValueError(f"{len(buffer_addresses)} addresses but {len(capacities)} capacities"), "batch_register_memory")
         for addr, cap in zip(buffer_addresses, capacities):
-            rc = self.register_memory(addr, cap)
+            rc = self.register_memory(addr, cap, location)
             if rc != 0:
                 return rc
         return 0
@@ -250,10 +296,13 @@ class TransferEngine:
         except BaseException as e:
             return self._fail(e, "free_managed_buffer")
 
-    def write_bytes_to_buffer(self, dest_address: int, src_ptr: bytes, length: int) -> int:
-        """Copies ``length`` bytes of ``src_ptr`` to host memory at ``dest_address``."""
+    def write_bytes_to_buffer(self, dest_address: int, src_ptr, length: int) -> int:
+        """Copies ``length`` bytes of ``src_ptr`` (bytes, or a str as UTF-8,
+        as Mooncake takes it) to host memory at ``dest_address``. Unlike
+        Mooncake, a ``length`` past the end of ``src_ptr`` is refused
+        instead of copying whatever follows it."""
         try:
-            data = bytes(src_ptr)
+            data = src_ptr.encode("utf-8") if isinstance(src_ptr, str) else bytes(src_ptr)
             if length < 0 or length > len(data):
                 raise ValueError(f"length {length} is outside the {len(data)} bytes given")
             ctypes.memmove(int(dest_address), data, int(length))
@@ -315,6 +364,19 @@ class TransferEngine:
     # -- transfers --------------------------------------------------------
 
     @staticmethod
+    def _without_empty(buffers, peers, lengths):
+        """The requests left once zero-length ones are dropped: Mooncake
+        completes a zero-length request at once, successfully, touching
+        nothing (the peer is still opened, so an unknown one fails)."""
+        lengths = [int(n) for n in lengths]
+        if len(buffers) != len(peers) or len(buffers) != len(lengths):
+            return list(buffers), list(peers), lengths  # the engine says what is wrong
+        kept = [i for i, n in enumerate(lengths) if n != 0]
+        if len(kept) == len(lengths):
+            return list(buffers), list(peers), lengths
+        return [buffers[i] for i in kept], [peers[i] for i in kept], [lengths[i] for i in kept]
+
+    @staticmethod
     def _locals(op: str, buffers, lengths):
         """Addresses, and what keeps object buffers exported meanwhile."""
         if all(isinstance(b, int) for b in buffers):
@@ -325,7 +387,7 @@ class TransferEngine:
     def _sync(self, op: str, target: str, buffers, peers, lengths, hint: str, notify=None) -> int:
         keep = []
         try:
-            lengths = [int(n) for n in lengths]
+            buffers, peers, lengths = self._without_empty(buffers, peers, lengths)
             local, keep = self._locals(op, buffers, lengths)
             wire = notify._wire() if notify is not None else None
             self._native().transfer(op, self._segment(target), local, [int(p) for p in peers], lengths, hint or None, wire)
@@ -338,13 +400,13 @@ class TransferEngine:
 
     def _async(self, op: str, target: str, buffers, peers, lengths, hint: str) -> int:
         # Like Mooncake, the caller keeps the memory alive until the batch ends.
-        lengths = [int(n) for n in lengths]
+        buffers, peers, lengths = self._without_empty(buffers, peers, lengths)
         local, _ = self._locals(op, buffers, lengths)
         return self._native().submit(op, self._segment(target), local, [int(p) for p in peers], lengths, hint or None)
 
     @staticmethod
     def _op(opcode) -> str:
-        return "read" if int(opcode) == TransferOpcode.READ else "write"
+        return "read" if int(opcode) == TransferOpcode.Read else "write"
 
     def transfer_sync_write(self, target_hostname: str, buffer, peer_buffer_address: int, length: int, transport_hint: str = "") -> int:
         return self._sync("write", target_hostname, [buffer], [peer_buffer_address], [length], transport_hint)
