@@ -5,6 +5,7 @@ use crate::error::{Error, ErrorCode, Result};
 use crate::metadata::MetadataConfig;
 use crate::topology::TopologyConfig;
 use ferry_loader::{CacheChoice, HelperChoice, LoaderConfig, NameFilter};
+use ferry_plugins_abi::sdk::admission;
 use ferry_plugins_abi::sdk::auth::Token;
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -58,9 +59,19 @@ pub struct EngineConfig {
     /// FERRY_AUTH_TOKEN_FILE): every control and data connection proves it
     /// knows it, both ways.
     pub auth_token: Option<Token>,
-    /// FERRY_AUTH=off: accept peers without a token on a listener that is
-    /// not loopback (by default such a listener needs a token).
+    /// FERRY_AUTH=off: no token at all: every peer that can reach a
+    /// listener is served (by default an engine with no token configured
+    /// uses this user's token, `user_token`, and a listener other hosts can
+    /// reach needs a configured one).
     pub auth_off: bool,
+    /// A new connection must authenticate within this
+    /// (FERRY_AUTH_TIMEOUT_MS, 1000).
+    pub auth_timeout: Duration,
+    /// Connections authenticating at once per listener, in all and per
+    /// source address (FERRY_AUTH_MAX_PENDING 64,
+    /// FERRY_AUTH_MAX_PENDING_PER_HOST 8); more are answered BUSY.
+    pub auth_max_pending: usize,
+    pub auth_max_pending_per_host: usize,
 }
 
 impl Default for EngineConfig {
@@ -79,6 +90,9 @@ impl Default for EngineConfig {
             name: None,
             auth_token: None,
             auth_off: false,
+            auth_timeout: Duration::from_millis(admission::DEFAULT_AUTH_TIMEOUT_MS),
+            auth_max_pending: admission::DEFAULT_MAX_PENDING,
+            auth_max_pending_per_host: admission::DEFAULT_MAX_PENDING_PER_SOURCE,
         }
     }
 }
@@ -181,6 +195,9 @@ impl EngineConfig {
             ("FERRY_AUTH_TOKEN_FILE", "auth_token_file"),
             ("FERRY_AUTH_TOKEN", "auth_token"),
             ("FERRY_AUTH", "auth"),
+            ("FERRY_AUTH_TIMEOUT_MS", "auth_timeout_ms"),
+            ("FERRY_AUTH_MAX_PENDING", "auth_max_pending"),
+            ("FERRY_AUTH_MAX_PENDING_PER_HOST", "auth_max_pending_per_host"),
         ] {
             if let Ok(v) = std::env::var(var) {
                 c.set(key, &v)?;
@@ -268,6 +285,25 @@ impl EngineConfig {
                     })?,
                 );
             }
+            "auth_timeout_ms" => self.auth_timeout = parse_ms("auth_timeout_ms", value)?,
+            "auth_max_pending" | "auth_max_pending_per_host" => {
+                let n = value
+                    .trim()
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| (1..=100_000).contains(n))
+                    .ok_or_else(|| {
+                        Error::new(
+                            ErrorCode::InvalidArgument,
+                            format!("{key} {value:?}: expected a count, 1 to 100000"),
+                        )
+                    })?;
+                if key == "auth_max_pending" {
+                    self.auth_max_pending = n;
+                } else {
+                    self.auth_max_pending_per_host = n;
+                }
+            }
             "auth" => {
                 self.auth_off = match value.trim() {
                     "off" => true,
@@ -319,7 +355,8 @@ impl EngineConfig {
                          connect_timeout_ms, idle_timeout_s, spin_us, plugin_path, transports, \
                          plugin_probe_timeout_ms, plugin_probe_helper, plugin_cache, nics, sysfs_root, \
                          topology_file, metadata, metadata_prefix, metadata_ttl_s, name, auth_token, \
-                         auth_token_file, auth, \
+                         auth_token_file, auth, auth_timeout_ms, auth_max_pending, \
+                         auth_max_pending_per_host, \
                          or a plugin setting such as tcp.connections"
                     ),
                 ))

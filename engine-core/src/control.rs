@@ -2,20 +2,31 @@
 //! your segment descriptor?", and the client side that asks.
 //!
 //! Every frame is `magic "FRYC" | version u16 | type u16 | body length u32 |
-//! reserved u32` (little endian) followed by a JSON body. Frames are bounded
-//! in size, a whole frame (not each read) must arrive or leave within the
-//! I/O deadline, a connection idle for the idle timeout is closed, and
-//! anything malformed closes the connection without touching engine state.
+//! reserved u32` (little endian) followed by a JSON body and, on an
+//! authenticated connection, the 16-byte tag of header and body under the
+//! session's key for that direction and the frame's (implicit) sequence
+//! number (`sdk::auth`): a frame injected, replayed, reordered or altered by
+//! a relay fails its tag and closes the connection. Frames are bounded in
+//! size, and the bodies being read by one listener at once are bounded in
+//! total ([`MAX_BODIES_IN_FLIGHT`]); a whole frame (not each read) must
+//! arrive or leave within the I/O deadline, a connection idle for the idle
+//! timeout is closed, and anything malformed closes the connection without
+//! touching engine state.
+//!
+//! Connections still authenticating have their own small pool
+//! (`sdk::admission`) and a short deadline, apart from the
+//! [`MAX_CONNECTIONS`] authenticated ones, which they can never crowd out.
 
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{Error, ErrorCode, Result};
-use ferry_plugins_abi::sdk::auth::{self, AuthError, Token};
+use ferry_plugins_abi::sdk::admission::{self, PreAuthPool, Refusal, Refusals, Source};
+use ferry_plugins_abi::sdk::auth::{self, AuthError, Direction, Session, Token, TAG_LEN};
 use ferry_plugins_abi::sdk::deadline::{self, DeadlineStream};
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, LazyLock, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -24,8 +35,14 @@ pub const CONTROL_VERSION: u16 = 1;
 pub const HEADER_LEN: usize = 16;
 /// Largest body accepted (a descriptor with ~100k buffers).
 pub const MAX_BODY: usize = 16 << 20;
-/// Control connections served at once; more are refused with BUSY.
+/// Authenticated control connections served at once; more are refused
+/// with BUSY.
 pub const MAX_CONNECTIONS: usize = 128;
+/// Bytes of frame bodies one listener reads at once, over all its
+/// connections (8 maximal frames); a frame that would pass it is answered
+/// BUSY and its connection closed. With MAX_BODY, this bounds what peers
+/// can make a listener hold in received frames: 128 MiB.
+pub const MAX_BODIES_IN_FLIGHT: usize = 8 * MAX_BODY;
 /// Body bytes allocated before they arrive: a frame claiming 16 MiB costs
 /// memory only as its bytes come in.
 const BODY_CHUNK: usize = 64 << 10;
@@ -42,6 +59,13 @@ pub struct Link {
     /// half of it, so it never reuses one the server is about to close.
     pub idle_timeout: Duration,
     pub token: Option<Token>,
+    /// A new connection to this listener must authenticate within this
+    /// (FERRY_AUTH_TIMEOUT_MS).
+    pub auth_timeout: Duration,
+    /// Connections authenticating at once, in all and per source address
+    /// (FERRY_AUTH_MAX_PENDING, FERRY_AUTH_MAX_PENDING_PER_HOST).
+    pub max_pending: usize,
+    pub max_pending_per_source: usize,
 }
 
 impl Link {
@@ -51,6 +75,9 @@ impl Link {
             io_timeout,
             idle_timeout: Duration::from_secs(crate::config::DEFAULT_IDLE_TIMEOUT_S),
             token,
+            auth_timeout: Duration::from_millis(admission::DEFAULT_AUTH_TIMEOUT_MS),
+            max_pending: admission::DEFAULT_MAX_PENDING,
+            max_pending_per_source: admission::DEFAULT_MAX_PENDING_PER_SOURCE,
         }
     }
 
@@ -64,26 +91,64 @@ impl Link {
 /// (for tests and reports).
 pub static AUTH_REFUSED: AtomicUsize = AtomicUsize::new(0);
 
+/// Every refusal by control listeners of this process, by kind.
+pub static REFUSALS: LazyLock<Refusals> = LazyLock::new(|| Refusals::new("control"));
+
+fn refuse(kind: Refusal, detail: impl FnOnce() -> String) {
+    if matches!(kind, Refusal::Auth | Refusal::Timeout) {
+        AUTH_REFUSED.fetch_add(1, Ordering::SeqCst);
+    }
+    REFUSALS.record(kind, detail, |line| log::warn!("{line}"));
+}
+
 fn auth_error(peer: &str, e: AuthError) -> Error {
     match e {
         AuthError::Refused(m) => Error::new(ErrorCode::Permission, m),
         AuthError::Protocol(m) => Error::new(ErrorCode::Protocol, format!("{peer}: {m}")),
+        AuthError::Busy(m) => Error::new(ErrorCode::Busy, m),
     }
 }
 
-/// Connects to a peer's control plane and authenticates both ways.
-fn open(name: &str, link: &Link) -> Result<TcpStream> {
-    let stream = connect(name, link.connect_timeout)?;
-    let _ = stream.set_nodelay(true);
-    // The whole exchange must finish within the connect deadline.
-    auth::connect(
-        &mut DeadlineStream::new(&stream, link.connect_timeout),
-        link.token.as_ref(),
-        "control",
-        name,
-    )
-    .map_err(|e| auth_error(name, e))?;
-    Ok(stream)
+fn integrity_error(peer: &str, e: auth::IntegrityError) -> Error {
+    Error::new(ErrorCode::Protocol, format!("control connection to {peer}: {e}"))
+}
+
+/// Connects to a peer's control plane and authenticates both ways. A peer
+/// that answers BUSY is tried again, with backoff, until the connect
+/// deadline.
+fn open(name: &str, link: &Link) -> Result<(TcpStream, Session)> {
+    let started = std::time::Instant::now();
+    let mut pause = Duration::from_millis(10);
+    loop {
+        let stream = connect(name, link.connect_timeout)?;
+        let _ = stream.set_nodelay(true);
+        // The whole exchange must finish within the connect deadline.
+        let left = link.connect_timeout.saturating_sub(started.elapsed());
+        match auth::connect(
+            &mut DeadlineStream::new(&stream, left.max(Duration::from_millis(100))),
+            link.token.as_ref(),
+            "control",
+            name,
+        ) {
+            Ok(session) => return Ok((stream, session)),
+            Err(AuthError::Busy(m)) if started.elapsed() + pause < link.connect_timeout => {
+                log::debug!("{m}; trying again in {} ms", pause.as_millis());
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(250));
+            }
+            Err(AuthError::Busy(_)) => {
+                return Err(Error::new(
+                    ErrorCode::Busy,
+                    format!(
+                        "segment {name} is busy: it turned this engine away for {} ms (too many \
+                         connections being set up); try again later",
+                        started.elapsed().as_millis()
+                    ),
+                ))
+            }
+            Err(e) => return Err(auth_error(name, e)),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -216,21 +281,102 @@ pub fn read_frame(stream: &mut impl Read, peer: &str) -> Result<(MsgType, Vec<u8
     Ok((kind, body))
 }
 
-/// Reads one frame that must arrive whole within `timeout`.
-fn read_frame_by(stream: &TcpStream, peer: &str, timeout: Duration) -> Result<(MsgType, Vec<u8>)> {
-    read_frame(&mut DeadlineStream::new(stream, timeout), peer)
+/// Body bytes a listener is reading at once; a place is given back when
+/// dropped.
+#[derive(Clone, Default)]
+struct BodyBudget(Arc<AtomicUsize>);
+
+struct BodyPlace {
+    budget: BodyBudget,
+    len: usize,
 }
 
-/// Writes one frame within `timeout`.
-fn write_frame_by(
+impl BodyBudget {
+    fn take(&self, len: usize) -> Option<BodyPlace> {
+        let mut now = self.0.load(Ordering::SeqCst);
+        loop {
+            if now + len > MAX_BODIES_IN_FLIGHT {
+                return None;
+            }
+            match self
+                .0
+                .compare_exchange(now, now + len, Ordering::SeqCst, Ordering::SeqCst)
+            {
+                Ok(_) => {
+                    return Some(BodyPlace {
+                        budget: self.clone(),
+                        len,
+                    })
+                }
+                Err(v) => now = v,
+            }
+        }
+    }
+}
+
+impl Drop for BodyPlace {
+    fn drop(&mut self) {
+        self.budget.0.fetch_sub(self.len, Ordering::SeqCst);
+    }
+}
+
+/// Reads one tagged frame that must arrive whole within `timeout` and
+/// checks its tag; a listener passes its body budget.
+fn read_sealed(
     stream: &TcpStream,
     peer: &str,
     timeout: Duration,
+    rx: &mut Direction,
+    budget: Option<&BodyBudget>,
+) -> Result<(MsgType, Vec<u8>)> {
+    let mut s = DeadlineStream::new(stream, timeout);
+    let mut header = [0u8; HEADER_LEN];
+    s.read_exact(&mut header)
+        .map_err(|e| io_error("reading from", peer, &e))?;
+    let (kind, len) = decode_header(&header)?;
+    let _place = match budget {
+        None => None,
+        Some(b) => Some(b.take(len).ok_or_else(|| {
+            Error::new(
+                ErrorCode::Busy,
+                format!(
+                    "control frames being received take {MAX_BODIES_IN_FLIGHT} bytes already; \
+                     try again"
+                ),
+            )
+        })?),
+    };
+    let mut body = Vec::with_capacity(len.min(BODY_CHUNK));
+    (&mut s)
+        .take(len as u64)
+        .read_to_end(&mut body)
+        .map_err(|e| io_error("reading from", peer, &e))?;
+    let mut tag = [0u8; TAG_LEN];
+    if body.len() != len || s.read_exact(&mut tag).is_err() {
+        return Err(Error::new(
+            ErrorCode::Connection,
+            format!("reading from {peer}: the connection closed in the middle of a frame"),
+        ));
+    }
+    rx.open(&[&header, &body], &tag)
+        .map_err(|e| integrity_error(peer, e))?;
+    Ok((kind, body))
+}
+
+/// Writes one tagged frame within `timeout`.
+fn write_sealed(
+    stream: &TcpStream,
+    peer: &str,
+    timeout: Duration,
+    tx: &mut Direction,
     kind: MsgType,
     body: &[u8],
 ) -> Result<()> {
+    let mut frame = encode_frame(kind, body);
+    let tag = tx.seal(&[&frame]);
+    frame.extend_from_slice(&tag);
     DeadlineStream::new(stream, timeout)
-        .write_all(&encode_frame(kind, body))
+        .write_all(&frame)
         .map_err(|e| io_error("writing to", peer, &e))
 }
 
@@ -317,7 +463,11 @@ fn accept_loop(
     stop: Arc<AtomicBool>,
     link: Link,
 ) {
+    // Authenticated connections; those still proving themselves are in
+    // `pending`, a pool of their own.
     let active = Arc::new(AtomicUsize::new(0));
+    let pending = PreAuthPool::new(link.max_pending, link.max_pending_per_source);
+    let budget = BodyBudget::default();
     let mut next_conn: u64 = 0;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&listener);
     while !stop.load(Ordering::SeqCst) {
@@ -340,73 +490,94 @@ fn accept_loop(
         };
         let _ = stream.set_nonblocking(false);
         let _ = stream.set_nodelay(true);
-        if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
-            let _ = reply_error(
-                &stream,
-                link.connect_timeout,
-                ErrorCode::Busy,
-                "too many control connections; try again",
-            );
-            continue;
-        }
-        active.fetch_add(1, Ordering::SeqCst);
+        let slot = match pending.enter(Source::ip(peer.ip())) {
+            Ok(slot) => slot,
+            Err(why) => {
+                auth::refuse_busy(&mut DeadlineStream::new(&stream, Duration::from_millis(100)));
+                refuse(why, || format!("{peer}: {} connections are being set up", pending.pending()));
+                continue;
+            }
+        };
         next_conn += 1;
         let conn = next_conn;
         let handler = handler.clone();
         let active2 = active.clone();
         let stop2 = stop.clone();
         let link = link.clone();
-        let spawned = std::thread::Builder::new()
+        let budget = budget.clone();
+        let _ = std::thread::Builder::new()
             .name("ferry-control-conn".into())
             .spawn(move || {
                 // Nothing the peer sends is parsed before it proved itself,
-                // and the whole exchange has the connect deadline.
-                let mut proving = DeadlineStream::new(&stream, link.connect_timeout);
-                match auth::accept(&mut proving, link.token.as_ref(), "control") {
-                    Ok(()) => {
-                        serve_connection(stream, peer, conn, &handler, stop2, &link);
+                // and the whole exchange has the (short) auth deadline.
+                let mut proving = DeadlineStream::new(&stream, link.auth_timeout);
+                let proved = auth::accept(&mut proving, link.token.as_ref(), "control");
+                drop(slot);
+                match proved {
+                    Ok(mut session) => {
+                        if active2.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
+                            let _ = reply_error(
+                                &stream,
+                                link.io_timeout,
+                                &mut session.send,
+                                ErrorCode::Busy,
+                                "too many control connections; try again",
+                            );
+                            refuse(Refusal::Full, || format!("{peer}: {MAX_CONNECTIONS} served"));
+                        } else {
+                            serve_connection(
+                                &stream, peer, conn, &handler, &stop2, &link, session, &budget,
+                            );
+                        }
+                        active2.fetch_sub(1, Ordering::SeqCst);
                     }
                     Err(e) => {
-                        AUTH_REFUSED.fetch_add(1, Ordering::SeqCst);
-                        log::warn!("control connection from {peer}: {e}");
-                        let _ = stream.shutdown(Shutdown::Both);
+                        let kind = match &e {
+                            AuthError::Protocol(m) if m.contains("deadline") || m.contains("timed out") => {
+                                Refusal::Timeout
+                            }
+                            AuthError::Protocol(_) | AuthError::Busy(_) => Refusal::Protocol,
+                            AuthError::Refused(_) => Refusal::Auth,
+                        };
+                        refuse(kind, || format!("{peer}: {e}"));
                     }
                 }
+                let _ = stream.shutdown(Shutdown::Both);
                 if let Some(h) = handler.upgrade() {
                     h.connection_closed(conn);
                 }
-                active2.fetch_sub(1, Ordering::SeqCst);
             });
-        if spawned.is_err() {
-            active.fetch_sub(1, Ordering::SeqCst);
-        }
     }
 }
 
 fn reply_error(
     stream: &TcpStream,
     timeout: Duration,
+    tx: &mut Direction,
     code: ErrorCode,
     message: &str,
-) -> io::Result<()> {
+) -> Result<()> {
     let body = serde_json::to_vec(&ErrorBody {
         code: code.as_raw(),
         message: message.to_string(),
     })
     .unwrap_or_default();
-    DeadlineStream::new(stream, timeout).write_all(&encode_frame(MsgType::Error, &body))
+    write_sealed(stream, "peer", timeout, tx, MsgType::Error, &body)
 }
 
 /// Serves requests until the peer leaves, breaks the protocol, stays
 /// silent for the idle timeout, or takes longer than the I/O deadline to
 /// send a frame or to read a reply.
+#[allow(clippy::too_many_arguments)]
 fn serve_connection(
-    stream: TcpStream,
+    stream: &TcpStream,
     peer: SocketAddr,
     conn: u64,
     handler: &Weak<dyn ControlHandler>,
-    stop: Arc<AtomicBool>,
+    stop: &AtomicBool,
     link: &Link,
+    mut session: Session,
+    budget: &BodyBudget,
 ) {
     use std::os::fd::AsRawFd;
     let peer_s = peer.to_string();
@@ -424,51 +595,45 @@ fn serve_connection(
             }
             continue;
         }
-        let (kind, body) = match read_frame_by(&stream, &peer_s, io_timeout) {
-            Ok(f) => f,
-            Err(e) => {
-                if e.code == ErrorCode::Protocol {
-                    log::debug!("control connection from {peer}: {}", e.message);
-                    let _ = reply_error(&stream, io_timeout, ErrorCode::Protocol, &e.message);
+        let (kind, body) =
+            match read_sealed(stream, &peer_s, io_timeout, &mut session.recv, Some(budget)) {
+                Ok(f) => f,
+                Err(e) => {
+                    if e.message.contains("integrity check failed") {
+                        refuse(Refusal::Integrity, || format!("{peer}: {}", e.message));
+                    } else if matches!(e.code, ErrorCode::Protocol | ErrorCode::Busy) {
+                        log::debug!("control connection from {peer}: {}", e.message);
+                        let _ = reply_error(stream, io_timeout, &mut session.send, e.code, &e.message);
+                    }
+                    break;
                 }
-                break;
-            }
-        };
+            };
         let Some(handler) = handler.upgrade() else {
             break;
         };
+        let tx = &mut session.send;
         let result = match kind {
             MsgType::GetDescriptor => {
                 let d = handler.descriptor();
-                write_frame_by(
-                    &stream,
-                    &peer_s,
-                    io_timeout,
-                    MsgType::Descriptor,
-                    &d.to_json(),
-                )
-                .map_err(|_| ())
+                write_sealed(stream, &peer_s, io_timeout, tx, MsgType::Descriptor, &d.to_json())
             }
             k if k.is_request() => match handler.request(conn, k, &body) {
-                Ok((reply, body)) => {
-                    write_frame_by(&stream, &peer_s, io_timeout, reply, &body).map_err(|_| ())
-                }
-                Err(e) => reply_error(&stream, io_timeout, e.code, &e.message).map_err(|_| ()),
+                Ok((reply, body)) => write_sealed(stream, &peer_s, io_timeout, tx, reply, &body),
+                Err(e) => reply_error(stream, io_timeout, tx, e.code, &e.message),
             },
             _ => reply_error(
-                &stream,
+                stream,
                 io_timeout,
+                tx,
                 ErrorCode::Protocol,
                 "unexpected message type for a request",
-            )
-            .map_err(|_| ()),
+            ),
         };
         if result.is_err() {
             break;
         }
         idle_since = std::time::Instant::now();
     }
-    let _ = stream.shutdown(Shutdown::Both);
 }
 
 /// Resolves "host:port" and connects within `timeout`, trying each address.
@@ -510,6 +675,7 @@ pub fn connect(name: &str, timeout: Duration) -> Result<TcpStream> {
 pub struct ControlClient {
     name: String,
     stream: TcpStream,
+    session: Session,
     io_timeout: Duration,
     idle_timeout: Duration,
     /// When the last reply arrived (or the connection was made).
@@ -518,10 +684,11 @@ pub struct ControlClient {
 
 impl ControlClient {
     pub fn connect(name: &str, link: &Link) -> Result<ControlClient> {
-        let stream = open(name, link)?;
+        let (stream, session) = open(name, link)?;
         Ok(ControlClient {
             name: name.to_string(),
             stream,
+            session,
             io_timeout: link.io_timeout,
             idle_timeout: link.idle_timeout,
             last_used: std::time::Instant::now(),
@@ -544,7 +711,14 @@ impl ControlClient {
 
     /// Sends a request without waiting; replies come back in order.
     pub fn send(&mut self, kind: MsgType, body: &[u8]) -> Result<()> {
-        write_frame_by(&self.stream, &self.name, self.io_timeout, kind, body)
+        write_sealed(
+            &self.stream,
+            &self.name,
+            self.io_timeout,
+            &mut self.session.send,
+            kind,
+            body,
+        )
     }
 
     /// Whether a reply (or the end of the connection) is waiting to be read.
@@ -568,7 +742,13 @@ impl ControlClient {
     /// the connection failed (and is out of step); the inner one is the
     /// peer refusing the request, after which the connection is still good.
     pub fn recv_reply(&mut self) -> Result<Result<(MsgType, Vec<u8>)>> {
-        let (reply, body) = read_frame_by(&self.stream, &self.name, self.io_timeout)?;
+        let (reply, body) = read_sealed(
+            &self.stream,
+            &self.name,
+            self.io_timeout,
+            &mut self.session.recv,
+            None,
+        )?;
         self.last_used = std::time::Instant::now();
         if reply == MsgType::Error {
             return Ok(Err(decode_error(&self.name, &body)));
@@ -595,15 +775,16 @@ pub fn decode_error(name: &str, body: &[u8]) -> Error {
 
 /// Fetches a peer's segment descriptor.
 pub fn fetch_descriptor(name: &str, link: &Link) -> Result<SegmentDescriptor> {
-    let stream = open(name, link)?;
-    write_frame_by(
+    let (stream, mut session) = open(name, link)?;
+    write_sealed(
         &stream,
         name,
         link.io_timeout,
+        &mut session.send,
         MsgType::GetDescriptor,
         b"{}",
     )?;
-    let (kind, body) = read_frame_by(&stream, name, link.io_timeout)?;
+    let (kind, body) = read_sealed(&stream, name, link.io_timeout, &mut session.recv, None)?;
     let _ = stream.shutdown(Shutdown::Both);
     match kind {
         MsgType::Descriptor => SegmentDescriptor::from_json(&body),

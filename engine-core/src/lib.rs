@@ -36,6 +36,7 @@ pub mod memory;
 pub mod metadata;
 pub mod topology;
 pub mod transport;
+pub mod user_token;
 
 pub use batch::{BatchId, BatchStatus, RequestStatus};
 pub use config::EngineConfig;

@@ -119,12 +119,32 @@ impl Engine {
                  reach this port can read and write registered memory"
             );
         }
-        let link = control::Link::new(
-            config.connect_timeout,
-            config.timeout,
-            config.auth_token.clone(),
-        )
-        .with_idle_timeout(config.idle_timeout);
+        // No token configured and auth not turned off: this user's token,
+        // so other users of the host are refused.
+        let token = match (&config.auth_token, config.auth_off) {
+            (Some(t), _) => Some(t.clone()),
+            (None, true) => {
+                log::warn!(
+                    "FERRY_AUTH=off: no auth token; every process that can reach this engine's \
+                     listeners, of any user, can read and write its registered memory"
+                );
+                None
+            }
+            (None, false) => {
+                let (t, path) = crate::user_token::load_or_create()?;
+                log::info!(
+                    "auth: no token configured; using this user's token {} (other users are \
+                     refused)",
+                    path.display()
+                );
+                Some(t)
+            }
+        };
+        let mut link = control::Link::new(config.connect_timeout, config.timeout, token.clone())
+            .with_idle_timeout(config.idle_timeout);
+        link.auth_timeout = config.auth_timeout;
+        link.max_pending = config.auth_max_pending;
+        link.max_pending_per_source = config.auth_max_pending_per_host;
         let metadata = match &config.metadata {
             crate::metadata::MetadataConfig::P2p => {
                 if let Some(n) = &config.name {
@@ -158,8 +178,17 @@ impl Engine {
         // The host peers reach this engine at: what a plugin listening on
         // every interface advertises (its engine's name may be an etcd name).
         settings.entry("hostname".into()).or_insert(host_name);
+        settings
+            .entry("auth_timeout_ms".into())
+            .or_insert_with(|| config.auth_timeout.as_millis().to_string());
+        settings
+            .entry("auth.max_pending".into())
+            .or_insert_with(|| config.auth_max_pending.to_string());
+        settings
+            .entry("auth.max_pending_per_host".into())
+            .or_insert_with(|| config.auth_max_pending_per_host.to_string());
         // Plugins authenticate their own connections with the same token.
-        if let Some(t) = &config.auth_token {
+        if let Some(t) = &token {
             settings.insert("auth.token".into(), t.expose());
         }
         let topology = Arc::new(
