@@ -14,6 +14,7 @@ use ferry_plugins_abi::sdk::{
     Completer, Host, InitParams, MemRegion, PeerInfo, PluginError, PluginResult, ProbeDevice,
     ProbeReport, Registration, TransferRequest, TransportInstance,
 };
+use ferry_plugins_abi::sdk::admission;
 use ferry_plugins_abi::sys;
 use ferry_plugins_abi::ErrorCode;
 use initiator::{ConnRegistry, Settings, TcpPeer};
@@ -148,7 +149,14 @@ impl TcpInstance {
             token: host
                 .config("auth.token")
                 .and_then(|t| ferry_plugins_abi::sdk::auth::Token::new(&t)),
+            payload_integrity: payload_integrity(&host)?,
         });
+        if settings.payload_integrity {
+            host.info(
+                "tcp: FERRY_INTEGRITY=payload: every frame's payload is tagged too (costs \
+                 throughput; see docs/security.md)",
+            );
+        }
         let regions = Arc::new(Regions::default());
         let bind_ip: IpAddr = params
             .listen_host
@@ -177,7 +185,14 @@ impl TcpInstance {
                 )?
                 .max(1),
                 instance,
-                connect_timeout: settings.connect_timeout,
+                auth_timeout: ms("auth_timeout_ms", admission::DEFAULT_AUTH_TIMEOUT_MS)?,
+                max_pending: setting(&host, "auth.max_pending", admission::DEFAULT_MAX_PENDING)?,
+                max_pending_per_source: setting(
+                    &host,
+                    "auth.max_pending_per_host",
+                    admission::DEFAULT_MAX_PENDING_PER_SOURCE,
+                )?,
+                require_payload_tag: settings.payload_integrity,
                 token: settings.token.clone(),
                 spin: Duration::from_micros(setting(&host, "tcp.spin_us", DEFAULT_SPIN_US)?),
             },
@@ -317,6 +332,20 @@ impl Drop for TcpInstance {
             "tcp: stopping the data listener {}",
             self.target.local_addr()
         ));
+    }
+}
+
+/// FERRY_INTEGRITY (setting `integrity`): `headers` (the default: every
+/// frame's header and descriptors are tagged) or `payload` (the payload
+/// too).
+fn payload_integrity(host: &Host<'_>) -> PluginResult<bool> {
+    match host.config("integrity").as_deref().map(str::trim) {
+        None | Some("" | "headers") => Ok(false),
+        Some("payload") => Ok(true),
+        Some(other) => Err(PluginError::new(
+            ErrorCode::InvalidArgument,
+            format!("FERRY_INTEGRITY={other:?}: expected headers or payload"),
+        )),
     }
 }
 
