@@ -286,6 +286,18 @@ impl EngineConfig {
                 );
             }
             "auth_timeout_ms" => self.auth_timeout = parse_ms("auth_timeout_ms", value)?,
+            // FERRY_INTEGRITY, read by the transports: headers or payload.
+            "integrity" => match value.trim() {
+                "headers" | "payload" => {
+                    self.settings.insert("integrity".into(), value.trim().into());
+                }
+                other => {
+                    return Err(Error::new(
+                        ErrorCode::InvalidArgument,
+                        format!("integrity {other:?}: expected headers or payload"),
+                    ))
+                }
+            },
             "auth_max_pending" | "auth_max_pending_per_host" => {
                 let n = value
                     .trim()
@@ -356,7 +368,7 @@ impl EngineConfig {
                          plugin_probe_timeout_ms, plugin_probe_helper, plugin_cache, nics, sysfs_root, \
                          topology_file, metadata, metadata_prefix, metadata_ttl_s, name, auth_token, \
                          auth_token_file, auth, auth_timeout_ms, auth_max_pending, \
-                         auth_max_pending_per_host, \
+                         auth_max_pending_per_host, integrity, \
                          or a plugin setting such as tcp.connections"
                     ),
                 ))

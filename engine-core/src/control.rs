@@ -363,8 +363,19 @@ fn read_sealed(
     Ok((kind, body))
 }
 
+/// Reads one tagged frame (for tools and tests that speak the protocol
+/// themselves).
+pub fn read_frame_sealed(
+    stream: &TcpStream,
+    peer: &str,
+    timeout: Duration,
+    rx: &mut Direction,
+) -> Result<(MsgType, Vec<u8>)> {
+    read_sealed(stream, peer, timeout, rx, None)
+}
+
 /// Writes one tagged frame within `timeout`.
-fn write_sealed(
+pub fn write_sealed(
     stream: &TcpStream,
     peer: &str,
     timeout: Duration,

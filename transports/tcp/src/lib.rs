@@ -227,7 +227,22 @@ impl TcpInstance {
                  cannot connect (set FERRY_HOSTNAME)"
             ));
         }
-        let advertised = SocketAddr::new(advertised_ip, target.local_addr().port()).to_string();
+        // tcp.advertise (FERRY_TCP_ADVERTISE): the "host:port" peers are to
+        // connect to instead, when a NAT, port forward or proxy stands in
+        // front of this listener.
+        let advertised = match host.config("tcp.advertise").filter(|a| !a.trim().is_empty()) {
+            Some(a) => {
+                let a = a.trim().to_string();
+                if a.len() > wire::MAX_ENDPOINT_LEN - 17 || a.contains(' ') || !a.contains(':') {
+                    return Err(PluginError::new(
+                        ErrorCode::InvalidArgument,
+                        format!("tcp.advertise {a:?}: expected host:port"),
+                    ));
+                }
+                a
+            }
+            None => SocketAddr::new(advertised_ip, target.local_addr().port()).to_string(),
+        };
         let endpoint = wire::encode_endpoint(&advertised, instance);
         host.info(&format!(
             "tcp: serving data on {} for engine {} ({} connections per peer)",
