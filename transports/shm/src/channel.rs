@@ -690,13 +690,25 @@ impl Client {
             None => return Err("cannot identify the process behind its shm socket".into()),
         }
         set_timeouts(fd.as_raw_fd());
+        let owner_uid = peer_cred(fd.as_raw_fd()).map(|c| c.uid);
         auth::connect(
             &mut handshake(fd.as_raw_fd(), auth_timeout),
             token,
             "shm",
             &format!("pid {pid}"),
         )
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| {
+            // SAFETY: geteuid has no preconditions.
+            let me = unsafe { libc::geteuid() };
+            match owner_uid {
+                // Closed before the greeting: the owner's user check.
+                Some(owner) if owner != me && e.to_string().contains("greeting") => format!(
+                    "its shm socket refused this process: it belongs to uid {owner} and lets in \
+                     only that user and shm.allowed_uids (this process is uid {me})"
+                ),
+                _ => e.to_string(),
+            }
+        })?;
         let fd = Arc::new(fd);
         let replies: Arc<(Mutex<HashMap<u64, Reply>>, Condvar)> = Arc::default();
         let dead = Arc::new(AtomicBool::new(false));
