@@ -509,7 +509,11 @@ fn child_forged_keys() {
     );
     let host = ferry_core::host::CoreHost::new(Default::default(), Some(topology)).for_engine(
         "forger:1",
-        ferry_core::control::Link::new(Duration::from_secs(5), Duration::from_secs(10), ferry_tests::user_token()),
+        ferry_core::control::Link::new(
+            Duration::from_secs(5),
+            Duration::from_secs(10),
+            ferry_tests::user_token(),
+        ),
         Default::default(),
     );
     let set = ferry_core::load_plugins(&ferry_core::loader::LoaderConfig::from_env(), host);
@@ -879,7 +883,11 @@ fn child_hostile_messages() {
             "rdma",
             "evil:1",
             body,
-            &ferry_core::control::Link::new(Duration::from_secs(5), Duration::from_secs(10), ferry_tests::user_token()),
+            &ferry_core::control::Link::new(
+                Duration::from_secs(5),
+                Duration::from_secs(10),
+                ferry_tests::user_token(),
+            ),
         )
     };
     let gid = "fe80000000000000b83fd20300a10000";
@@ -936,7 +944,11 @@ fn child_hostile_messages() {
         "nope",
         "evil:1",
         b"{}",
-        &ferry_core::control::Link::new(Duration::from_secs(5), Duration::from_secs(10), ferry_tests::user_token()),
+        &ferry_core::control::Link::new(
+            Duration::from_secs(5),
+            Duration::from_secs(10),
+            ferry_tests::user_token(),
+        ),
     )
     .unwrap_err();
     assert_eq!(e.code, ErrorCode::NotFound, "{e}");

@@ -100,7 +100,11 @@ fn relay(listener: TcpListener, upstream: String, s2c: usize, c2s: usize, mode: 
                 let mut moved = 0usize;
                 let mut injected = inject.is_none();
                 loop {
-                    let want = if injected { buf.len() } else { (c2s - moved).max(1) };
+                    let want = if injected {
+                        buf.len()
+                    } else {
+                        (c2s - moved).max(1)
+                    };
                     let want = want.min(buf.len());
                     let n = match c_in.read(&mut buf[..want]) {
                         Ok(0) | Err(_) => break,
@@ -165,7 +169,8 @@ fn a_relay_on_the_control_plane_can_neither_inject_nor_alter() {
         .register_memory(secret.as_ptr() as u64, secret.len() as u64, None)
         .unwrap();
     let initiator = engine(&[("transports", "tcp"), ("auth_token", TOKEN)]);
-    let before = ferry_core::control::REFUSALS.count(ferry_plugins_abi::sdk::admission::Refusal::Integrity);
+    let before =
+        ferry_core::control::REFUSALS.count(ferry_plugins_abi::sdk::admission::Refusal::Integrity);
 
     // Its own request for the descriptor, on the authenticated connection.
     let own = ferry_core::control::encode_frame(ferry_core::control::MsgType::GetDescriptor, b"{}")
@@ -188,7 +193,8 @@ fn a_relay_on_the_control_plane_can_neither_inject_nor_alter() {
         "the relay read a descriptor: {}",
         String::from_utf8_lossy(&seen)
     );
-    let after = ferry_core::control::REFUSALS.count(ferry_plugins_abi::sdk::admission::Refusal::Integrity);
+    let after =
+        ferry_core::control::REFUSALS.count(ferry_plugins_abi::sdk::admission::Refusal::Integrity);
     assert!(after > before, "the injection was not counted");
 
     // Altering one byte of the descriptor on its way back.
@@ -208,10 +214,7 @@ fn a_relay_on_the_control_plane_can_neither_inject_nor_alter() {
 fn target_behind_relay(mode: Mode, extra: &[(&str, &str)]) -> (Engine, Relay) {
     let relay_listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = free_port();
-    let mut settings = vec![
-        ("transports", "tcp"),
-        ("auth_token", TOKEN),
-    ];
+    let mut settings = vec![("transports", "tcp"), ("auth_token", TOKEN)];
     let port_s = port.to_string();
     let adv = relay_listener.local_addr().unwrap().to_string();
     settings.push(("tcp.port", &port_s));
@@ -220,7 +223,13 @@ fn target_behind_relay(mode: Mode, extra: &[(&str, &str)]) -> (Engine, Relay) {
     let target = engine(&settings);
     // Server -> client: the exchange, then the target's tagged hello.
     let s2c = AUTH_S2C + wire::HELLO_LEN + auth::TAG_LEN;
-    let r = relay(relay_listener, format!("127.0.0.1:{port}"), s2c, AUTH_C2S, mode);
+    let r = relay(
+        relay_listener,
+        format!("127.0.0.1:{port}"),
+        s2c,
+        AUTH_C2S,
+        mode,
+    );
     (target, r)
 }
 
@@ -280,7 +289,10 @@ fn a_relay_on_a_data_connection_can_neither_read_nor_inject() {
     eprintln!("relay injecting on a data connection: the initiator got {result:?}");
     assert!(result.is_err(), "the initiator noticed nothing");
     std::thread::sleep(Duration::from_millis(300));
-    assert!(!victim.windows(8).any(|w| w == b"INJECTED"), "the relay wrote into the target");
+    assert!(
+        !victim.windows(8).any(|w| w == b"INJECTED"),
+        "the relay wrote into the target"
+    );
     let seen = r.seen.lock().unwrap().clone();
     assert!(
         !seen.windows(64).any(|w| secret.windows(64).any(|s| s == w)),
@@ -321,7 +333,10 @@ fn a_relay_altering_a_response_is_an_integrity_error() {
         )]);
         if must_detect {
             let e = result.unwrap_err();
-            assert!(e.message.contains("integrity check failed"), "{integrity}: {e}");
+            assert!(
+                e.message.contains("integrity check failed"),
+                "{integrity}: {e}"
+            );
         } else {
             // Documented: without FERRY_INTEGRITY=payload, payload bytes are
             // not covered.
@@ -346,7 +361,12 @@ fn tcp_data(e: &Engine) -> String {
     let d = e.descriptor();
     let t = d.transports.iter().find(|t| t.name == "tcp").unwrap();
     let raw = ferry_core::descriptor::decode_blob(&t.endpoint).unwrap();
-    String::from_utf8(raw).unwrap().split(' ').next().unwrap().to_string()
+    String::from_utf8(raw)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .to_string()
 }
 
 /// A SOCK_SEQPACKET connection to an abstract Unix name, as a byte stream
@@ -357,7 +377,8 @@ impl Seq {
     fn connect(name: &[u8]) -> std::io::Result<Seq> {
         use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
         // SAFETY: plain socket(2); checked before use.
-        let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) };
+        let fd =
+            unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) };
         if fd < 0 {
             return Err(std::io::Error::last_os_error());
         }
@@ -370,10 +391,18 @@ impl Seq {
             *d = *s as libc::c_char;
         }
         let len = std::mem::size_of::<libc::sa_family_t>() + 1 + name.len();
-        let tv = libc::timeval { tv_sec: 5, tv_usec: 0 };
+        let tv = libc::timeval {
+            tv_sec: 5,
+            tv_usec: 0,
+        };
         // SAFETY: valid fd, an address of `len` bytes, a timeval of its size.
         unsafe {
-            if libc::connect(fd.as_raw_fd(), (&addr as *const libc::sockaddr_un).cast(), len as libc::socklen_t) != 0 {
+            if libc::connect(
+                fd.as_raw_fd(),
+                (&addr as *const libc::sockaddr_un).cast(),
+                len as libc::socklen_t,
+            ) != 0
+            {
                 return Err(std::io::Error::last_os_error());
             }
             libc::setsockopt(
@@ -405,7 +434,12 @@ impl Write for Seq {
         use std::os::fd::AsRawFd;
         // SAFETY: buf is readable for its length; no SIGPIPE.
         let n = unsafe {
-            libc::send(self.0.as_raw_fd(), buf.as_ptr().cast(), buf.len(), libc::MSG_NOSIGNAL)
+            libc::send(
+                self.0.as_raw_fd(),
+                buf.as_ptr().cast(),
+                buf.len(),
+                libc::MSG_NOSIGNAL,
+            )
         };
         if n < 0 {
             return Err(std::io::Error::last_os_error());
@@ -437,7 +471,10 @@ fn attacker_process() {
     for token in [None, auth::Token::new("guess")] {
         let link = ferry_core::control::Link::new(t, t, token.clone());
         match ferry_core::control::fetch_descriptor(&control, &link) {
-            Ok(d) => println!("ATTACK control: GOT A DESCRIPTOR with {} buffers", d.buffers.len()),
+            Ok(d) => println!(
+                "ATTACK control: GOT A DESCRIPTOR with {} buffers",
+                d.buffers.len()
+            ),
             Err(e) => println!("ATTACK control: refused ({e})"),
         }
         let s = TcpStream::connect(&data).unwrap();
@@ -476,7 +513,11 @@ fn another_user_is_refused_everywhere() {
         eprintln!("SKIPPED: needs root to run a process as uid nobody (setpriv)");
         return;
     }
-    if std::process::Command::new("setpriv").arg("--version").output().is_err() {
+    if std::process::Command::new("setpriv")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
         eprintln!("SKIPPED: setpriv (util-linux) is not installed");
         return;
     }
@@ -486,13 +527,29 @@ fn another_user_is_refused_everywhere() {
     target
         .register_memory(secret.as_ptr() as u64, 4096, None)
         .unwrap();
-    let shm_hex: String = shm_socket(&target).iter().map(|b| format!("{b:02x}")).collect();
+    let shm_hex: String = shm_socket(&target)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     let spec = format!("{} {} {shm_hex}", target.segment_name(), tcp_data(&target));
     let exe = std::env::current_exe().unwrap();
     let out = std::process::Command::new("setpriv")
-        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups", "--"])
+        .args([
+            "--reuid",
+            "65534",
+            "--regid",
+            "65534",
+            "--clear-groups",
+            "--",
+        ])
         .arg(&exe)
-        .args(["--exact", "attacker_process", "--nocapture", "--test-threads", "1"])
+        .args([
+            "--exact",
+            "attacker_process",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
         .env("FERRY_TEST_ATTACK", &spec)
         .env("HOME", "/nonexistent")
         .output()
@@ -537,7 +594,9 @@ fn connect_from(source: &str, to: SocketAddr) -> Option<TcpStream> {
         let sa = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
             sin_family: libc::AF_INET as libc::sa_family_t,
             sin_port: port.to_be(),
-            sin_addr: libc::in_addr { s_addr: u32::from(ip).to_be() },
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(ip).to_be(),
+            },
             sin_zero: [0; 8],
         };
         let local = sa(src, 0);
@@ -573,7 +632,10 @@ fn authenticated_peers_are_served_while_3000_unauthenticated_connections_are_hel
     let held: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
     let mut flooders = Vec::new();
-    for (i, src) in ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"].into_iter().enumerate() {
+    for (i, src) in ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
+        .into_iter()
+        .enumerate()
+    {
         let (held, stop) = (held.clone(), stop.clone());
         flooders.push(std::thread::spawn(move || {
             let mut n = 0;
@@ -613,7 +675,10 @@ fn authenticated_peers_are_served_while_3000_unauthenticated_connections_are_hel
         if all_held && served >= 5 {
             break;
         }
-        assert!(started.elapsed() < Duration::from_secs(120), "the flood never reached 3,000");
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the flood never reached 3,000"
+        );
     }
     stop.store(true, Ordering::SeqCst);
     for f in flooders {
@@ -664,15 +729,25 @@ fn unsolicited_shm_messages_are_refused_and_memory_stays_flat() {
     let after = rss_kib();
     eprintln!("sent {sent} unsolicited acks before the owner hung up; RSS {before} -> {after} KiB");
     assert!(sent < 10_000_000, "the owner never hung up");
-    assert!(after < before + 16 * 1024, "RSS grew from {before} to {after} KiB");
+    assert!(
+        after < before + 16 * 1024,
+        "RSS grew from {before} to {after} KiB"
+    );
     // The owner still serves its peers.
     let peer = engine(&[("transports", "shm")]);
     let remote = target.allocate_memory(4096, None).unwrap();
     let src = pattern(4096, 1);
-    peer.register_memory(src.as_ptr() as u64, 4096, None).unwrap();
-    let seg = peer.open_segment(target.segment_name()).unwrap();
-    peer.transfer_sync(&[Request::new(Op::Write, src.as_ptr() as u64, seg, remote, 4096)])
+    peer.register_memory(src.as_ptr() as u64, 4096, None)
         .unwrap();
+    let seg = peer.open_segment(target.segment_name()).unwrap();
+    peer.transfer_sync(&[Request::new(
+        Op::Write,
+        src.as_ptr() as u64,
+        seg,
+        remote,
+        4096,
+    )])
+    .unwrap();
 }
 
 /// 120 authenticated connections each start a 16 MiB - 1 control frame and
@@ -689,11 +764,13 @@ fn the_control_frame_memory_cap_holds() {
     let mut busy = 0;
     for _ in 0..120 {
         let s = TcpStream::connect(target.segment_name()).unwrap();
-        let mut ds = ferry_plugins_abi::sdk::deadline::DeadlineStream::new(&s, Duration::from_secs(5));
+        let mut ds =
+            ferry_plugins_abi::sdk::deadline::DeadlineStream::new(&s, Duration::from_secs(5));
         auth::connect(&mut ds, token.as_ref(), "control", "target").unwrap();
         let frame = ferry_core::control::encode_frame(MsgType::GetDescriptor, &body);
         // All but the last byte: the server holds what arrived.
-        s.set_write_timeout(Some(Duration::from_millis(500))).unwrap();
+        s.set_write_timeout(Some(Duration::from_millis(500)))
+            .unwrap();
         let mut w = &s;
         let wrote = w.write_all(&frame[..HEADER_LEN + MAX_BODY - 2]);
         if wrote.is_err() {
@@ -711,7 +788,10 @@ fn the_control_frame_memory_cap_holds() {
     );
     // The cap plus the client's own frame and socket buffers; without it,
     // 120 x 16 MiB = 1.9 GiB.
-    assert!(grown_mib < (MAX_BODIES_IN_FLIGHT >> 20) as u64 + 200, "RSS grew {grown_mib} MiB");
+    assert!(
+        grown_mib < (MAX_BODIES_IN_FLIGHT >> 20) as u64 + 200,
+        "RSS grew {grown_mib} MiB"
+    );
     drop(conns);
     // Still serving.
     let peer = engine(&[("transports", "tcp"), ("auth_token", TOKEN)]);

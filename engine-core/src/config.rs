@@ -197,7 +197,10 @@ impl EngineConfig {
             ("FERRY_AUTH", "auth"),
             ("FERRY_AUTH_TIMEOUT_MS", "auth_timeout_ms"),
             ("FERRY_AUTH_MAX_PENDING", "auth_max_pending"),
-            ("FERRY_AUTH_MAX_PENDING_PER_HOST", "auth_max_pending_per_host"),
+            (
+                "FERRY_AUTH_MAX_PENDING_PER_HOST",
+                "auth_max_pending_per_host",
+            ),
         ] {
             if let Ok(v) = std::env::var(var) {
                 c.set(key, &v)?;

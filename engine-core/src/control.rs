@@ -110,7 +110,10 @@ fn auth_error(peer: &str, e: AuthError) -> Error {
 }
 
 fn integrity_error(peer: &str, e: auth::IntegrityError) -> Error {
-    Error::new(ErrorCode::Protocol, format!("control connection to {peer}: {e}"))
+    Error::new(
+        ErrorCode::Protocol,
+        format!("control connection to {peer}: {e}"),
+    )
 }
 
 /// Connects to a peer's control plane and authenticates both ways. A peer
@@ -504,8 +507,13 @@ fn accept_loop(
         let slot = match pending.enter(Source::ip(peer.ip())) {
             Ok(slot) => slot,
             Err(why) => {
-                auth::refuse_busy(&mut DeadlineStream::new(&stream, Duration::from_millis(100)));
-                refuse(why, || format!("{peer}: {} connections are being set up", pending.pending()));
+                auth::refuse_busy(&mut DeadlineStream::new(
+                    &stream,
+                    Duration::from_millis(100),
+                ));
+                refuse(why, || {
+                    format!("{peer}: {} connections are being set up", pending.pending())
+                });
                 continue;
             }
         };
@@ -534,7 +542,9 @@ fn accept_loop(
                                 ErrorCode::Busy,
                                 "too many control connections; try again",
                             );
-                            refuse(Refusal::Full, || format!("{peer}: {MAX_CONNECTIONS} served"));
+                            refuse(Refusal::Full, || {
+                                format!("{peer}: {MAX_CONNECTIONS} served")
+                            });
                         } else {
                             serve_connection(
                                 &stream, peer, conn, &handler, &stop2, &link, session, &budget,
@@ -544,7 +554,9 @@ fn accept_loop(
                     }
                     Err(e) => {
                         let kind = match &e {
-                            AuthError::Protocol(m) if m.contains("deadline") || m.contains("timed out") => {
+                            AuthError::Protocol(m)
+                                if m.contains("deadline") || m.contains("timed out") =>
+                            {
                                 Refusal::Timeout
                             }
                             AuthError::Protocol(_) | AuthError::Busy(_) => Refusal::Protocol,
@@ -614,7 +626,8 @@ fn serve_connection(
                         refuse(Refusal::Integrity, || format!("{peer}: {}", e.message));
                     } else if matches!(e.code, ErrorCode::Protocol | ErrorCode::Busy) {
                         log::debug!("control connection from {peer}: {}", e.message);
-                        let _ = reply_error(stream, io_timeout, &mut session.send, e.code, &e.message);
+                        let _ =
+                            reply_error(stream, io_timeout, &mut session.send, e.code, &e.message);
                     }
                     break;
                 }
@@ -626,7 +639,14 @@ fn serve_connection(
         let result = match kind {
             MsgType::GetDescriptor => {
                 let d = handler.descriptor();
-                write_sealed(stream, &peer_s, io_timeout, tx, MsgType::Descriptor, &d.to_json())
+                write_sealed(
+                    stream,
+                    &peer_s,
+                    io_timeout,
+                    tx,
+                    MsgType::Descriptor,
+                    &d.to_json(),
+                )
             }
             k if k.is_request() => match handler.request(conn, k, &body) {
                 Ok((reply, body)) => write_sealed(stream, &peer_s, io_timeout, tx, reply, &body),

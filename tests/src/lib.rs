@@ -301,5 +301,7 @@ pub fn free_port() -> u16 {
 /// This user's token, as an engine with no token configured uses it (for
 /// tests that speak the control protocol themselves).
 pub fn user_token() -> Option<ferry_plugins_abi::sdk::auth::Token> {
-    ferry_core::user_token::load_or_create().ok().map(|(t, _)| t)
+    ferry_core::user_token::load_or_create()
+        .ok()
+        .map(|(t, _)| t)
 }

@@ -261,7 +261,11 @@ mod tests {
         let mut lines = Vec::new();
         for i in 0..770 {
             r.record(
-                if i % 2 == 0 { Refusal::Auth } else { Refusal::Busy },
+                if i % 2 == 0 {
+                    Refusal::Auth
+                } else {
+                    Refusal::Busy
+                },
                 || format!("from peer {i}"),
                 |l| lines.push(l.to_string()),
             );

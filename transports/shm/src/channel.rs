@@ -423,7 +423,10 @@ impl Server {
                         Ok(slot) => slot,
                         Err(why) => {
                             auth::refuse_busy(&mut handshake(fd.as_raw_fd(), TICK));
-                            record(why, format!("{} connections are being set up", pending.pending()));
+                            record(
+                                why,
+                                format!("{} connections are being set up", pending.pending()),
+                            );
                             continue;
                         }
                     };
@@ -452,12 +455,14 @@ impl Server {
                                 Err(e) => {
                                     let kind = match &e {
                                         auth::AuthError::Refused(_) => Refusal::Auth,
-                                        _ if e.to_string().contains("deadline") => {
-                                            Refusal::Timeout
-                                        }
+                                        _ if e.to_string().contains("deadline") => Refusal::Timeout,
                                         _ => Refusal::Protocol,
                                     };
-                                    refusals3.record(kind, || format!("uid {uid}: {e}"), |l| log3(l));
+                                    refusals3.record(
+                                        kind,
+                                        || format!("uid {uid}: {e}"),
+                                        |l| log3(l),
+                                    );
                                 }
                             }
                             c.dead.store(true, Ordering::SeqCst);
@@ -620,7 +625,9 @@ fn serve(conn: &ServerConn, lookup: &Lookup, stop: &AtomicBool) -> Result<(), St
             }
             // Anything else from a peer is a protocol error: hang up.
             k => {
-                broke = Err(format!("a peer sent message kind {k}, which only owners send"));
+                broke = Err(format!(
+                    "a peer sent message kind {k}, which only owners send"
+                ));
                 break;
             }
         }

@@ -714,7 +714,10 @@ impl Conn {
         rx.open(&[&header.encode(), status_bytes], tag)
             .map_err(|e| integrity(&self.peer, &e))?;
         if header.payload_tagged() != self.settings.payload_integrity {
-            return Err(protocol(&self.peer, "the response's payload tagging differs from the request's"));
+            return Err(protocol(
+                &self.peer,
+                "the response's payload tagging differs from the request's",
+            ));
         }
         let statuses = wire::decode_statuses(status_bytes);
         let expected: u64 = match frame.kind {
@@ -759,7 +762,9 @@ impl Conn {
                     // SAFETY: a registered local buffer the engine keeps
                     // valid while its request is in flight; its bytes were
                     // just received.
-                    mac.update(unsafe { std::slice::from_raw_parts(e.local as *const u8, e.len as usize) });
+                    mac.update(unsafe {
+                        std::slice::from_raw_parts(e.local as *const u8, e.len as usize)
+                    });
                 }
             }
             mac.verify(&tag).map_err(|e| integrity(&self.peer, &e))?;
@@ -960,7 +965,9 @@ impl TcpPeer {
         let limit = self.settings.connect_timeout;
         let mut pause = Duration::from_millis(10);
         loop {
-            let left = limit.saturating_sub(started.elapsed()).max(Duration::from_millis(100));
+            let left = limit
+                .saturating_sub(started.elapsed())
+                .max(Duration::from_millis(100));
             let stream = TcpStream::connect_timeout(&self.addr, left).map_err(|e| {
                 let code = if e.kind() == std::io::ErrorKind::TimedOut {
                     ErrorCode::Timeout
@@ -972,7 +979,9 @@ impl TcpPeer {
                     format!("tcp: cannot connect to {} at {}: {e}", self.name, self.addr),
                 )
             })?;
-            let left = limit.saturating_sub(started.elapsed()).max(Duration::from_millis(100));
+            let left = limit
+                .saturating_sub(started.elapsed())
+                .max(Duration::from_millis(100));
             match ferry_plugins_abi::sdk::auth::connect(
                 &mut DeadlineStream::new(&stream, left),
                 self.settings.token.as_ref(),

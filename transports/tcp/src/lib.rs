@@ -10,11 +10,11 @@ mod sockio;
 mod target;
 pub mod wire;
 
+use ferry_plugins_abi::sdk::admission;
 use ferry_plugins_abi::sdk::{
     Completer, Host, InitParams, MemRegion, PeerInfo, PluginError, PluginResult, ProbeDevice,
     ProbeReport, Registration, TransferRequest, TransportInstance,
 };
-use ferry_plugins_abi::sdk::admission;
 use ferry_plugins_abi::sys;
 use ferry_plugins_abi::ErrorCode;
 use initiator::{ConnRegistry, Settings, TcpPeer};
@@ -230,7 +230,10 @@ impl TcpInstance {
         // tcp.advertise (FERRY_TCP_ADVERTISE): the "host:port" peers are to
         // connect to instead, when a NAT, port forward or proxy stands in
         // front of this listener.
-        let advertised = match host.config("tcp.advertise").filter(|a| !a.trim().is_empty()) {
+        let advertised = match host
+            .config("tcp.advertise")
+            .filter(|a| !a.trim().is_empty())
+        {
             Some(a) => {
                 let a = a.trim().to_string();
                 if a.len() > wire::MAX_ENDPOINT_LEN - 17 || a.contains(' ') || !a.contains(':') {

@@ -176,7 +176,10 @@ fn accept_loop(
         let slot = match pending.enter(Source::ip(peer.ip())) {
             Ok(slot) => slot,
             Err(why) => {
-                auth::refuse_busy(&mut DeadlineStream::new(&stream, Duration::from_millis(100)));
+                auth::refuse_busy(&mut DeadlineStream::new(
+                    &stream,
+                    Duration::from_millis(100),
+                ));
                 refusals.record(
                     why,
                     || format!("{peer}: {} connections are being set up", pending.pending()),
@@ -236,9 +239,11 @@ fn accept_loop(
                     serve(&stream, &regions, &stop, &config, &mut session).map_err(|e| {
                         if e.contains("integrity check failed") {
                             INTEGRITY_FAILURES.fetch_add(1, Ordering::SeqCst);
-                            refusals.record(Refusal::Integrity, || format!("{peer}: {e}"), |l| {
-                                log(l)
-                            });
+                            refusals.record(
+                                Refusal::Integrity,
+                                || format!("{peer}: {e}"),
+                                |l| log(l),
+                            );
                         }
                         e
                     })
@@ -369,9 +374,11 @@ fn serve(
             .open(&[&hb, &desc_bytes], &tag)
             .map_err(|e| e.to_string())?;
         if config.require_payload_tag && !header.payload_tagged() {
-            return Err("the peer sent a frame without a payload tag, and this target requires \
+            return Err(
+                "the peer sent a frame without a payload tag, and this target requires \
                  them (FERRY_INTEGRITY=payload); set it on the peer too"
-                .into());
+                    .into(),
+            );
         }
         let descs = wire::decode_descs(&header, &desc_bytes).map_err(|e| e.0)?;
 
@@ -404,7 +411,16 @@ fn serve(
                     keep_going,
                 )?;
                 drop(pins);
-                respond(fd, &mut out, &header, &statuses, &[], timeout, keep_going, &mut session.send)?;
+                respond(
+                    fd,
+                    &mut out,
+                    &header,
+                    &statuses,
+                    &[],
+                    timeout,
+                    keep_going,
+                    &mut session.send,
+                )?;
             }
             Kind::Write => {
                 let mut s = IoSlices::new();
@@ -418,11 +434,27 @@ fn serve(
                 sockio::recv_all(fd, &mut s, Deadline::At(deadline), keep_going)
                     .map_err(|e| format!("reading a WRITE payload: {}", e.describe()))?;
                 drop(pins);
-                respond(fd, &mut out, &header, &statuses, &[], timeout, keep_going, &mut session.send)?;
+                respond(
+                    fd,
+                    &mut out,
+                    &header,
+                    &statuses,
+                    &[],
+                    timeout,
+                    keep_going,
+                    &mut session.send,
+                )?;
             }
             Kind::Read => {
                 respond(
-                    fd, &mut out, &header, &statuses, &descs, timeout, keep_going, &mut session.send,
+                    fd,
+                    &mut out,
+                    &header,
+                    &statuses,
+                    &descs,
+                    timeout,
+                    keep_going,
+                    &mut session.send,
                 )?;
                 drop(pins);
             }
@@ -489,7 +521,9 @@ fn receive_tagged_payload(
             for d in &descs[i..j] {
                 // SAFETY: the range lies inside a registered region that the
                 // pin keeps registered; the bytes were just received there.
-                mac.update(unsafe { std::slice::from_raw_parts(d.addr as *const u8, d.len as usize) });
+                mac.update(unsafe {
+                    std::slice::from_raw_parts(d.addr as *const u8, d.len as usize)
+                });
             }
             i = j;
         } else {
@@ -552,7 +586,9 @@ fn respond(
             if let Some(m) = &mut mac {
                 // SAFETY: the range was pinned inside a registered region by
                 // the caller, which holds the pins until this returns.
-                m.update(unsafe { std::slice::from_raw_parts(d.addr as *const u8, d.len as usize) });
+                m.update(unsafe {
+                    std::slice::from_raw_parts(d.addr as *const u8, d.len as usize)
+                });
             }
         }
     }

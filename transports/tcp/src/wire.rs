@@ -161,7 +161,11 @@ impl Header {
         u64::from(self.count) * STATUS_LEN as u64
             + TAG_LEN as u64
             + self.payload_len
-            + if self.payload_tagged() { TAG_LEN as u64 } else { 0 }
+            + if self.payload_tagged() {
+                TAG_LEN as u64
+            } else {
+                0
+            }
     }
 }
 
