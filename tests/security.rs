@@ -797,3 +797,27 @@ fn the_control_frame_memory_cap_holds() {
     let peer = engine(&[("transports", "tcp"), ("auth_token", TOKEN)]);
     peer.open_segment(target.segment_name()).unwrap();
 }
+
+/// A proof trickled one byte per packet cannot stretch the shm socket's
+/// authentication deadline (it used to authenticate after 6.9 s against a
+/// 5 s deadline): the owner hangs up once the deadline passed.
+#[test]
+fn a_trickled_shm_proof_cannot_stretch_the_deadline() {
+    let target = engine(&[("transports", "shm"), ("auth_timeout_ms", "300")]);
+    let mut s = Seq::connect(&shm_socket(&target)).unwrap();
+    let mut hello = [0u8; auth::HELLO_LEN];
+    assert_eq!(s.read(&mut hello).unwrap(), auth::HELLO_LEN);
+    let mut sent = 0;
+    while sent < auth::PROOF_LEN {
+        if s.write(&[0u8]).is_err() {
+            break;
+        }
+        sent += 1;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!(
+        "the owner hung up after {sent} of {} trickled bytes",
+        auth::PROOF_LEN
+    );
+    assert!(sent < auth::PROOF_LEN, "the whole trickled proof was read");
+}

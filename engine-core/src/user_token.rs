@@ -37,17 +37,39 @@ pub fn path() -> Result<PathBuf> {
             std::env::var_os("HOME")
                 .map(PathBuf::from)
                 .filter(|p| p.is_absolute())
+                .or_else(|| passwd_home(uid))
                 .map(|h| h.join(".config"))
         })
         .ok_or_else(|| {
             Error::new(
                 ErrorCode::Permission,
                 "no token configured and nowhere to keep a per-user one (neither \
-                 XDG_RUNTIME_DIR, XDG_CONFIG_HOME nor HOME is set): set FERRY_AUTH_TOKEN or \
+                 XDG_RUNTIME_DIR, XDG_CONFIG_HOME, HOME nor a home directory in the user \
+                 database): set FERRY_AUTH_TOKEN or \
                  FERRY_AUTH_TOKEN_FILE, or FERRY_AUTH=off to let every local user in",
             )
         })?;
     Ok(config.join("ferry").join("token"))
+}
+
+/// The user's home directory from the user database (a service or a
+/// clean environment may have no HOME).
+fn passwd_home(uid: libc::uid_t) -> Option<PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut buf = vec![0 as libc::c_char; 16 * 1024];
+    // SAFETY: a zeroed passwd is valid storage.
+    let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut out: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: getpwuid_r writes into pw and buf (of the given length) only,
+    // and sets out to &pw on success.
+    let rc = unsafe { libc::getpwuid_r(uid, &mut pw, buf.as_mut_ptr(), buf.len(), &mut out) };
+    if rc != 0 || out.is_null() || pw.pw_dir.is_null() {
+        return None;
+    }
+    // SAFETY: pw_dir points at a NUL-terminated string inside buf.
+    let dir = unsafe { std::ffi::CStr::from_ptr(pw.pw_dir) };
+    let path = PathBuf::from(std::ffi::OsStr::from_bytes(dir.to_bytes()));
+    path.is_absolute().then_some(path)
 }
 
 fn refused(path: &Path, why: impl std::fmt::Display) -> Error {
