@@ -308,7 +308,8 @@ impl Conn {
         head.extend_from_slice(&tag);
         let mut io = IoSlices::new();
         io.push(head.as_ptr(), head.len());
-        let mut mac = tagged.then(|| st.tx.payload(seq));
+        // A request carries a payload tag only with a payload (a WRITE).
+        let mut mac = (tagged && kind == Kind::Write).then(|| st.tx.payload(seq));
         for (addr, len) in payload {
             io.push(*addr as *const u8, *len as usize);
             if let Some(m) = &mut mac {

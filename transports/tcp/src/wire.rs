@@ -9,7 +9,9 @@
 //! descriptor = remote_addr u64 | len u64                              (16 bytes)
 //! status     = i32 (FERRY_OK or a FERRY_ERR_* code)                   (4 bytes)
 //! tag        = the session tag of header and descriptors (or statuses) (16 bytes)
-//! ptag       = the payload's tag, when flags has FLAG_PAYLOAD_TAG      (16 bytes)
+//! ptag       = the payload's tag, when flags has FLAG_PAYLOAD_TAG: on a
+//!              WRITE request, and on every response to a tagged request
+//!              (over its payload, empty for a WRITE's)              (16 bytes)
 //! ```
 //!
 //! Tags are `sdk::auth`'s: under the session keys of this connection and
