@@ -503,20 +503,19 @@ fn child_forged_keys() {
     let d = e.descriptor_of(seg).unwrap();
     let endpoint = d.endpoint("rdma").unwrap();
     let key = d.buffers[0].key("rdma").unwrap();
-    let topology = Arc::new(
-        ferry_core::topology::Topology::discover(&ferry_core::topology::TopologyConfig::from_env())
-            .unwrap(),
-    );
-    let host = ferry_core::host::CoreHost::new(Default::default(), Some(topology)).for_engine(
-        "forger:1",
-        ferry_core::control::Link::new(
-            Duration::from_secs(5),
-            Duration::from_secs(10),
-            ferry_tests::user_token(),
-        ),
-        Default::default(),
-    );
-    let set = ferry_core::load_plugins(&ferry_core::loader::LoaderConfig::from_env(), host);
+    let config = EngineConfig::from_env().unwrap();
+    let topology = Arc::new(ferry_core::topology::Topology::discover(&config.topology).unwrap());
+    let host = ferry_core::host::CoreHost::new(config.plugin_settings(None), Some(topology))
+        .for_engine(
+            "forger:1",
+            ferry_core::control::Link::new(
+                Duration::from_secs(5),
+                Duration::from_secs(10),
+                ferry_tests::user_token(),
+            ),
+            Default::default(),
+        );
+    let set = ferry_core::load_plugins(&config.loader, host);
     let plugin = set
         .enabled(ferry_core::loader::PluginKind::Transport)
         .find(|p| p.report.name == "rdma")

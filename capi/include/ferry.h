@@ -111,7 +111,10 @@ const char *ferry_status_name(ferry_status_t status);
 const char *ferry_version(void);
 
 /**
- * New options with the defaults and the FERRY_* environment applied.
+ * New options with the defaults and the FERRY_* environment applied. A
+ * FERRY_* value that a setting does not accept is the error
+ * (FERRY_ERR_INVALID_ARGUMENT; ferry_last_error names the variable and
+ * why), never replaced by the default.
  *
  * # Safety
  * `out` must be a valid pointer.
@@ -119,15 +122,34 @@ const char *ferry_version(void);
 ferry_status_t ferry_config_new(struct ferry_config **out);
 
 /**
- * Sets an option: `listen` ("0.0.0.0:7000"), `hostname`, `timeout_ms`,
- * `connect_timeout_ms`, `spin_us`, `plugin_path`, `transports` ("tcp,shm"
- * or "^rdma"), `nics`, `sysfs_root`, `topology_file`, or a plugin setting
- * such as `tcp.connections`.
+ * Sets an option by its key (docs/configuration.md lists them; each is
+ * also a FERRY_* variable): `listen` ("0.0.0.0:7000"), `timeout_ms`,
+ * `gpu_direct` ("auto", "dmabuf", "peermem", "off"), `staging_chunk`
+ * ("4M"), `transports` ("tcp,shm" or "^rdma"), ..., or a plugin setting
+ * such as `tcp.connections`. A value the key does not accept is rejected
+ * with FERRY_ERR_INVALID_ARGUMENT and the reason (ferry_last_error), and
+ * the options are left as they were.
  *
  * # Safety
  * `config` from ferry_config_new; `key` and `value` NUL-terminated strings.
  */
 ferry_status_t ferry_config_set(struct ferry_config *config, const char *key, const char *value);
+
+/**
+ * An option's value as text, in the form ferry_config_set accepts
+ * (secrets such as `auth_token` read "(set)"; unset options are empty).
+ * FERRY_ERR_NOT_FOUND for an unknown key; FERRY_ERR_NO_MEMORY when `buf`
+ * is too small (`*len` has the length; call again).
+ *
+ * # Safety
+ * `config` from ferry_config_new; `key` a NUL-terminated string; `buf`
+ * writable for `cap` bytes; `len` NULL or valid.
+ */
+ferry_status_t ferry_config_get(const struct ferry_config *config,
+                                const char *key,
+                                char *buf,
+                                size_t cap,
+                                size_t *len);
 
 /**
  * Frees options; NULL is ignored.
@@ -307,8 +329,14 @@ ferry_status_t ferry_transfer_sync(const struct ferry_engine *engine,
                                    size_t count);
 
 /**
- * `ferry info --json` for this process: the plugin search path and every
- * plugin with its state and reason.
+ * `ferry info --json` for this process, from the same function as the CLI
+ * and Python's `ferry.info()`: the settings in effect (FERRY_* variables),
+ * the plugin search path, every plugin with its state and reason, GPUs and
+ * how their memory is registered. A FERRY_* value that is rejected is the
+ * error (FERRY_ERR_INVALID_ARGUMENT, the reason in ferry_last_error).
+ * A call answered FERRY_ERR_NO_MEMORY (`buf` too small, `*len` set) keeps
+ * its report for the next call on this thread, so the length it gave fits
+ * (plugins may report differently a moment later).
  *
  * # Safety
  * `buf` writable for `cap` bytes; `len` NULL or valid.

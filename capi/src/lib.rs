@@ -74,6 +74,8 @@ pub const FERRY_REQUEST_FAILED: u32 = 2;
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    /// The report a ferry_info_json call could not fit, for the next call.
+    static INFO_KEPT: RefCell<Option<String>> = const { RefCell::new(None) };
 }
 
 fn set_last_error(message: &str) {
@@ -169,32 +171,23 @@ pub extern "C" fn ferry_last_error() -> *const c_char {
 /// "FERRY_OK", "FERRY_ERR_TIMEOUT", ... for a status code; never NULL.
 #[unsafe(no_mangle)]
 pub extern "C" fn ferry_status_name(status: ferry_status_t) -> *const c_char {
-    const NAMES: [&CStr; 18] = [
-        c"FERRY_OK",
-        c"FERRY_ERR_INVALID_ARGUMENT",
-        c"FERRY_ERR_UNSUPPORTED",
-        c"FERRY_ERR_UNAVAILABLE",
-        c"FERRY_ERR_NOT_FOUND",
-        c"FERRY_ERR_OUT_OF_BOUNDS",
-        c"FERRY_ERR_TIMEOUT",
-        c"FERRY_ERR_CONNECTION",
-        c"FERRY_ERR_PROTOCOL",
-        c"FERRY_ERR_NO_MEMORY",
-        c"FERRY_ERR_BUSY",
-        c"FERRY_ERR_ABI_MISMATCH",
-        c"FERRY_ERR_PLUGIN",
-        c"FERRY_ERR_PANIC",
-        c"FERRY_ERR_PERMISSION",
-        c"FERRY_ERR_CANCELLED",
-        c"FERRY_ERR_IO",
-        c"FERRY_ERR_INTERNAL",
-    ];
-    let idx = usize::try_from(-i64::from(status)).unwrap_or(usize::MAX);
-    NAMES
-        .get(idx)
-        .copied()
-        .unwrap_or(c"FERRY_ERR_UNKNOWN")
-        .as_ptr()
+    // Built once from the one table of names (ErrorCode::name, shared with
+    // Python's error_codes() and every message), so they cannot drift.
+    static NAMES: std::sync::OnceLock<Vec<(ferry_status_t, CString)>> = std::sync::OnceLock::new();
+    let names = NAMES.get_or_init(|| {
+        std::iter::once((sys::FERRY_OK, c"FERRY_OK".to_owned()))
+            .chain(ErrorCode::ALL.iter().map(|c| {
+                (
+                    c.as_raw(),
+                    ferry_plugins_abi::sdk::to_cstring_lossy(&format!("FERRY_ERR_{}", c.name())),
+                )
+            }))
+            .collect()
+    });
+    names
+        .iter()
+        .find(|(code, _)| *code == status)
+        .map_or(c"FERRY_ERR_UNKNOWN".as_ptr(), |(_, name)| name.as_ptr())
 }
 
 /// Ferry's version, "0.1.0"; never NULL.
@@ -208,7 +201,10 @@ pub extern "C" fn ferry_version() -> *const c_char {
     VERSION.as_ptr()
 }
 
-/// New options with the defaults and the FERRY_* environment applied.
+/// New options with the defaults and the FERRY_* environment applied. A
+/// FERRY_* value that a setting does not accept is the error
+/// (FERRY_ERR_INVALID_ARGUMENT; ferry_last_error names the variable and
+/// why), never replaced by the default.
 ///
 /// # Safety
 /// `out` must be a valid pointer.
@@ -226,10 +222,13 @@ pub unsafe extern "C" fn ferry_config_new(out: *mut *mut ferry_config) -> ferry_
     })
 }
 
-/// Sets an option: `listen` ("0.0.0.0:7000"), `hostname`, `timeout_ms`,
-/// `connect_timeout_ms`, `spin_us`, `plugin_path`, `transports` ("tcp,shm"
-/// or "^rdma"), `nics`, `sysfs_root`, `topology_file`, or a plugin setting
-/// such as `tcp.connections`.
+/// Sets an option by its key (docs/configuration.md lists them; each is
+/// also a FERRY_* variable): `listen` ("0.0.0.0:7000"), `timeout_ms`,
+/// `gpu_direct` ("auto", "dmabuf", "peermem", "off"), `staging_chunk`
+/// ("4M"), `transports` ("tcp,shm" or "^rdma"), ..., or a plugin setting
+/// such as `tcp.connections`. A value the key does not accept is rejected
+/// with FERRY_ERR_INVALID_ARGUMENT and the reason (ferry_last_error), and
+/// the options are left as they were.
 ///
 /// # Safety
 /// `config` from ferry_config_new; `key` and `value` NUL-terminated strings.
@@ -245,6 +244,33 @@ pub unsafe extern "C" fn ferry_config_set(
         // SAFETY: per the contract.
         let (key, value) = unsafe { (str_arg(key, "key")?, str_arg(value, "value")?) };
         config.inner.set(key, value)
+    })
+}
+
+/// An option's value as text, in the form ferry_config_set accepts
+/// (secrets such as `auth_token` read "(set)"; unset options are empty).
+/// FERRY_ERR_NOT_FOUND for an unknown key; FERRY_ERR_NO_MEMORY when `buf`
+/// is too small (`*len` has the length; call again).
+///
+/// # Safety
+/// `config` from ferry_config_new; `key` a NUL-terminated string; `buf`
+/// writable for `cap` bytes; `len` NULL or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_config_get(
+    config: *const ferry_config,
+    key: *const c_char,
+    buf: *mut c_char,
+    cap: usize,
+    len: *mut usize,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let config = unsafe { obj(config, "config")? };
+        // SAFETY: per the contract.
+        let key = unsafe { str_arg(key, "key")? };
+        let value = config.inner.get(key)?;
+        // SAFETY: per the contract.
+        unsafe { copy_text(&value, buf, cap, len) }
     })
 }
 
@@ -699,8 +725,14 @@ pub unsafe extern "C" fn ferry_transfer_sync(
     })
 }
 
-/// `ferry info --json` for this process: the plugin search path and every
-/// plugin with its state and reason.
+/// `ferry info --json` for this process, from the same function as the CLI
+/// and Python's `ferry.info()`: the settings in effect (FERRY_* variables),
+/// the plugin search path, every plugin with its state and reason, GPUs and
+/// how their memory is registered. A FERRY_* value that is rejected is the
+/// error (FERRY_ERR_INVALID_ARGUMENT, the reason in ferry_last_error).
+/// A call answered FERRY_ERR_NO_MEMORY (`buf` too small, `*len` set) keeps
+/// its report for the next call on this thread, so the length it gave fits
+/// (plugins may report differently a moment later).
 ///
 /// # Safety
 /// `buf` writable for `cap` bytes; `len` NULL or valid.
@@ -712,18 +744,19 @@ pub unsafe extern "C" fn ferry_info_json(
 ) -> ferry_status_t {
     ffi_boundary!({
         ferry_core::init_logging();
-        let topology = ferry_core::topology::Topology::discover(
-            &ferry_core::topology::TopologyConfig::from_env(),
-        )
-        .ok()
-        .map(std::sync::Arc::new);
-        let set = ferry_core::load_plugins(
-            &ferry_core::loader::LoaderConfig::from_env(),
-            ferry_core::host::CoreHost::new(Default::default(), topology),
-        );
-        let report = ferry_core::info::InfoReport::from_plugins(&set);
-        let text = report.to_json_text(false)?;
+        let kept = INFO_KEPT.with(|k| k.borrow_mut().take());
+        let text = match kept {
+            Some(text) => text,
+            None => ferry_core::info::report_from_env(false)?.to_json_text(false)?,
+        };
         // SAFETY: per the contract.
-        unsafe { copy_text(&text, buf, cap, len) }
+        let copied = unsafe { copy_text(&text, buf, cap, len) };
+        if copied
+            .as_ref()
+            .is_err_and(|e| e.code == ErrorCode::NoMemory)
+        {
+            INFO_KEPT.with(|k| *k.borrow_mut() = Some(text));
+        }
+        copied
     })
 }

@@ -8,19 +8,17 @@ mod demo;
 mod util;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use ferry_core::host::CoreHost;
-use ferry_core::info::InfoReport;
-use ferry_core::topology::{fixture, Topology, TopologyConfig};
+use ferry_core::topology::{fixture, Topology};
 use ferry_core::{Location, Op};
-use ferry_loader::LoaderConfig;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 
 /// Every variable, as README.md's configuration table lists them (a test
 /// keeps the two in step).
 const ENVIRONMENT: &str = "\
-Environment (defaults, and each one's EngineConfig key, in README.md):
+Environment (defaults, and each one's EngineConfig key, in docs/configuration.md; a
+value a setting does not accept stops the command with the reason; `ferry info`
+shows the settings in effect):
  Plugins
   FERRY_PLUGIN_PATH              colon list of plugin directories or files, searched first
   FERRY_TRANSPORTS               allow list (tcp,shm) or deny list (^rdma) of transports
@@ -49,7 +47,7 @@ Environment (defaults, and each one's EngineConfig key, in README.md):
   CUDA_VISIBLE_DEVICES           GPU ordinals as CUDA numbers them
   FERRY_GPU_DIRECT               auto, dmabuf, peermem or off
   FERRY_STAGING_CHUNK            staging chunk for device memory (4 MiB)
-  FERRY_STAGING_DEPTH            staging slots per session (4)
+  FERRY_STAGING_DEPTH            staged chunks in flight per job (4)
   FERRY_CUDA_LIBRARY             the CUDA driver library (libcuda.so.1)
  Transports
   FERRY_TCP_CONNECTIONS          TCP connections per peer (4)
@@ -340,25 +338,12 @@ fn main() -> ExitCode {
 }
 
 fn discover_topology() -> Result<Topology, String> {
-    Topology::discover(&TopologyConfig::from_env()).map_err(|e| e.to_string())
+    let config = ferry_core::EngineConfig::from_env().map_err(|e| e.to_string())?;
+    Topology::discover(&config.topology).map_err(|e| e.to_string())
 }
 
 fn info(json: bool, reprobe: bool) -> Result<(), String> {
-    let topology = match discover_topology() {
-        Ok(t) => Some(Arc::new(t)),
-        Err(e) => {
-            eprintln!("ferry: topology: {e}");
-            None
-        }
-    };
-    let loader = LoaderConfig {
-        reprobe,
-        ..LoaderConfig::from_env()
-    };
-    let set =
-        ferry_core::load_plugins(&loader, CoreHost::new(Default::default(), topology.clone()));
-    let mut report = InfoReport::from_plugins(&set).with_gpus(&set, topology.as_deref());
-    report.warnings.extend(security_warnings());
+    let report = ferry_core::info::report_from_env(reprobe).map_err(|e| e.to_string())?;
     if json {
         let text = report.to_json_text(true).map_err(|e| e.to_string())?;
         println!("{text}");
@@ -366,42 +351,6 @@ fn info(json: bool, reprobe: bool) -> Result<(), String> {
         print!("{}", report.render_text());
     }
     Ok(())
-}
-
-/// What the environment's engine settings would expose: a listener other
-/// hosts can reach without an auth token.
-fn security_warnings() -> Vec<String> {
-    let config = match ferry_core::EngineConfig::from_env() {
-        Ok(c) => c,
-        Err(e) => return vec![format!("engine settings: {e}")],
-    };
-    let host = config
-        .listen
-        .rsplit_once(':')
-        .map_or(config.listen.as_str(), |(h, _)| h)
-        .trim_matches(|c| c == '[' || c == ']');
-    let loopback = host == "localhost"
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback());
-    match (loopback, config.auth_token.is_some(), config.auth_off) {
-        (false, false, true) => vec![format!(
-            "FERRY_LISTEN={} is reachable from other hosts and FERRY_AUTH=off: engines accept \
-             anyone who can reach the port (set FERRY_AUTH_TOKEN)",
-            config.listen
-        )],
-        (false, false, false) => vec![format!(
-            "FERRY_LISTEN={} is reachable from other hosts and no FERRY_AUTH_TOKEN is set: \
-             engines will refuse to start until one is (or FERRY_AUTH=off)",
-            config.listen
-        )],
-        (true, false, true) => vec![
-            "FERRY_AUTH=off: every local user's processes can read and write the memory \
-             engines register (unset it to use this user's token)"
-                .to_string(),
-        ],
-        _ => Vec::new(),
-    }
 }
 
 fn segments(json: bool) -> Result<(), String> {

@@ -1,13 +1,30 @@
-//! Engine configuration: from code, from FERRY_* variables, or both (code
-//! wins). Every setting here is documented in the README with its default.
+//! Engine configuration: the one path by which every setting reaches an
+//! engine. Each setting is a key (`timeout_ms`) with an environment variable
+//! (`FERRY_TIMEOUT_MS`), listed once in [`KEYS`]; the environment, the C API
+//! (`ferry_config_set`), Python (`ferry.Engine(settings=...)`) and Rust
+//! ([`EngineConfig::set`]) all go through [`EngineConfig::set`], so a value
+//! means the same thing and is checked the same way whichever way it came.
+//!
+//! One rule for bad values: [`EngineConfig::set`] rejects them with
+//! FERRY_ERR_INVALID_ARGUMENT and a message naming the setting, the value
+//! and what it accepts. Nothing is silently defaulted or clamped. An empty
+//! environment variable counts as unset.
+//!
+//! Keys with a dot (`tcp.connections`) are plugin settings: kept as text and
+//! handed to plugins, which check them (plugin.h documents the keys the
+//! engine itself hands over). What stays outside this path, and why, is in
+//! docs/configuration.md ("Environment only").
 
 use crate::error::{Error, ErrorCode, Result};
+use crate::gpudirect::Policy;
 use crate::metadata::MetadataConfig;
-use crate::topology::TopologyConfig;
+use crate::topology::{TopologyConfig, ENV_CUDA_VISIBLE_DEVICES};
 use ferry_loader::{CacheChoice, HelperChoice, LoaderConfig, NameFilter};
 use ferry_plugins_abi::sdk::admission;
 use ferry_plugins_abi::sdk::auth::Token;
 use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// Default for FERRY_LISTEN: loopback only, any free port.
@@ -21,6 +38,215 @@ pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 5_000;
 pub const DEFAULT_IDLE_TIMEOUT_S: u64 = 120;
 /// Default for FERRY_SPIN_US: how long a waiting thread polls before sleeping.
 pub const DEFAULT_SPIN_US: u64 = 100;
+/// Default for FERRY_STAGING_CHUNK: bytes per staged chunk.
+pub const DEFAULT_STAGING_CHUNK: u64 = 4 << 20;
+/// Default for FERRY_STAGING_DEPTH: chunks in flight per staged job.
+pub const DEFAULT_STAGING_DEPTH: usize = 4;
+/// Smallest FERRY_STAGING_CHUNK.
+pub const MIN_STAGING_CHUNK: u64 = 64 << 10;
+/// Largest FERRY_STAGING_CHUNK (the staging protocol's largest slot).
+pub const MAX_STAGING_CHUNK: u64 = 64 << 20;
+/// Largest FERRY_STAGING_DEPTH (the staging protocol's most slots).
+pub const MAX_STAGING_DEPTH: usize = 16;
+
+/// One setting: its key, its environment variable, its default (as text)
+/// and what it does.
+#[derive(Clone, Copy, Debug)]
+pub struct Key {
+    pub key: &'static str,
+    pub env: &'static str,
+    pub default: &'static str,
+    pub help: &'static str,
+}
+
+const fn key(
+    key: &'static str,
+    env: &'static str,
+    default: &'static str,
+    help: &'static str,
+) -> Key {
+    Key {
+        key,
+        env,
+        default,
+        help,
+    }
+}
+
+/// Every engine setting, in the order the environment is applied (a
+/// metadata store before its prefix and TTL; a token file before a token,
+/// so FERRY_AUTH_TOKEN wins when both are set).
+pub const KEYS: &[Key] = &[
+    key(
+        "listen",
+        "FERRY_LISTEN",
+        DEFAULT_LISTEN,
+        "where the control listener binds (host:port)",
+    ),
+    key(
+        "hostname",
+        "FERRY_HOSTNAME",
+        "",
+        "the host part of the segment name (default: the listen address)",
+    ),
+    key(
+        "timeout_ms",
+        "FERRY_TIMEOUT_MS",
+        "15000",
+        "deadline of every network wait, milliseconds",
+    ),
+    key(
+        "connect_timeout_ms",
+        "FERRY_CONNECT_TIMEOUT_MS",
+        "5000",
+        "deadline of a connection attempt, milliseconds",
+    ),
+    key(
+        "idle_timeout_s",
+        "FERRY_IDLE_TIMEOUT_S",
+        "120",
+        "idle connections are closed after this, seconds (1 to 86400)",
+    ),
+    key(
+        "spin_us",
+        "FERRY_SPIN_US",
+        "100",
+        "how long a waiting thread polls before sleeping, microseconds (0 to 1000000)",
+    ),
+    key(
+        "gpu_direct",
+        "FERRY_GPU_DIRECT",
+        "auto",
+        "GPU memory registration for RDMA: auto, dmabuf, peermem or off",
+    ),
+    key(
+        "staging_chunk",
+        "FERRY_STAGING_CHUNK",
+        "4M",
+        "bytes per staged chunk, 64K to 64M (suffixes K, M, G)",
+    ),
+    key(
+        "staging_depth",
+        "FERRY_STAGING_DEPTH",
+        "4",
+        "staged chunks in flight per job, 1 to 16",
+    ),
+    key(
+        "plugin_path",
+        "FERRY_PLUGIN_PATH",
+        "",
+        "plugin directories or files searched first (colon list)",
+    ),
+    key(
+        "transports",
+        "FERRY_TRANSPORTS",
+        "",
+        "allow list (tcp,shm) or deny list (^rdma) of transports",
+    ),
+    key(
+        "plugin_probe_timeout_ms",
+        "FERRY_PLUGIN_PROBE_TIMEOUT_MS",
+        "10000",
+        "how long loading and probing one plugin may take, milliseconds",
+    ),
+    key(
+        "plugin_probe_helper",
+        "FERRY_PLUGIN_PROBE_HELPER",
+        "auto",
+        "the ferry-probe helper: auto, off (probe in this process) or a path",
+    ),
+    key(
+        "plugin_cache",
+        "FERRY_PLUGIN_CACHE",
+        "auto",
+        "the probe result cache: auto, off or a file",
+    ),
+    key(
+        "sysfs_root",
+        "FERRY_SYSFS_ROOT",
+        "/sys",
+        "where sysfs is read (fake trees in tests)",
+    ),
+    key(
+        "nics",
+        "FERRY_NICS",
+        "",
+        "allow list (mlx5_0,mlx5_1) or deny list (^mlx5_2) of NICs",
+    ),
+    key(
+        "topology_file",
+        "FERRY_TOPOLOGY_FILE",
+        "",
+        "a JSON file that pins or fills in topology",
+    ),
+    key(
+        "metadata",
+        "FERRY_METADATA",
+        "p2p",
+        "where segments are found by name: p2p or etcd://host:port[,host:port]",
+    ),
+    key(
+        "metadata_prefix",
+        "FERRY_METADATA_PREFIX",
+        "/ferry",
+        "key prefix in etcd",
+    ),
+    key(
+        "metadata_ttl_s",
+        "FERRY_METADATA_TTL_S",
+        "10",
+        "lease TTL in etcd, seconds (2 to 3600)",
+    ),
+    key(
+        "name",
+        "FERRY_NAME",
+        "",
+        "the name this engine registers under in a metadata store",
+    ),
+    key(
+        "auth_token_file",
+        "FERRY_AUTH_TOKEN_FILE",
+        "",
+        "a file whose first line is the cluster token",
+    ),
+    key(
+        "auth_token",
+        "FERRY_AUTH_TOKEN",
+        "",
+        "the cluster's shared secret",
+    ),
+    key(
+        "auth",
+        "FERRY_AUTH",
+        "required",
+        "required, or off for no token at all (by default this user's token, and a \
+         non-loopback listener needs a configured one)",
+    ),
+    key(
+        "auth_timeout_ms",
+        "FERRY_AUTH_TIMEOUT_MS",
+        "1000",
+        "a new connection must complete the authentication within this",
+    ),
+    key(
+        "auth_max_pending",
+        "FERRY_AUTH_MAX_PENDING",
+        "64",
+        "connections authenticating at once per listener; more are answered BUSY",
+    ),
+    key(
+        "auth_max_pending_per_host",
+        "FERRY_AUTH_MAX_PENDING_PER_HOST",
+        "8",
+        "of those, from one source address",
+    ),
+    key(
+        "integrity",
+        "FERRY_INTEGRITY",
+        "headers",
+        "headers (frame headers and descriptors tagged) or payload (payloads too)",
+    ),
+];
 
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -42,6 +268,12 @@ pub struct EngineConfig {
     /// How long a thread waiting for a batch polls (completing what arrives
     /// itself) before it sleeps (FERRY_SPIN_US; 0 sleeps at once).
     pub spin: Duration,
+    /// How GPU memory is registered for RDMA (FERRY_GPU_DIRECT).
+    pub gpu_direct: Policy,
+    /// Bytes per staged chunk (FERRY_STAGING_CHUNK).
+    pub staging_chunk: u64,
+    /// Staged chunks in flight per job (FERRY_STAGING_DEPTH).
+    pub staging_depth: usize,
     /// Plugin settings ("tcp.connections" = "4"); override FERRY_TCP_CONNECTIONS.
     pub settings: BTreeMap<String, String>,
     pub loader: LoaderConfig,
@@ -59,6 +291,8 @@ pub struct EngineConfig {
     /// FERRY_AUTH_TOKEN_FILE): every control and data connection proves it
     /// knows it, both ways.
     pub auth_token: Option<Token>,
+    /// The file the token was read from (FERRY_AUTH_TOKEN_FILE), if it was.
+    pub auth_token_file: Option<PathBuf>,
     /// FERRY_AUTH=off: no token at all: every peer that can reach a
     /// listener is served (by default an engine with no token configured
     /// uses this user's token, `user_token`, and a listener other hosts can
@@ -83,12 +317,16 @@ impl Default for EngineConfig {
             connect_timeout: Duration::from_millis(DEFAULT_CONNECT_TIMEOUT_MS),
             idle_timeout: Duration::from_secs(DEFAULT_IDLE_TIMEOUT_S),
             spin: Duration::from_micros(DEFAULT_SPIN_US),
+            gpu_direct: Policy::Auto,
+            staging_chunk: DEFAULT_STAGING_CHUNK,
+            staging_depth: DEFAULT_STAGING_DEPTH,
             settings: BTreeMap::new(),
             loader: LoaderConfig::default(),
             topology: TopologyConfig::default(),
             metadata: MetadataConfig::P2p,
             name: None,
             auth_token: None,
+            auth_token_file: None,
             auth_off: false,
             auth_timeout: Duration::from_millis(admission::DEFAULT_AUTH_TIMEOUT_MS),
             auth_max_pending: admission::DEFAULT_MAX_PENDING,
@@ -97,17 +335,32 @@ impl Default for EngineConfig {
     }
 }
 
-fn parse_ms(var: &str, value: &str) -> Result<Duration> {
+fn bad(key: &str, value: &str, expected: &str) -> Error {
+    Error::new(
+        ErrorCode::InvalidArgument,
+        format!("setting {key} = {value:?} rejected: expected {expected}"),
+    )
+}
+
+/// A whole number in `range`, or the reason it is not.
+fn number<T>(key: &str, value: &str, range: std::ops::RangeInclusive<T>, unit: &str) -> Result<T>
+where
+    T: std::str::FromStr + PartialOrd + std::fmt::Display + Copy,
+{
     value
         .trim()
-        .parse::<u64>()
+        .parse::<T>()
         .ok()
-        .filter(|v| *v > 0)
-        .map(Duration::from_millis)
+        .filter(|v| range.contains(v))
         .ok_or_else(|| {
-            Error::new(
-                ErrorCode::InvalidArgument,
-                format!("{var}={value:?} is not a positive number of milliseconds"),
+            bad(
+                key,
+                value,
+                &format!(
+                    "a whole number of {unit}, {} to {}",
+                    range.start(),
+                    range.end()
+                ),
             )
         })
 }
@@ -128,103 +381,119 @@ pub fn parse_size_text(text: &str) -> Option<u64> {
     n.checked_mul(mult)
 }
 
-fn parse_seconds(var: &str, value: &str) -> Result<Duration> {
-    value
-        .trim()
-        .parse::<u64>()
-        .ok()
-        .filter(|v| (1..=86_400).contains(v))
-        .map(Duration::from_secs)
-        .ok_or_else(|| {
-            Error::new(
-                ErrorCode::InvalidArgument,
-                format!("{var}={value:?} is not a number of seconds (1 to 86400)"),
-            )
-        })
+/// `etcd://a:1,b:2` for an etcd store, `p2p` otherwise.
+fn metadata_text(m: &MetadataConfig) -> String {
+    match m {
+        MetadataConfig::P2p => "p2p".into(),
+        MetadataConfig::Etcd { endpoints, .. } => format!(
+            "etcd://{}",
+            endpoints
+                .iter()
+                .map(|e| e.trim_start_matches("http://"))
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
+    }
 }
 
-fn parse_us(var: &str, value: &str) -> Result<Duration> {
-    value
-        .trim()
-        .parse::<u64>()
-        .ok()
-        .filter(|v| *v <= 1_000_000)
-        .map(Duration::from_micros)
-        .ok_or_else(|| {
-            Error::new(
-                ErrorCode::InvalidArgument,
-                format!("{var}={value:?} is not a number of microseconds (0 to 1000000)"),
-            )
-        })
+fn choice_text(auto: bool, off: bool, path: Option<&PathBuf>) -> String {
+    match (auto, off, path) {
+        (true, _, _) => "auto".into(),
+        (_, true, _) => "off".into(),
+        (_, _, Some(p)) => p.display().to_string(),
+        _ => String::new(),
+    }
+}
+
+/// Whether a plugin setting's value is a secret (shown as `(set)`).
+fn secret_key(key: &str) -> bool {
+    let k = key.to_ascii_lowercase();
+    k.ends_with("token") || k.ends_with("secret") || k.ends_with("password")
 }
 
 impl EngineConfig {
-    /// Defaults overridden by FERRY_LISTEN, FERRY_HOSTNAME, FERRY_TIMEOUT_MS,
-    /// FERRY_CONNECT_TIMEOUT_MS and the loader's variables.
+    /// Defaults overridden by every FERRY_* variable of [`KEYS`] that is set
+    /// and not empty, each checked as [`EngineConfig::set`] checks it: the
+    /// first bad one is the error, naming the variable.
     pub fn from_env() -> Result<EngineConfig> {
-        let mut c = EngineConfig {
-            loader: LoaderConfig::from_env(),
-            topology: TopologyConfig::from_env(),
-            ..EngineConfig::default()
-        };
-        if let Ok(v) = std::env::var("FERRY_LISTEN") {
-            c.listen = v;
-        }
-        if let Ok(v) = std::env::var("FERRY_HOSTNAME") {
-            if !v.trim().is_empty() {
-                c.hostname = Some(v.trim().to_string());
-            }
-        }
-        if let Ok(v) = std::env::var("FERRY_TIMEOUT_MS") {
-            c.timeout = parse_ms("FERRY_TIMEOUT_MS", &v)?;
-        }
-        if let Ok(v) = std::env::var("FERRY_CONNECT_TIMEOUT_MS") {
-            c.connect_timeout = parse_ms("FERRY_CONNECT_TIMEOUT_MS", &v)?;
-        }
-        if let Ok(v) = std::env::var("FERRY_SPIN_US") {
-            c.spin = parse_us("FERRY_SPIN_US", &v)?;
-        }
-        if let Ok(v) = std::env::var("FERRY_METADATA") {
-            c.set("metadata", &v)?;
-        }
-        for (var, key) in [
-            ("FERRY_IDLE_TIMEOUT_S", "idle_timeout_s"),
-            ("FERRY_METADATA_PREFIX", "metadata_prefix"),
-            ("FERRY_METADATA_TTL_S", "metadata_ttl_s"),
-            ("FERRY_NAME", "name"),
-            ("FERRY_AUTH_TOKEN_FILE", "auth_token_file"),
-            ("FERRY_AUTH_TOKEN", "auth_token"),
-            ("FERRY_AUTH", "auth"),
-            ("FERRY_AUTH_TIMEOUT_MS", "auth_timeout_ms"),
-            ("FERRY_AUTH_MAX_PENDING", "auth_max_pending"),
-            (
-                "FERRY_AUTH_MAX_PENDING_PER_HOST",
-                "auth_max_pending_per_host",
-            ),
-        ] {
-            if let Ok(v) = std::env::var(var) {
-                c.set(key, &v)?;
-            }
+        EngineConfig::from_lookup(|name| std::env::var_os(name))
+    }
+
+    /// Like [`EngineConfig::from_env`], with `lookup` standing in for the
+    /// environment (tests).
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<OsString>) -> Result<EngineConfig> {
+        let mut c = EngineConfig::default();
+        // CUDA's own variable, environment only: it is CUDA's setting.
+        c.topology.cuda_visible_devices =
+            lookup(ENV_CUDA_VISIBLE_DEVICES).map(|value| value.to_string_lossy().into_owned());
+        for k in KEYS {
+            let Some(raw) = lookup(k.env).filter(|v| !v.is_empty()) else {
+                continue;
+            };
+            let value = raw.into_string().map_err(|raw| {
+                Error::new(
+                    ErrorCode::InvalidArgument,
+                    format!("{}={raw:?} rejected: not UTF-8 text", k.env),
+                )
+            })?;
+            c.set(k.key, &value).map_err(|e| {
+                Error::new(e.code, format!("{} (from {}={value:?})", e.message, k.env))
+            })?;
         }
         Ok(c)
     }
 
-    /// Sets one option by name, as the C API and tools do: `listen`,
-    /// `hostname`, `timeout_ms`, `connect_timeout_ms`, `plugin_path`
-    /// (colon list, searched first), `transports` (allow/deny list), or a
-    /// plugin setting such as `tcp.connections`.
+    /// Sets one option by name (a key of [`KEYS`], or a plugin setting such
+    /// as `tcp.connections`). A value the key does not accept is rejected
+    /// with FERRY_ERR_INVALID_ARGUMENT and the reason; the configuration is
+    /// then unchanged.
     pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
+        let v = value.trim();
         match key {
-            "listen" => self.listen = value.to_string(),
-            "hostname" => self.hostname = Some(value.to_string()).filter(|v| !v.is_empty()),
-            "timeout_ms" => self.timeout = parse_ms("timeout_ms", value)?,
-            "connect_timeout_ms" => self.connect_timeout = parse_ms("connect_timeout_ms", value)?,
-            "idle_timeout_s" => self.idle_timeout = parse_seconds("idle_timeout_s", value)?,
-            "spin_us" => self.spin = parse_us("spin_us", value)?,
+            "listen" => {
+                if v.is_empty() || v.contains(char::is_whitespace) || !v.contains(':') {
+                    return Err(bad(key, value, "host:port, e.g. 0.0.0.0:7000"));
+                }
+                self.listen = v.to_string()
+            }
+            "hostname" => self.hostname = Some(v.to_string()).filter(|v| !v.is_empty()),
+            "timeout_ms" => {
+                self.timeout =
+                    Duration::from_millis(number(key, value, 1..=86_400_000, "milliseconds")?)
+            }
+            "connect_timeout_ms" => {
+                self.connect_timeout =
+                    Duration::from_millis(number(key, value, 1..=86_400_000, "milliseconds")?)
+            }
+            "idle_timeout_s" => {
+                self.idle_timeout = Duration::from_secs(number(key, value, 1..=86_400, "seconds")?)
+            }
+            "spin_us" => {
+                self.spin =
+                    Duration::from_micros(number(key, value, 0..=1_000_000, "microseconds")?)
+            }
+            "gpu_direct" => {
+                self.gpu_direct =
+                    Policy::parse(v).map_err(|_| bad(key, value, "auto, dmabuf, peermem or off"))?
+            }
+            "staging_chunk" => {
+                self.staging_chunk = parse_size_text(v)
+                    .filter(|n| (MIN_STAGING_CHUNK..=MAX_STAGING_CHUNK).contains(n))
+                    .ok_or_else(|| bad(key, value, "a size from 64K to 64M, e.g. 4M"))?
+            }
+            "staging_depth" => {
+                self.staging_depth = number(key, value, 1..=MAX_STAGING_DEPTH, "chunks")?
+            }
             "metadata" => {
                 // Keep a prefix or TTL set before the store.
-                let old = std::mem::take(&mut self.metadata);
-                self.metadata = MetadataConfig::parse(value)?;
+                let new = MetadataConfig::parse(value).map_err(|e| {
+                    bad(
+                        key,
+                        value,
+                        &format!("p2p or etcd://host:port ({})", e.message),
+                    )
+                })?;
+                let old = std::mem::replace(&mut self.metadata, new);
                 if let (
                     MetadataConfig::Etcd { prefix, ttl_s, .. },
                     MetadataConfig::Etcd {
@@ -239,104 +508,73 @@ impl EngineConfig {
                 }
             }
             "metadata_prefix" | "metadata_ttl_s" => {
-                if let MetadataConfig::Etcd { prefix, ttl_s, .. } = &mut self.metadata {
-                    if key == "metadata_prefix" {
-                        let v = value.trim();
-                        if v.is_empty() || v.contains(char::is_whitespace) {
-                            return Err(Error::new(
-                                ErrorCode::InvalidArgument,
-                                format!("metadata_prefix {value:?}: expected a key prefix such as /ferry/cluster-a"),
-                            ));
-                        }
-                        *prefix = format!("/{}", v.trim_matches('/'));
-                    } else {
-                        *ttl_s = value
-                            .trim()
-                            .parse::<u64>()
-                            .ok()
-                            .filter(|t| (2..=3600).contains(t))
-                            .ok_or_else(|| {
-                                Error::new(
-                                    ErrorCode::InvalidArgument,
-                                    format!(
-                                        "metadata_ttl_s {value:?}: expected seconds, 2 to 3600"
-                                    ),
-                                )
-                            })?;
-                    }
-                } else {
+                let MetadataConfig::Etcd { prefix, ttl_s, .. } = &mut self.metadata else {
                     return Err(Error::new(
                         ErrorCode::InvalidArgument,
-                        format!("{key} applies to a metadata store: set metadata (FERRY_METADATA) to etcd://host:port first"),
+                        format!(
+                            "setting {key} = {value:?} rejected: it applies to a metadata store; \
+                             set metadata (FERRY_METADATA) to etcd://host:port first"
+                        ),
                     ));
+                };
+                if key == "metadata_prefix" {
+                    if v.is_empty() || v.contains(char::is_whitespace) {
+                        return Err(bad(key, value, "a key prefix such as /ferry/cluster-a"));
+                    }
+                    *prefix = format!("/{}", v.trim_matches('/'));
+                } else {
+                    *ttl_s = number(key, value, 2..=3600, "seconds")?;
                 }
             }
             "auth_token" => self.auth_token = Token::new(value),
             "auth_token_file" => {
-                let text = std::fs::read_to_string(value).map_err(|e| {
+                let text = std::fs::read_to_string(v).map_err(|e| {
                     Error::new(
                         ErrorCode::InvalidArgument,
-                        format!("auth token file {value}: {e}"),
+                        format!("setting {key} = {value:?} rejected: cannot read it: {e}"),
                     )
                 })?;
-                self.auth_token = Some(
-                    Token::new(text.lines().next().unwrap_or("")).ok_or_else(|| {
-                        Error::new(
-                            ErrorCode::InvalidArgument,
-                            format!("auth token file {value} is empty"),
+                self.auth_token = Some(Token::new(text.lines().next().unwrap_or("")).ok_or_else(
+                    || {
+                        bad(
+                            key,
+                            value,
+                            "a file whose first line is the token (it is empty)",
                         )
-                    })?,
-                );
+                    },
+                )?);
+                self.auth_token_file = Some(PathBuf::from(v));
             }
-            "auth_timeout_ms" => self.auth_timeout = parse_ms("auth_timeout_ms", value)?,
-            // FERRY_INTEGRITY, read by the transports: headers or payload.
-            "integrity" => match value.trim() {
-                "headers" | "payload" => {
-                    self.settings.insert("integrity".into(), value.trim().into());
+            "auth_timeout_ms" => {
+                self.auth_timeout =
+                    Duration::from_millis(number(key, value, 1..=600_000, "milliseconds")?)
+            }
+            "auth_max_pending" => {
+                self.auth_max_pending = number(key, value, 1..=100_000, "connections")?
+            }
+            "auth_max_pending_per_host" => {
+                self.auth_max_pending_per_host = number(key, value, 1..=100_000, "connections")?
+            }
+            // Read by the transports.
+            "integrity" => {
+                if v != "headers" && v != "payload" {
+                    return Err(bad(key, value, "headers or payload"));
                 }
-                other => {
-                    return Err(Error::new(
-                        ErrorCode::InvalidArgument,
-                        format!("integrity {other:?}: expected headers or payload"),
-                    ))
-                }
-            },
-            "auth_max_pending" | "auth_max_pending_per_host" => {
-                let n = value
-                    .trim()
-                    .parse::<usize>()
-                    .ok()
-                    .filter(|n| (1..=100_000).contains(n))
-                    .ok_or_else(|| {
-                        Error::new(
-                            ErrorCode::InvalidArgument,
-                            format!("{key} {value:?}: expected a count, 1 to 100000"),
-                        )
-                    })?;
-                if key == "auth_max_pending" {
-                    self.auth_max_pending = n;
-                } else {
-                    self.auth_max_pending_per_host = n;
-                }
+                self.settings.insert("integrity".into(), v.to_string());
             }
             "auth" => {
-                self.auth_off = match value.trim() {
+                self.auth_off = match v {
                     "off" => true,
                     "" | "on" | "required" => false,
-                    other => {
-                        return Err(Error::new(
-                            ErrorCode::InvalidArgument,
-                            format!("auth {other:?}: expected required or off"),
-                        ))
-                    }
+                    _ => return Err(bad(key, value, "required or off")),
                 }
             }
             "name" => {
-                let v = value.trim();
                 if v.is_empty() || v.len() > 200 || v.chars().any(|c| c.is_control() || c == '/') {
-                    return Err(Error::new(
-                        ErrorCode::InvalidArgument,
-                        format!("segment name {value:?}: 1 to 200 characters, no '/' or control characters"),
+                    return Err(bad(
+                        key,
+                        value,
+                        "a segment name of 1 to 200 characters, no '/' or control characters",
                     ));
                 }
                 self.name = Some(v.to_string());
@@ -350,14 +588,21 @@ impl EngineConfig {
             }
             "transports" => self.loader.transports = NameFilter::parse(value),
             "plugin_probe_timeout_ms" => {
-                self.loader.probe_timeout = parse_ms("plugin_probe_timeout_ms", value)?
+                self.loader.probe_timeout =
+                    Duration::from_millis(number(key, value, 1..=3_600_000, "milliseconds")?)
             }
             "plugin_probe_helper" => self.loader.probe_helper = HelperChoice::parse(value),
             "plugin_cache" => self.loader.cache = CacheChoice::parse(value),
-            "nics" => self.topology.nic_filter = Some(value.to_string()).filter(|v| !v.is_empty()),
-            "sysfs_root" => self.topology.sysfs_root = value.into(),
+            "nics" => self.topology.nic_filter = Some(v.to_string()).filter(|v| !v.is_empty()),
+            "sysfs_root" => {
+                self.topology.sysfs_root = if v.is_empty() {
+                    PathBuf::from(crate::topology::DEFAULT_SYSFS_ROOT)
+                } else {
+                    PathBuf::from(v)
+                }
+            }
             "topology_file" => {
-                self.topology.topology_file = Some(value.into()).filter(|_| !value.is_empty())
+                self.topology.topology_file = Some(PathBuf::from(v)).filter(|_| !v.is_empty())
             }
             k if k.contains('.') && !k.starts_with('.') && !k.ends_with('.') => {
                 self.settings.insert(k.to_string(), value.to_string());
@@ -366,43 +611,158 @@ impl EngineConfig {
                 return Err(Error::new(
                     ErrorCode::InvalidArgument,
                     format!(
-                        "unknown option {key:?}: expected listen, hostname, timeout_ms, \
-                         connect_timeout_ms, idle_timeout_s, spin_us, plugin_path, transports, \
-                         plugin_probe_timeout_ms, plugin_probe_helper, plugin_cache, nics, sysfs_root, \
-                         topology_file, metadata, metadata_prefix, metadata_ttl_s, name, auth_token, \
-                         auth_token_file, auth, auth_timeout_ms, auth_max_pending, \
-                         auth_max_pending_per_host, integrity, \
-                         or a plugin setting such as tcp.connections"
+                        "unknown option {key:?}: expected one of {}, or a plugin setting such as \
+                         tcp.connections",
+                        KEYS.iter().map(|k| k.key).collect::<Vec<_>>().join(", ")
                     ),
                 ))
             }
         }
         Ok(())
     }
+
+    /// One option's value as text, in the form [`EngineConfig::set`]
+    /// accepts (secrets as `(set)`, never their text; unset ones empty).
+    /// FERRY_ERR_NOT_FOUND for a key that is neither an engine setting nor
+    /// a plugin setting set here.
+    pub fn get(&self, key: &str) -> Result<String> {
+        let etcd = match &self.metadata {
+            MetadataConfig::Etcd { prefix, ttl_s, .. } => Some((prefix.clone(), *ttl_s)),
+            MetadataConfig::P2p => None,
+        };
+        let path_text = |p: &Option<PathBuf>| {
+            p.as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default()
+        };
+        Ok(match key {
+            "listen" => self.listen.clone(),
+            "hostname" => self.hostname.clone().unwrap_or_default(),
+            "timeout_ms" => self.timeout.as_millis().to_string(),
+            "connect_timeout_ms" => self.connect_timeout.as_millis().to_string(),
+            "idle_timeout_s" => self.idle_timeout.as_secs().to_string(),
+            "spin_us" => self.spin.as_micros().to_string(),
+            "gpu_direct" => self.gpu_direct.as_str().to_string(),
+            "staging_chunk" => self.staging_chunk.to_string(),
+            "staging_depth" => self.staging_depth.to_string(),
+            "plugin_path" => std::env::join_paths(&self.loader.plugin_path)
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            "transports" => self
+                .loader
+                .transports
+                .as_ref()
+                .map(|f| f.spec().to_string())
+                .unwrap_or_default(),
+            "plugin_probe_timeout_ms" => self.loader.probe_timeout.as_millis().to_string(),
+            "plugin_probe_helper" => match &self.loader.probe_helper {
+                HelperChoice::Auto => choice_text(true, false, None),
+                HelperChoice::Off => choice_text(false, true, None),
+                HelperChoice::Path(p) => choice_text(false, false, Some(p)),
+            },
+            "plugin_cache" => match &self.loader.cache {
+                CacheChoice::Auto => choice_text(true, false, None),
+                CacheChoice::Off => choice_text(false, true, None),
+                CacheChoice::Path(p) => choice_text(false, false, Some(p)),
+            },
+            "sysfs_root" => self.topology.sysfs_root.display().to_string(),
+            "nics" => self.topology.nic_filter.clone().unwrap_or_default(),
+            "topology_file" => path_text(&self.topology.topology_file),
+            "metadata" => metadata_text(&self.metadata),
+            "metadata_prefix" => etcd.map(|(p, _)| p).unwrap_or_default(),
+            "metadata_ttl_s" => etcd.map(|(_, t)| t.to_string()).unwrap_or_default(),
+            "name" => self.name.clone().unwrap_or_default(),
+            "auth_token_file" => path_text(&self.auth_token_file),
+            "auth_token" => if self.auth_token.is_some() {
+                "(set)"
+            } else {
+                ""
+            }
+            .to_string(),
+            "auth" => if self.auth_off { "off" } else { "required" }.to_string(),
+            "auth_timeout_ms" => self.auth_timeout.as_millis().to_string(),
+            "auth_max_pending" => self.auth_max_pending.to_string(),
+            "auth_max_pending_per_host" => self.auth_max_pending_per_host.to_string(),
+            "integrity" => self
+                .settings
+                .get("integrity")
+                .cloned()
+                .unwrap_or_else(|| "headers".into()),
+            k => match self.settings.get(k) {
+                Some(_) if secret_key(k) => "(set)".to_string(),
+                Some(v) => v.clone(),
+                None => {
+                    return Err(Error::new(
+                        ErrorCode::NotFound,
+                        format!(
+                        "no option {k:?}: neither an engine setting nor a plugin setting set here"
+                    ),
+                    ))
+                }
+            },
+        })
+    }
+
+    /// Every engine setting and every plugin setting set here, as
+    /// [`EngineConfig::get`] shows them: what `ferry info` reports.
+    pub fn effective(&self) -> BTreeMap<String, String> {
+        KEYS.iter()
+            .map(|k| k.key.to_string())
+            .chain(self.settings.keys().cloned())
+            .filter_map(|k| self.get(&k).ok().map(|v| (k, v)))
+            .collect()
+    }
+
+    /// The settings of [`EngineConfig::effective`] that differ from the
+    /// defaults, as `key=value` text (what the engine logs at start and
+    /// `ferry info` lists).
+    pub fn changed(&self) -> Vec<(String, String)> {
+        let defaults = EngineConfig::default().effective();
+        self.effective()
+            .into_iter()
+            .filter(|(k, v)| defaults.get(k) != Some(v))
+            .collect()
+    }
+
+    /// The settings the engine hands its plugins (plugin.h, "Settings the
+    /// engine hands to plugins"): the plugin settings given here, and the
+    /// engine's own `timeout_ms`, `connect_timeout_ms`, `idle_timeout_s`,
+    /// `sysfs_root`, `hostname` (`advertised`, the host peers reach this
+    /// engine at) and `auth.token`.
+    pub fn plugin_settings(&self, advertised: Option<&str>) -> BTreeMap<String, String> {
+        let mut settings = self.settings.clone();
+        for key in [
+            "timeout_ms",
+            "connect_timeout_ms",
+            "idle_timeout_s",
+            "sysfs_root",
+            "auth_timeout_ms",
+        ] {
+            if let Ok(v) = self.get(key) {
+                settings.entry(key.to_string()).or_insert(v);
+            }
+        }
+        // The pre-auth pool of every plugin's listener.
+        settings
+            .entry("auth.max_pending".into())
+            .or_insert_with(|| self.auth_max_pending.to_string());
+        settings
+            .entry("auth.max_pending_per_host".into())
+            .or_insert_with(|| self.auth_max_pending_per_host.to_string());
+        if let Some(host) = advertised
+            .map(str::to_string)
+            .or_else(|| self.hostname.clone())
+        {
+            settings.entry("hostname".into()).or_insert(host);
+        }
+        // Plugins authenticate their own connections with the same token.
+        if let Some(t) = &self.auth_token {
+            settings.insert("auth.token".into(), t.expose());
+        }
+        settings
+    }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn options_by_name() {
-        let mut c = EngineConfig::default();
-        c.set("timeout_ms", "250").unwrap();
-        assert_eq!(c.timeout, Duration::from_millis(250));
-        c.set("tcp.connections", "3").unwrap();
-        assert_eq!(c.settings["tcp.connections"], "3");
-        c.set("transports", "^rdma").unwrap();
-        assert!(!c.loader.transports.as_ref().unwrap().allows("rdma"));
-        assert!(c.set("timeout_ms", "soon").is_err());
-        assert!(c.set("timeout_ms", "0").is_err());
-        c.set("idle_timeout_s", "30").unwrap();
-        assert_eq!(c.idle_timeout, Duration::from_secs(30));
-        assert!(c.set("idle_timeout_s", "0").is_err());
-        assert!(c
-            .set("colour", "blue")
-            .unwrap_err()
-            .message
-            .contains("unknown option"));
-    }
-}
+#[path = "config_tests.rs"]
+mod tests;

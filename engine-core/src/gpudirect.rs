@@ -19,7 +19,7 @@
 use crate::topology::PathClass;
 use std::path::Path;
 
-/// FERRY_GPU_DIRECT.
+/// FERRY_GPU_DIRECT, the `gpu_direct` setting of EngineConfig.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
     Auto,
@@ -36,20 +36,8 @@ impl Policy {
             "peermem" | "nvidia-peermem" => Ok(Policy::PeerMem),
             "off" | "0" | "none" | "staged" => Ok(Policy::Off),
             other => Err(format!(
-                "FERRY_GPU_DIRECT={other:?}: expected auto, dmabuf, peermem or off"
+                "gpu_direct (FERRY_GPU_DIRECT) {other:?}: expected auto, dmabuf, peermem or off"
             )),
-        }
-    }
-
-    /// From FERRY_GPU_DIRECT (auto when unset; an unknown value is reported
-    /// and treated as auto).
-    pub fn from_env() -> (Policy, Option<String>) {
-        match std::env::var("FERRY_GPU_DIRECT") {
-            Err(_) => (Policy::Auto, None),
-            Ok(v) => match Policy::parse(&v) {
-                Ok(p) => (p, None),
-                Err(e) => (Policy::Auto, Some(e)),
-            },
         }
     }
 

@@ -51,8 +51,9 @@ struct EngineLink {
 }
 
 impl CoreHost {
-    /// `settings` override the environment: key "tcp.connections" is looked
-    /// up here first, then as FERRY_TCP_CONNECTIONS.
+    /// `settings` (from `EngineConfig::plugin_settings`) override the
+    /// environment: key "tcp.connections" is looked up here first, then as
+    /// FERRY_TCP_CONNECTIONS.
     pub fn new(settings: BTreeMap<String, String>, topology: Option<Arc<Topology>>) -> CoreHost {
         CoreHost {
             settings,
@@ -123,11 +124,21 @@ impl HostServices for CoreHost {
         self.counters.add(plugin, name, device, delta);
     }
 
+    /// The engine's settings first. A plugin setting the engine was not
+    /// given (`tcp.connections`) falls back to its environment variable
+    /// (FERRY_TCP_CONNECTIONS); the keys the engine hands over itself
+    /// (`timeout_ms`, `auth.token`, ...: every key without a dot, and
+    /// `auth.token`) never do, so a plugin sees the engine's own value,
+    /// checked once by EngineConfig, or nothing.
     fn config(&self, key: &str) -> Option<String> {
-        self.settings
-            .get(key)
-            .cloned()
-            .or_else(|| std::env::var(config_env_var(key)).ok())
+        if let Some(v) = self.settings.get(key) {
+            return Some(v.clone());
+        }
+        let engine_owned = !key.contains('.') || key == "auth.token";
+        if engine_owned {
+            return None;
+        }
+        std::env::var(config_env_var(key)).ok()
     }
 
     fn peer_request(

@@ -1,15 +1,22 @@
-//! What `ferry info` reports: this build's versions, where plugins were
-//! looked for, and every plugin file with its state and the reason for it.
+//! What `ferry info` reports: this build's versions, the settings in
+//! effect, where plugins were looked for, every plugin file with its state
+//! and the reason for it, and GPUs with their registration decision.
+//! [`report`] builds it; `ferry info`, `ferry_info_json()` (C) and
+//! `ferry.info()` (Python) all call it and nothing else, so they agree.
 //! The JSON shape is documented in docs/info-json.md; keep the two in step.
 
+use crate::config::EngineConfig;
 use crate::device::Device;
+use crate::gpudirect::Policy;
 use crate::topology::Topology;
 use ferry_loader::escape::for_terminal as esc;
 use ferry_loader::{
     Isolation, PluginKind, PluginReport, PluginSet, PluginState, ProbeSetup, SearchEntry,
 };
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::sync::Arc;
 
 /// Ferry's own version.
 pub const FERRY_VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -18,6 +25,9 @@ pub const FERRY_VERSION: &str = env!("CARGO_PKG_VERSION");
 pub struct InfoReport {
     pub ferry_version: String,
     pub abi_version: String,
+    /// Every engine setting in effect (EngineConfig::effective: secrets as
+    /// "(set)"), and the plugin settings given.
+    pub config: BTreeMap<String, String>,
     pub search_path: Vec<SearchEntry>,
     pub transports_filter: Option<String>,
     /// Where plugins were loaded and probed (a child process or this one)
@@ -30,11 +40,80 @@ pub struct InfoReport {
     pub warnings: Vec<String>,
 }
 
+/// The `ferry info` report for an engine configured by `config`: topology
+/// from its sysfs root, plugins loaded and probed as an engine would load
+/// them (the same search path, filter and settings), GPUs and the
+/// GPU-direct decision under its `gpu_direct` policy, and warnings about
+/// settings that expose memory. `reprobe` ignores cached probe results.
+/// The one source of `ferry info`, `ferry_info_json()` and `ferry.info()`.
+pub fn report(config: &EngineConfig, reprobe: bool) -> InfoReport {
+    let mut warnings = Vec::new();
+    let topology = match Topology::discover(&config.topology) {
+        Ok(t) => Some(Arc::new(t)),
+        Err(e) => {
+            warnings.push(format!("topology: {e}"));
+            None
+        }
+    };
+    let loader = ferry_loader::LoaderConfig {
+        reprobe,
+        ..config.loader.clone()
+    };
+    let host = crate::host::CoreHost::new(config.plugin_settings(None), topology.clone());
+    let set = crate::host::load_plugins(&loader, host);
+    let mut report =
+        InfoReport::from_plugins(&set).with_gpus(&set, topology.as_deref(), config.gpu_direct);
+    report.config = config.effective();
+    report.warnings.extend(warnings);
+    report.warnings.extend(security_warnings(config));
+    report
+}
+
+/// [`report`] for the engine the environment configures: a FERRY_* value
+/// that is rejected is the error (with its reason), not a report of some
+/// other configuration.
+pub fn report_from_env(reprobe: bool) -> crate::Result<InfoReport> {
+    Ok(report(&EngineConfig::from_env()?, reprobe))
+}
+
+/// What these settings would expose: a listener other hosts can reach
+/// without an auth token.
+fn security_warnings(config: &EngineConfig) -> Vec<String> {
+    let host = config
+        .listen
+        .rsplit_once(':')
+        .map_or(config.listen.as_str(), |(h, _)| h)
+        .trim_matches(|c| c == '[' || c == ']');
+    let loopback = host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    match (loopback, config.auth_token.is_some(), config.auth_off) {
+        (false, false, true) => vec![format!(
+            "FERRY_LISTEN={} is reachable from other hosts and FERRY_AUTH=off: engines accept \
+             anyone who can reach the port (set FERRY_AUTH_TOKEN)",
+            config.listen
+        )],
+        (false, false, false) => vec![format!(
+            "FERRY_LISTEN={} is reachable from other hosts and no FERRY_AUTH_TOKEN is set: \
+             engines will refuse to start until one is (or FERRY_AUTH=off)",
+            config.listen
+        )],
+        (true, false, true) => vec![
+            "FERRY_AUTH=off: every local user's processes can read and write the memory \
+             engines register (unset it to use this user's token)"
+                .to_string(),
+        ],
+        _ => Vec::new(),
+    }
+}
+
 impl InfoReport {
     pub fn from_plugins(set: &PluginSet) -> InfoReport {
         InfoReport {
             ferry_version: FERRY_VERSION.to_string(),
             abi_version: ferry_plugins_abi::abi_version(),
+            config: BTreeMap::new(),
             search_path: set.search_path.clone(),
             transports_filter: set.transports_filter.clone(),
             probing: set.probing.clone(),
@@ -89,6 +168,7 @@ impl InfoReport {
         if let Some(f) = &self.transports_filter {
             let _ = writeln!(out, "FERRY_TRANSPORTS={}", esc(f));
         }
+        render_settings(&mut out, &self.config);
         render_probing(&mut out, &self.probing);
         let enabled = self
             .plugins
@@ -119,6 +199,23 @@ impl InfoReport {
             }
         }
         out
+    }
+}
+
+/// The settings that differ from the defaults (all of them are in the JSON).
+fn render_settings(out: &mut String, config: &BTreeMap<String, String>) {
+    let defaults = EngineConfig::default().effective();
+    let changed: Vec<_> = config
+        .iter()
+        .filter(|(k, v)| defaults.get(*k) != Some(*v))
+        .collect();
+    if changed.is_empty() {
+        let _ = writeln!(out, "\nSettings: all defaults (docs/configuration.md)");
+        return;
+    }
+    let _ = writeln!(out, "\nSettings other than the defaults:");
+    for (k, v) in changed {
+        let _ = writeln!(out, "  {k} = {}", esc(v));
     }
 }
 
@@ -282,6 +379,8 @@ pub struct Skipped {
 #[derive(Clone, Debug, Serialize)]
 pub struct GpuDirectReport {
     pub policy: String,
+    /// Always null: a gpu_direct value that is not a policy is rejected
+    /// with its reason before any report (kept: fields are only added).
     pub policy_warning: Option<String>,
     pub peermem: Option<String>,
     pub libibverbs: String,
@@ -293,16 +392,20 @@ impl InfoReport {
     /// Adds the GPUs: from enabled device plugins (the driver's numbering),
     /// else from sysfs alone; each with its nearest NICs and the GPU-direct
     /// decision.
-    pub fn with_gpus(mut self, set: &PluginSet, topology: Option<&Topology>) -> InfoReport {
-        use crate::gpudirect::{self, GpuFacts, HostFacts, PairFacts, Policy};
-        let (policy, policy_warning) = Policy::from_env();
+    pub fn with_gpus(
+        mut self,
+        set: &PluginSet,
+        topology: Option<&Topology>,
+        policy: Policy,
+    ) -> InfoReport {
+        use crate::gpudirect::{self, GpuFacts, HostFacts, PairFacts};
         let sysfs = topology
             .map(|t| t.sysfs_root().to_path_buf())
             .unwrap_or_else(|| std::path::PathBuf::from("/sys"));
         let host = HostFacts::detect(&sysfs, gpudirect::no_direct_transport(set));
         self.gpu_direct = Some(GpuDirectReport {
             policy: policy.as_str().to_string(),
-            policy_warning,
+            policy_warning: None,
             peermem: host.peermem.clone(),
             libibverbs: match &host.verbs {
                 Ok(true) => "loads, exports ibv_reg_dmabuf_mr".into(),
@@ -501,9 +604,6 @@ fn render_gpus(out: &mut String, report: &InfoReport) {
             esc(&g.libibverbs)
         );
         let _ = writeln!(out, "  transport for GPU memory: {}", esc(&g.transport));
-        if let Some(w) = &g.policy_warning {
-            let _ = writeln!(out, "  warning: {}", esc(w));
-        }
     }
     if report.gpus.is_empty() {
         let _ = writeln!(out, "GPUs: none");

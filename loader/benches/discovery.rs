@@ -29,7 +29,11 @@ use std::time::Instant;
 
 fn child() {
     let started = Instant::now();
-    let set = PluginSet::load(&LoaderConfig::from_env(), Arc::new(EnvHost));
+    let config = LoaderConfig::from_env().unwrap_or_else(|e| {
+        eprintln!("discovery: {e}");
+        std::process::exit(2)
+    });
+    let set = PluginSet::load(&config, Arc::new(EnvHost));
     let total_us = started.elapsed().as_micros();
     let enabled = set
         .plugins

@@ -182,29 +182,41 @@ pub const DEFAULT_PROBE_TIMEOUT_MS: u64 = 10_000;
 impl LoaderConfig {
     /// FERRY_PLUGIN_PATH (colon list), FERRY_TRANSPORTS,
     /// FERRY_PLUGIN_PROBE_TIMEOUT_MS (default 10000),
-    /// FERRY_PLUGIN_PROBE_HELPER and FERRY_PLUGIN_CACHE (default `auto`).
-    pub fn from_env() -> LoaderConfig {
+    /// FERRY_PLUGIN_PROBE_HELPER and FERRY_PLUGIN_CACHE (default `auto`),
+    /// for programs that load plugins without an engine (an engine reads
+    /// the same variables through engine-core's EngineConfig). Empty
+    /// variables count as unset; a timeout that is not a number of
+    /// milliseconds (1 to 3600000) is rejected with the reason, as the
+    /// engine rejects it.
+    pub fn from_env() -> Result<LoaderConfig, String> {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
         let plugin_path = std::env::var_os("FERRY_PLUGIN_PATH")
             .map(|p| split_path_list(&p))
             .unwrap_or_default();
-        let transports = std::env::var("FERRY_TRANSPORTS")
-            .ok()
-            .and_then(|s| NameFilter::parse(&s));
-        let timeout_ms = std::env::var("FERRY_PLUGIN_PROBE_TIMEOUT_MS")
-            .ok()
-            .and_then(|s| s.trim().parse::<u64>().ok())
-            .unwrap_or(DEFAULT_PROBE_TIMEOUT_MS);
-        LoaderConfig {
+        let timeout_ms = match var("FERRY_PLUGIN_PROBE_TIMEOUT_MS") {
+            None => DEFAULT_PROBE_TIMEOUT_MS,
+            Some(v) => v
+                .trim()
+                .parse::<u64>()
+                .ok()
+                .filter(|ms| (1..=3_600_000).contains(ms))
+                .ok_or_else(|| {
+                    format!(
+                        "FERRY_PLUGIN_PROBE_TIMEOUT_MS={v:?} rejected: expected a whole number \
+                         of milliseconds, 1 to 3600000"
+                    )
+                })?,
+        };
+        Ok(LoaderConfig {
             plugin_path,
             default_dirs: true,
-            transports,
+            transports: var("FERRY_TRANSPORTS").and_then(|s| NameFilter::parse(&s)),
             probe_timeout: std::time::Duration::from_millis(timeout_ms),
-            probe_helper: std::env::var("FERRY_PLUGIN_PROBE_HELPER")
+            probe_helper: var("FERRY_PLUGIN_PROBE_HELPER")
                 .map_or(HelperChoice::Auto, |v| HelperChoice::parse(&v)),
-            cache: std::env::var("FERRY_PLUGIN_CACHE")
-                .map_or(CacheChoice::Auto, |v| CacheChoice::parse(&v)),
+            cache: var("FERRY_PLUGIN_CACHE").map_or(CacheChoice::Auto, |v| CacheChoice::parse(&v)),
             reprobe: false,
-        }
+        })
     }
 
     /// Only the given directories, no defaults, no filter.

@@ -11,7 +11,10 @@ Two APIs over one engine:
   tensors on CPU or GPU, anything with ``__cuda_array_interface__`` or the
   buffer protocol).
 
-``ferry.info()`` reports the plugins this host loaded and why any was not.
+``ferry.info()`` reports the settings in effect and the plugins this host
+loaded and why any was not: the same report as ``ferry info --json`` and C's
+``ferry_info_json()``. ``ferry.config()`` checks settings without starting an
+engine (docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ __all__ = [
     "TransferEngine",
     "TransferNotify",
     "TransferOpcode",
+    "config",
     "error_codes",
     "info",
     "plugin_dir",
@@ -65,10 +69,23 @@ class Info(dict):
 
 
 def info() -> Info:
-    """Ferry's version, the plugin search path, every plugin with its state
-    and the reason for it, GPUs and how their memory is registered."""
+    """Ferry's version, the settings in effect, the plugin search path, every
+    plugin with its state and the reason for it, GPUs and how their memory is
+    registered: ``ferry info --json`` (docs/info-json.md), from the same
+    function. A bad FERRY_* value raises ``FerryError`` with the reason."""
     text, data = _ferry.info_report()
     return Info(text, _json.loads(data))
+
+
+def config(settings: dict = None) -> dict:
+    """The settings an engine would start with: the FERRY_* variables, then
+    ``settings`` (engine keys such as ``"staging_depth"`` or
+    ``"gpu_direct"``, plugin settings such as ``"tcp.connections"``) on top.
+    A value a key does not accept raises ``FerryError`` (``INVALID_ARGUMENT``)
+    with the reason, exactly as ``Engine(settings=...)`` would. Secrets read
+    ``"(set)"``."""
+    options = [(str(k), str(v)) for k, v in (settings or {}).items()]
+    return dict(_ferry.effective_config(options))
 
 
 def error_codes() -> dict:

@@ -326,10 +326,12 @@ class Engine:
     """A Ferry engine: a control listener peers find it by, the transports
     this host supports, and the memory registered with it.
 
-    Options are the engine's settings (README, "Configuration"); FERRY_*
+    Options are the engine's settings (docs/configuration.md); FERRY_*
     variables apply first and these override them. A listener other hosts
     can reach needs ``auth_token`` (or FERRY_AUTH_TOKEN; docs/security.md). ``settings`` takes any
-    other key, e.g. ``{"tcp.connections": 8}``. ``prefer`` names a transport
+    other key, engine or plugin, e.g. ``{"gpu_direct": "off", "staging_depth": 8,
+    "tcp.connections": 8}``. A value a key does not accept raises
+    ``FerryError`` (``INVALID_ARGUMENT``) with the reason. ``prefer`` names a transport
     to use whenever it can serve a request (else the engine's choice).
     """
 

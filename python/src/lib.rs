@@ -20,26 +20,37 @@ mod errors;
 
 use errors::{ferry_err, FerryError};
 
-/// What `ferry info` prints, as (text, JSON): the plugin search path, every
-/// plugin with its state and reason, GPUs and their registration decision.
+/// What `ferry info` prints, as (text, JSON): the one report of
+/// `ferry_core::info::report`, as the CLI and the C API give it. A FERRY_*
+/// value that is rejected raises FerryError with the reason.
 #[pyfunction]
 fn info_report(py: Python<'_>) -> PyResult<(String, String)> {
     py.detach(|| {
-        let topology = ferry_core::topology::Topology::discover(
-            &ferry_core::topology::TopologyConfig::from_env(),
-        )
-        .ok()
-        .map(std::sync::Arc::new);
-        let set = ferry_core::load_plugins(
-            &ferry_core::loader::LoaderConfig::from_env(),
-            ferry_core::host::CoreHost::new(Default::default(), topology.clone()),
-        );
-        let report =
-            ferry_core::info::InfoReport::from_plugins(&set).with_gpus(&set, topology.as_deref());
+        let report = ferry_core::info::report_from_env(false)?;
         let json = report.to_json_text(false)?;
         Ok((report.render_text(), json))
     })
     .map_err(|e| ferry_err(py, e))
+}
+
+/// The settings an engine would start with: the FERRY_* variables, then
+/// `options` (keys of EngineConfig, plugin settings) on top, as
+/// (key, value) pairs; a value a key does not accept raises FerryError
+/// (INVALID_ARGUMENT) with the reason, as `NativeEngine` would.
+#[pyfunction]
+fn effective_config(
+    py: Python<'_>,
+    options: Vec<(String, String)>,
+) -> PyResult<Vec<(String, String)>> {
+    let config = (|| -> Result<_, ferry_core::Error> {
+        let mut config = ferry_core::EngineConfig::from_env()?;
+        for (k, v) in &options {
+            config.set(k, v)?;
+        }
+        Ok(config)
+    })()
+    .map_err(|e| ferry_err(py, e))?;
+    Ok(config.effective().into_iter().collect())
 }
 
 /// Ferry's error codes: (code, name) pairs.
@@ -52,10 +63,12 @@ fn error_codes() -> Vec<(i32, &'static str)> {
 }
 
 /// The search path the loader would use from this module: (path, origin,
-/// exists) per entry.
+/// exists) per entry, for the settings of the environment.
 #[pyfunction]
-fn plugin_search_path() -> Vec<(String, String, bool)> {
-    ferry_core::loader::LoaderConfig::from_env()
+fn plugin_search_path(py: Python<'_>) -> PyResult<Vec<(String, String, bool)>> {
+    let config = ferry_core::EngineConfig::from_env().map_err(|e| ferry_err(py, e))?;
+    Ok(config
+        .loader
         .search_path()
         .into_iter()
         .map(|e| {
@@ -65,7 +78,7 @@ fn plugin_search_path() -> Vec<(String, String, bool)> {
                 e.exists,
             )
         })
-        .collect()
+        .collect())
 }
 
 #[pymodule]
@@ -78,5 +91,6 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(info_report, m)?)?;
     m.add_function(wrap_pyfunction!(error_codes, m)?)?;
     m.add_function(wrap_pyfunction!(plugin_search_path, m)?)?;
+    m.add_function(wrap_pyfunction!(effective_config, m)?)?;
     Ok(())
 }

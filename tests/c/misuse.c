@@ -20,7 +20,16 @@ int main(void) {
     expect("config_set unknown", ferry_config_set(cfg, "colour", "blue"), FERRY_ERR_INVALID_ARGUMENT);
     expect("config_set NULL key", ferry_config_set(cfg, NULL, "x"), FERRY_ERR_INVALID_ARGUMENT);
     expect("config_set bad timeout", ferry_config_set(cfg, "timeout_ms", "soon"), FERRY_ERR_INVALID_ARGUMENT);
+    expect("config_set bad gpu_direct", ferry_config_set(cfg, "gpu_direct", "yes"), FERRY_ERR_INVALID_ARGUMENT);
+    expect("config_set bad staging_depth", ferry_config_set(cfg, "staging_depth", "0"), FERRY_ERR_INVALID_ARGUMENT);
     expect("config_set listen", ferry_config_set(cfg, "listen", "127.0.0.1:0"), FERRY_OK);
+    char value[4];
+    size_t value_len = 0;
+    expect("config_get NULL config", ferry_config_get(NULL, "listen", value, sizeof value, &value_len), FERRY_ERR_INVALID_ARGUMENT);
+    expect("config_get NULL key", ferry_config_get(cfg, NULL, value, sizeof value, &value_len), FERRY_ERR_INVALID_ARGUMENT);
+    expect("config_get unknown", ferry_config_get(cfg, "colour", value, sizeof value, &value_len), FERRY_ERR_NOT_FOUND);
+    expect("config_get small buffer", ferry_config_get(cfg, "listen", value, sizeof value, &value_len), FERRY_ERR_NO_MEMORY);
+    expect("config_get NULL buffer", ferry_config_get(cfg, "listen", NULL, 0, NULL), FERRY_ERR_NO_MEMORY);
     ferry_engine *e = NULL;
     expect("engine_new(out NULL)", ferry_engine_new(cfg, NULL), FERRY_ERR_INVALID_ARGUMENT);
     expect("engine_new", ferry_engine_new(cfg, &e), FERRY_OK);

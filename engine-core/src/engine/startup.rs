@@ -18,7 +18,7 @@ use crate::control::{self, ControlHandler, ControlServer};
 use crate::descriptor::SegmentDescriptor;
 use crate::device::Device;
 use crate::error::{Error, ErrorCode, Result};
-use crate::gpudirect::{no_direct_transport, HostFacts, Policy};
+use crate::gpudirect::{no_direct_transport, HostFacts};
 use crate::host::{load_plugins, CoreHost, PeerControls};
 use crate::identity::Identity;
 use crate::memory::MemoryRegistry;
@@ -165,32 +165,15 @@ impl Engine {
             _ => control_addr.clone(),
         };
 
-        let mut settings = config.settings.clone();
-        settings
-            .entry("timeout_ms".into())
-            .or_insert_with(|| config.timeout.as_millis().to_string());
-        settings
-            .entry("connect_timeout_ms".into())
-            .or_insert_with(|| config.connect_timeout.as_millis().to_string());
-        settings
-            .entry("idle_timeout_s".into())
-            .or_insert_with(|| config.idle_timeout.as_secs().to_string());
-        // The host peers reach this engine at: what a plugin listening on
+        // The host peers reach this engine at is what a plugin listening on
         // every interface advertises (its engine's name may be an etcd name).
-        settings.entry("hostname".into()).or_insert(host_name);
-        settings
-            .entry("auth_timeout_ms".into())
-            .or_insert_with(|| config.auth_timeout.as_millis().to_string());
-        settings
-            .entry("auth.max_pending".into())
-            .or_insert_with(|| config.auth_max_pending.to_string());
-        settings
-            .entry("auth.max_pending_per_host".into())
-            .or_insert_with(|| config.auth_max_pending_per_host.to_string());
-        // Plugins authenticate their own connections with the same token.
-        if let Some(t) = &token {
-            settings.insert("auth.token".into(), t.expose());
-        }
+        let mut settings = config.plugin_settings(Some(&host_name));
+        // Plugins authenticate their own connections with the same token:
+        // the configured one, or this user's.
+        match &token {
+            Some(t) => settings.insert("auth.token".into(), t.expose()),
+            None => settings.remove("auth.token"),
+        };
         let topology = Arc::new(
             Topology::discover(&config.topology)
                 .map_err(|e| Error::new(ErrorCode::InvalidArgument, format!("topology: {e}")))?,
@@ -265,10 +248,8 @@ impl Engine {
             );
         }
 
-        let (policy, policy_warning) = Policy::from_env();
-        if let Some(w) = policy_warning {
-            log::warn!("{w}");
-        }
+        let policy = config.gpu_direct;
+        let staging = Staging::new(config.staging_chunk, config.staging_depth);
         let host = HostFacts::detect(topology.sysfs_root(), no_direct_transport(&plugins));
         let gpu_direct = GpuDirect::decide(&devices.gpus, &topology, policy, host);
         let shared = Arc::new(Shared {
@@ -288,7 +269,7 @@ impl Engine {
             memory: MemoryRegistry::default(),
             allocations: Mutex::new(HashMap::new()),
             segments: Segments::new(peer_controls),
-            staging: Staging::from_env(),
+            staging,
             batches,
         });
         let weak: Weak<dyn ControlHandler> = Arc::downgrade(&shared) as Weak<dyn ControlHandler>;
@@ -316,6 +297,20 @@ impl Engine {
                 Err(e) => log::warn!("metadata: {e}"),
             }
         }
+        let changed = shared.config.changed();
+        log::info!(
+            "engine {}: settings other than the defaults: {}",
+            shared.node.name,
+            if changed.is_empty() {
+                "none".to_string()
+            } else {
+                changed
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
+        );
         log::info!(
             "engine {} listening; transports: {}",
             shared.node.name,

@@ -244,10 +244,38 @@ typedef struct ferry_host_services {
     /* Nonzero when a message at this level would be printed. */
     int32_t (*log_enabled)(void *ctx, int32_t level);
 
-    /* Look up a setting such as "tcp.connections": the engine's own
-     * configuration first, then the environment variable FERRY_TCP_CONNECTIONS.
-     * Copies the value (NUL-terminated, truncated to cap) and returns its
-     * full length without the NUL, or -1 when the key is unset. */
+    /* Look up a setting. Copies the value (NUL-terminated, truncated to
+     * cap) and returns its full length without the NUL, or -1 when the key
+     * is unset. Values are text; check them and refuse a bad one with
+     * FERRY_ERR_INVALID_ARGUMENT and a message naming the key.
+     *
+     * Your own settings have a dot, "<plugin>.<option>" ("tcp.connections"):
+     * the engine's configuration first (ferry_config_set, Python settings),
+     * then the environment variable FERRY_<PLUGIN>_<OPTION>
+     * (FERRY_TCP_CONNECTIONS).
+     *
+     * Settings the engine hands every plugin, from its own configuration
+     * only (never read from the environment by this call; already checked):
+     *   "timeout_ms"          deadline of a network wait, ms (default 15000)
+     *   "connect_timeout_ms"  deadline of a connection attempt, ms (5000)
+     *   "idle_timeout_s"      close a served connection idle this long, s (120)
+     *   "sysfs_root"          where to read sysfs ("/sys"; fake trees in tests)
+     *   "hostname"            the host peers reach this engine at; advertise it
+     *                         when listening on every interface (unset while
+     *                         `ferry info` probes)
+     *   "auth.token"          the cluster's shared secret (or this user's
+     *                         token when none is configured); unset with
+     *                         FERRY_AUTH=off. Prove it on every connection you
+     *                         accept or open, and tag what follows with the
+     *                         session keys; never log or send it.
+     *   "auth_timeout_ms"     a connection you accept must authenticate
+     *                         within this, ms (1000)
+     *   "auth.max_pending"    connections authenticating at once on your
+     *                         listener (64), and per source address:
+     *   "auth.max_pending_per_host"  (8); answer more with BUSY
+     *   "integrity"           "payload" when payloads are to be tagged too
+     *                         (unset: headers only)
+     * docs/configuration.md lists the engine's own settings. */
     int64_t (*config_get)(void *ctx, const char *key, char *buf, size_t cap);
 
     /* NICs as seen from a memory location ("cpu:0", "cuda:3"), best first,

@@ -597,3 +597,41 @@ mod tests {
         assert!(matches!(r, Err(AuthError::Protocol(_))), "{r:?}");
     }
 }
+
+/// What a tag costs, for docs/security.md (run in release:
+/// `cargo test --release -p ferry-plugins-abi --lib tag_cost -- --ignored --nocapture`).
+/// Prints; asserts nothing about time.
+#[cfg(test)]
+mod cost {
+    use super::*;
+
+    #[test]
+    #[ignore]
+    fn tag_cost() {
+        let t = Token::new("cost").unwrap();
+        let mut d = Session::derive(Some(&t), "tcp", &[1; 32], &[2; 32], false).send;
+        // A 4 KiB x 256 request's header and descriptors, its response's
+        // header and statuses, and payloads.
+        for (what, len, reps) in [
+            ("request header + 256 descriptors", 32 + 256 * 16, 20_000u32),
+            ("response header + 256 statuses", 32 + 256 * 4, 20_000),
+            ("request header + 1 descriptor", 48, 200_000),
+            ("1 MiB payload", 1 << 20, 200),
+        ] {
+            let buf = vec![7u8; len];
+            let mut best = f64::MAX;
+            for _ in 0..5 {
+                let start = std::time::Instant::now();
+                for _ in 0..reps {
+                    std::hint::black_box(d.seal(&[&buf]));
+                }
+                best = best.min(start.elapsed().as_secs_f64() / f64::from(reps));
+            }
+            println!(
+                "TAGCOST {what}: {:.2} us per tag, {:.2} GB/s",
+                best * 1e6,
+                len as f64 / best / 1e9
+            );
+        }
+    }
+}

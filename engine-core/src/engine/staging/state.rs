@@ -8,10 +8,9 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// Default for FERRY_STAGING_CHUNK: bytes per staged chunk.
-pub const DEFAULT_CHUNK: u64 = 4 << 20;
-/// Default for FERRY_STAGING_DEPTH: chunks in flight per staged job.
-pub const DEFAULT_DEPTH: usize = 4;
+// The settings' limits (config.rs) fit the staging protocol's.
+const _: () = assert!(crate::config::MAX_STAGING_CHUNK <= MAX_SLOT_LEN);
+const _: () = assert!(crate::config::MAX_STAGING_DEPTH <= MAX_SLOTS);
 
 /// Staging state of one engine: its configuration, the sessions peers
 /// opened here, its own pool of local slots and of copy streams.
@@ -32,16 +31,12 @@ pub(crate) struct Session {
 }
 
 impl Staging {
-    pub(crate) fn from_env() -> Staging {
-        let num = |var: &str, default: u64| {
-            std::env::var(var)
-                .ok()
-                .and_then(|v| crate::config::parse_size_text(&v))
-                .unwrap_or(default)
-        };
+    /// Staging with `chunk` bytes per chunk and `depth` chunks in flight
+    /// (EngineConfig's staging_chunk and staging_depth, checked there).
+    pub(crate) fn new(chunk: u64, depth: usize) -> Staging {
         Staging {
-            chunk: num("FERRY_STAGING_CHUNK", DEFAULT_CHUNK).clamp(64 << 10, MAX_SLOT_LEN),
-            depth: (num("FERRY_STAGING_DEPTH", DEFAULT_DEPTH as u64) as usize).clamp(1, MAX_SLOTS),
+            chunk,
+            depth,
             sessions: Mutex::new(HashMap::new()),
             lent: Mutex::new(0),
             local: Mutex::new(None),
