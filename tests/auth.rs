@@ -181,7 +181,9 @@ fn unauthenticated_connections_are_refused_before_any_request_is_parsed() {
     }
     eprintln!("unauthenticated connections: {tried} tried, {refused} refused");
     assert_eq!(tried, refused);
-    assert!(ferry_core::control::AUTH_REFUSED.load(std::sync::atomic::Ordering::SeqCst) >= 5);
+    assert!(
+        ferry_core::control_server::AUTH_REFUSED.load(std::sync::atomic::Ordering::SeqCst) >= 5
+    );
     // The target still serves its peers.
     let peer = engine("tcp", Some("right-token"));
     let seg = peer.open_segment(&control).unwrap();

@@ -169,8 +169,8 @@ fn a_relay_on_the_control_plane_can_neither_inject_nor_alter() {
         .register_memory(secret.as_ptr() as u64, secret.len() as u64, None)
         .unwrap();
     let initiator = engine(&[("transports", "tcp"), ("auth_token", TOKEN)]);
-    let before =
-        ferry_core::control::REFUSALS.count(ferry_plugins_abi::sdk::admission::Refusal::Integrity);
+    let before = ferry_core::control_server::REFUSALS
+        .count(ferry_plugins_abi::sdk::admission::Refusal::Integrity);
 
     // Its own request for the descriptor, on the authenticated connection.
     let own = ferry_core::control::encode_frame(ferry_core::control::MsgType::GetDescriptor, b"{}")
@@ -193,8 +193,8 @@ fn a_relay_on_the_control_plane_can_neither_inject_nor_alter() {
         "the relay read a descriptor: {}",
         String::from_utf8_lossy(&seen)
     );
-    let after =
-        ferry_core::control::REFUSALS.count(ferry_plugins_abi::sdk::admission::Refusal::Integrity);
+    let after = ferry_core::control_server::REFUSALS
+        .count(ferry_plugins_abi::sdk::admission::Refusal::Integrity);
     assert!(after > before, "the injection was not counted");
 
     // Altering one byte of the descriptor on its way back.
@@ -688,7 +688,7 @@ fn authenticated_peers_are_served_while_3000_unauthenticated_connections_are_hel
         "served {served} transfers while {} unauthenticated connections were held; control \
          refusals: {}",
         held.lock().unwrap().len(),
-        ferry_core::control::REFUSALS.total()
+        ferry_core::control_server::REFUSALS.total()
     );
 }
 

@@ -22,6 +22,7 @@
 pub mod batch;
 pub mod config;
 pub mod control;
+pub mod control_server;
 pub mod counters;
 pub mod descriptor;
 pub mod device;
