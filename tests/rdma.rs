@@ -540,6 +540,7 @@ fn child_forged_keys() {
             device_ordinal: None,
             dmabuf: None,
             local_only: false,
+            share: None,
         })
         .unwrap();
     let request = |op: u32, remote_addr: u64, length: u64, key: &[u8], token: u64| {

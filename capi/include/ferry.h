@@ -241,6 +241,27 @@ ferry_status_t ferry_open_segment(const struct ferry_engine *engine,
                                   ferry_segment_id *out);
 
 /**
+ * Which transport would carry a request of `len` bytes from `local`
+ * to `remote_addr` of segment `segment`, and why, as JSON: `transport`,
+ * `scope`, `reason` (in words), `peer_detail`, `interface`, and
+ * `estimate` (the cost model's `seconds`, `bandwidth_mbps`, `latency_ns`,
+ * whether the figures were `declared`, the `device`, and the
+ * `measured_bandwidth_mbps` / `measured_latency_ns` with their sample
+ * counts, null when not measured).
+ *
+ * # Safety
+ * `engine` valid; `buf` writable for `cap` bytes; `out_len` NULL or valid.
+ */
+ferry_status_t ferry_route_json(const struct ferry_engine *engine,
+                                ferry_segment_id segment,
+                                const void *local,
+                                uint64_t remote_addr,
+                                uint64_t len,
+                                char *buf,
+                                size_t cap,
+                                size_t *out_len);
+
+/**
  * Closes a segment.
  *
  * # Safety

@@ -464,6 +464,37 @@ pub unsafe extern "C" fn ferry_open_segment(
     })
 }
 
+/// Which transport would carry a request of `len` bytes from `local`
+/// to `remote_addr` of segment `segment`, and why, as JSON: `transport`,
+/// `scope`, `reason` (in words), `peer_detail`, `interface`, and
+/// `estimate` (the cost model's `seconds`, `bandwidth_mbps`, `latency_ns`,
+/// whether the figures were `declared`, the `device`, and the
+/// `measured_bandwidth_mbps` / `measured_latency_ns` with their sample
+/// counts, null when not measured).
+///
+/// # Safety
+/// `engine` valid; `buf` writable for `cap` bytes; `out_len` NULL or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_route_json(
+    engine: *const ferry_engine,
+    segment: ferry_segment_id,
+    local: *const c_void,
+    remote_addr: u64,
+    len: u64,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let e = unsafe { obj(engine, "engine")? };
+        // Only compared against registered memory, never dereferenced.
+        let route = e.inner.route(segment, local as u64, remote_addr, len)?;
+        // SAFETY: per the contract.
+        unsafe { copy_text(&route.to_json(), buf, cap, out_len) }
+    })
+}
+
 /// Closes a segment.
 ///
 /// # Safety

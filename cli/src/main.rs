@@ -63,7 +63,9 @@ shows the settings in effect):
   FERRY_TCP_MAX_CONNECTIONS_PER_HOST  of those, from one host (256)
   FERRY_TCP_ADVERTISE            host:port peers connect to for data (behind a NAT or proxy)
   FERRY_SHM_CMA                  on, or off: no cross-memory attach
-  FERRY_SHM_HUGEPAGES            on, or off: normal pages
+  FERRY_SHM_HUGEPAGES            on, or off: engine allocations use normal pages
+  FERRY_SHM_COPY_THREADS         threads per large shm copy (auto: the NUMA node's CPUs)
+  FERRY_SHM_NONTEMPORAL          on, off, or bytes from which streaming stores are used
   FERRY_SHM_ALLOWED_UIDS         other users whose processes may use this engine's shm socket
   FERRY_RDMA_SLICE_BYTES         RDMA slice size (1048576)
   FERRY_RDMA_RAILS               NIC pairs per request (0: all equally close)
@@ -204,12 +206,16 @@ enum BenchMode {
         #[arg(long)]
         json: bool,
     },
-    /// This machine's single-thread memcpy bandwidth, for same-host ratios.
+    /// This machine's memcpy bandwidth on one thread and on --threads
+    /// threads (same run), for same-host ratios.
     MemcpyLimit {
         #[arg(long, default_value = "64M", value_parser = parse_size)]
         block: u64,
         #[arg(long, default_value_t = 2.0)]
         duration: f64,
+        /// Threads of the second measurement (the shm copy threads to compare with).
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
         #[arg(long)]
         json: bool,
     },
@@ -292,8 +298,9 @@ fn main() -> ExitCode {
             BenchMode::MemcpyLimit {
                 block,
                 duration,
+                threads,
                 json,
-            } => bench::memcpy_limit(block, duration, json),
+            } => bench::memcpy_limit(block, duration, threads, json),
             BenchMode::Initiator {
                 segment,
                 op,

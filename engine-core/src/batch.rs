@@ -67,11 +67,17 @@ impl BatchStatus {
     }
 }
 
+/// Told when a completion group finishes (the engine's measurements).
+pub(crate) trait GroupObserver: Send + Sync {
+    fn finished(&self, ok: bool);
+}
+
 struct Group {
     start: usize,
     count: usize,
     local: Arc<LocalBuffer>,
     done: bool,
+    observer: Option<Arc<dyn GroupObserver>>,
 }
 
 #[derive(Default)]
@@ -120,8 +126,17 @@ impl Batch {
             count,
             local,
             done: false,
+            observer: None,
         });
         token(self.id, st.groups.len() - 1)
+    }
+
+    /// Has `observer` told when group `group` finishes; set before the
+    /// group is handed to a transport.
+    pub(crate) fn observe(&self, group: usize, observer: Arc<dyn GroupObserver>) {
+        if let Some(g) = self.state.lock().groups.get_mut(group) {
+            g.observer = Some(observer);
+        }
     }
 
     /// Finishes a group (from a plugin, or the engine when submit failed).
@@ -144,6 +159,8 @@ impl Batch {
         g.done = true;
         let (start, count) = (g.start, g.count);
         let local = g.local.clone();
+        let observer = g.observer.take();
+        let ok = result.is_ok();
         match result {
             Ok(()) => {
                 for s in &mut st.statuses[start..start + count] {
@@ -162,8 +179,13 @@ impl Batch {
             }
         }
         local.inflight.fetch_sub(count, Ordering::SeqCst);
-        let before = self.pending.fetch_sub(count, Ordering::SeqCst);
         drop(st);
+        // Measured before waiters wake: what a finished batch showed counts
+        // for the next one.
+        if let Some(o) = observer {
+            o.finished(ok);
+        }
+        let before = self.pending.fetch_sub(count, Ordering::SeqCst);
         if before == count {
             self.done.notify_all();
         }

@@ -443,6 +443,15 @@ impl EngineConfig {
         Ok(c)
     }
 
+    /// A setting as plugins see it (`shm.hugepages`): set here, else the
+    /// environment's FERRY_SHM_HUGEPAGES.
+    pub fn setting(&self, key: &str) -> Option<String> {
+        self.settings
+            .get(key)
+            .cloned()
+            .or_else(|| std::env::var(ferry_loader::config_env_var(key)).ok())
+    }
+
     /// Sets one option by name (a key of [`KEYS`], or a plugin setting such
     /// as `tcp.connections`). A value the key does not accept is rejected
     /// with FERRY_ERR_INVALID_ARGUMENT and the reason; the configuration is

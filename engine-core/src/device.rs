@@ -23,7 +23,7 @@ pub enum PointerKind {
 }
 
 pub struct Device {
-    /// The plugin's name ("cuda"): device memory is `<name>:<ordinal>`.
+    /// The plugin's name ("cuda"), for messages.
     pub name: String,
     library: Arc<LoadedLibrary>,
     table: *const sys::ferry_device_plugin_v1_t,

@@ -119,10 +119,22 @@ pub fn no_direct_transport(set: &ferry_loader::PluginSet) -> Option<String> {
     }) {
         return None;
     }
-    let rdma = transports
+    // The transport that would have moved GPU memory directly: one that
+    // says which GPU-memory capability it lacks here (by the capability's
+    // name, never the plugin's), enabled ones first.
+    let would = |p: &&&ferry_loader::Plugin| {
+        p.report.state != PluginState::Shadowed
+            && p.report
+                .missing
+                .iter()
+                .any(|m| m.capability.starts_with("cuda") || m.capability.starts_with("rdma+"))
+    };
+    let direct_capable = transports
         .iter()
-        .find(|p| p.report.name.starts_with("rdma") && p.report.state != PluginState::Shadowed);
-    Some(match rdma {
+        .filter(|p| p.report.state == PluginState::Enabled)
+        .find(would)
+        .or_else(|| transports.iter().find(would));
+    Some(match direct_capable {
         Some(p) if p.report.state == PluginState::Enabled => format!(
             "the {} transport registers no GPU memory here ({})",
             p.report.name,
@@ -138,7 +150,9 @@ pub fn no_direct_transport(set: &ferry_loader::PluginSet) -> Option<String> {
             "the {} transport is disabled: {}",
             p.report.name, p.report.reason
         ),
-        None => "no RDMA transport plugin is installed".to_string(),
+        None => {
+            "no transport plugin that registers GPU memory (an RDMA one) is installed".to_string()
+        }
     })
 }
 

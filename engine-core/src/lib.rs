@@ -35,13 +35,14 @@ pub mod info;
 pub mod location;
 pub mod memory;
 pub mod metadata;
+mod shared_memory;
 pub mod topology;
 pub mod transport;
 pub mod user_token;
 
 pub use batch::{BatchId, BatchStatus, RequestStatus};
 pub use config::EngineConfig;
-pub use engine::{Engine, Op, Request, Route, RouteNic, Scope, SegmentId};
+pub use engine::{Engine, Op, Request, Route, RouteEstimate, RouteNic, Scope, SegmentId};
 pub use error::{Error, ErrorCode, Result};
 pub use ferry_loader as loader;
 pub use host::load_plugins;

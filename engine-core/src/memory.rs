@@ -36,7 +36,8 @@ pub struct LocalBuffer {
     pub addr: u64,
     pub len: u64,
     pub location: Location,
-    /// One `FERRY_MEM_*` bit.
+    /// One `FERRY_MEM_*` bit for host memory; 0 for device memory, which
+    /// moves as each transport registered it (`registrations`) or staged.
     pub mem_kind: u64,
     /// The device plugin owning the memory (index), for device memory.
     pub device: Option<usize>,

@@ -23,6 +23,9 @@ pub struct RegionSpec<'a> {
     /// `addr`'s offset inside the exported buffer.
     pub dmabuf: Option<(i32, u64)>,
     pub local_only: bool,
+    /// Host memory the engine allocated: the memfd holding it (borrowed
+    /// for the call) and `addr`'s offset inside it.
+    pub share: Option<(i32, u64)>,
 }
 
 /// Receives completions from plugins; implemented by the batch table.
@@ -42,6 +45,9 @@ pub struct Transport {
     pub name: String,
     pub mem_kinds: u64,
     pub scopes: u32,
+    /// The devices the plugin reported from probe, with what it declared
+    /// of each (ABI 1.2: bandwidth, latency, memory kinds).
+    pub devices: Vec<ferry_loader::DeviceReport>,
     library: Arc<LoadedLibrary>,
     // Points into `library`, which stays loaded as long as self.
     table: *const sys::ferry_transport_plugin_v1_t,
@@ -256,6 +262,7 @@ impl Transport {
             name,
             mem_kinds: plugin.report.capabilities.mem_bits,
             scopes: plugin.report.capabilities.scope_bits,
+            devices: plugin.report.devices.clone(),
             table: table as *const sys::ferry_transport_plugin_v1_t,
             library,
             instance,
@@ -321,9 +328,9 @@ impl Transport {
             },
             reserved: 0,
             dmabuf_offset: r.dmabuf.map_or(0, |(_, off)| off),
-            share_fd: -1,
+            share_fd: r.share.map_or(-1, |(fd, _)| fd),
             reserved2: 0,
-            share_offset: 0,
+            share_offset: r.share.map_or(0, |(_, off)| off),
         };
         // One call, with room for any key the descriptor can carry: calling
         // again for a longer key would register the buffer twice (plugin.h,

@@ -53,6 +53,12 @@ int main(int argc, char **argv) {
     CHECK(ferry_batch_free(engine, batch));
     printf("LOCAL %016llx\n", (unsigned long long)checksum(src, size));
 
+    /* Which transport carried the blocks, and why: the cost model's
+     * estimate and what the engine measured, as JSON. */
+    char route[8192];
+    CHECK(ferry_route_json(engine, seg, src, remote, block, route, sizeof route, NULL));
+    printf("ROUTE %s\n", route);
+
     /* Read back with the synchronous call. */
     for (size_t i = 0; i < n; i++) {
         reqs[i].op = FERRY_OP_READ;

@@ -500,6 +500,7 @@ fn shm_messages() -> Vec<Vec<u8>> {
             token: 7,
             base: 0x7f00_0000_0000,
             len: 1 << 21,
+            offset: 4096,
         }
         .encode(),
         shm_endpoint::Key::Cma {

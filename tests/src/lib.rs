@@ -240,6 +240,16 @@ pub fn run_c_transfer(target: &mut Command, initiator: &mut Command) {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stdout.contains("WROTE 8 requests"), "{stdout}");
+    // The route the C API reports: the estimate and, after a batch of 1 MiB
+    // hand-overs, what the engine measured.
+    let route = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("ROUTE "))
+        .expect("the initiator prints its route");
+    assert!(
+        route.contains("\"estimate\":{") && route.contains("\"measured_bandwidth_mbps\":"),
+        "{route}"
+    );
     assert!(
         stdout.contains("OUT_OF_BOUNDS FERRY_ERR_OUT_OF_BOUNDS: "),
         "{stdout}"

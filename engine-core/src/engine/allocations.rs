@@ -1,27 +1,32 @@
 //! Memory the engine allocates for the application (`allocate_memory`):
-//! from the first transport that shares it (shm maps it into same-host
-//! peers), else an anonymous mapping; and its release.
+//! from the first transport that allocates memory of its own, else a sealed
+//! memfd mapping (`shared_memory`) that same-host transports can share with
+//! peers; and its release.
 
 use crate::error::{Error, ErrorCode, Result};
+use crate::shared_memory::SharedMemory;
 use crate::transport::Transport;
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 /// Who allocated a buffer handed out by `allocate_memory`.
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 pub(crate) enum Allocation {
-    /// A transport's shareable memory (transport index).
+    /// A transport's own memory (transport index).
     Transport(usize),
-    /// A plain anonymous mapping of this many bytes.
-    Anonymous(u64),
+    /// The engine's shareable memory.
+    Shared(SharedMemory),
 }
 
 impl Allocation {
     /// `len` bytes (near `numa_node` when given) from the first transport
-    /// that allocates memory, else from the kernel.
+    /// that allocates memory, else shareable memory of the engine's own
+    /// (huge pages unless `hugepages` is false).
     pub(crate) fn obtain(
         transports: &[Arc<Transport>],
         len: u64,
         numa_node: Option<u32>,
+        hugepages: bool,
     ) -> Result<(u64, Allocation)> {
         if len == 0 {
             return Err(Error::new(
@@ -36,7 +41,26 @@ impl Allocation {
                 Some(Err(e)) => log::warn!("{}: cannot allocate {len} bytes: {e}", t.name),
             }
         }
-        Ok((anonymous_map(len)?, Allocation::Anonymous(len)))
+        let memory = SharedMemory::allocate(len, numa_node, hugepages)?;
+        log::debug!(
+            "allocated {len} bytes of shareable memory at {:#x} ({})",
+            memory.addr,
+            if memory.huge {
+                "huge pages"
+            } else {
+                "normal pages"
+            }
+        );
+        Ok((memory.addr, Allocation::Shared(memory)))
+    }
+
+    /// The file holding `[addr, +len)`, when this allocation is shareable
+    /// memory that contains it: a duplicate fd and `addr`'s offset in it.
+    pub(crate) fn share(&self, addr: u64, len: u64) -> Option<(OwnedFd, u64)> {
+        match self {
+            Allocation::Shared(m) => m.share(addr, len),
+            Allocation::Transport(_) => None,
+        }
     }
 
     /// Gives the memory at `addr` back to whoever allocated it. Nothing may
@@ -48,38 +72,8 @@ impl Allocation {
                     log::warn!("freeing {addr:#x}: {e}");
                 }
             }
-            // SAFETY: addr/len describe a mapping anonymous_map made and that
-            // nothing references any more (the caller unregistered it).
-            Allocation::Anonymous(len) => unsafe {
-                libc::munmap(addr as *mut libc::c_void, len as usize);
-            },
+            // Unmapped (and the file closed) by its Drop.
+            Allocation::Shared(memory) => drop(memory),
         }
     }
-}
-
-/// A private anonymous mapping of `len` bytes.
-fn anonymous_map(len: u64) -> Result<u64> {
-    let len = usize::try_from(len)
-        .map_err(|_| Error::new(ErrorCode::InvalidArgument, "allocation too large"))?;
-    // SAFETY: a fresh anonymous mapping; the result is checked below.
-    let ptr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    if ptr == libc::MAP_FAILED {
-        return Err(Error::new(
-            ErrorCode::NoMemory,
-            format!(
-                "cannot allocate {len} bytes: {}",
-                std::io::Error::last_os_error()
-            ),
-        ));
-    }
-    Ok(ptr as u64)
 }

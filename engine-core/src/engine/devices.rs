@@ -5,7 +5,7 @@
 use crate::device::{Device, PointerKind};
 use crate::error::{Error, ErrorCode, Result};
 use crate::location::{host_location, Location};
-use crate::topology::{PciAddress, Topology};
+use crate::topology::{GpuVendor, PciAddress, Topology};
 use ferry_plugins_abi::sys;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -96,10 +96,11 @@ impl Devices {
                     ),
                 ));
             }
-            let location = match d.name.as_str() {
-                "rocm" => Location::Rocm(ordinal),
-                _ => Location::Cuda(ordinal),
-            };
+            let location = self
+                .gpus
+                .iter()
+                .find(|g| g.plugin == i && g.info.ordinal == ordinal)
+                .map_or(Location::Cuda(ordinal), |g| g.location);
             if let Some(g) = given {
                 if g != location {
                     return Err(Error::new(
@@ -108,7 +109,9 @@ impl Devices {
                     ));
                 }
             }
-            return Ok((location, sys::FERRY_MEM_CUDA_STAGED, Some(i)));
+            // Device memory has no host memory kind: it moves as each
+            // transport registered it, or staged (`LocalBuffer::mem_kind`).
+            return Ok((location, 0, Some(i)));
         }
         match given {
             Some(Location::Cpu(n)) => Ok((Location::Cpu(n), sys::FERRY_MEM_HOST, None)),
@@ -247,14 +250,17 @@ pub(crate) fn discover_gpus(devices: &[Arc<Device>], topology: &Topology) -> Vec
                     continue;
                 }
             };
-            let topology_name = info
+            let placed = info
                 .pci_bus_id
                 .parse::<PciAddress>()
                 .ok()
-                .and_then(|pci| topology.gpu_by_pci(&pci))
-                .map(|g| g.name.clone());
-            let location = match d.name.as_str() {
-                "rocm" => Location::Rocm(ordinal),
+                .and_then(|pci| topology.gpu_by_pci(&pci));
+            let topology_name = placed.map(|g| g.name.clone());
+            // Named by the PCI vendor the topology read (cuda:N, rocm:N),
+            // not by the plugin's name; a device outside the PCI tree keeps
+            // the driver's ordinal under cuda.
+            let location = match placed.map(|g| g.vendor) {
+                Some(GpuVendor::Amd) => Location::Rocm(ordinal),
                 _ => Location::Cuda(ordinal),
             };
             log::info!(

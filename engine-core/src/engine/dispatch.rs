@@ -3,6 +3,7 @@
 //! transport gets its groups in one call; what it refuses fails in the
 //! batch. Staged requests get their groups here and run elsewhere.
 
+use super::measure::Flight;
 use super::plan::{Plan, StagedItem};
 use super::request::SegmentId;
 use super::shared::Shared;
@@ -112,9 +113,21 @@ impl Shared {
             let seg = p.segment.clone();
             let raw: Vec<sys::ferry_transfer_request_t> = list.iter().map(|(r, _)| *r).collect();
             let t = &self.transports[transport];
-            let result = seg
-                .peer(transport, t)
-                .and_then(|peer| t.submit(&peer, &raw));
+            let result = seg.peer(transport, t).and_then(|peer| {
+                // One sample of what this transport delivers to this peer,
+                // timed from the hand-over to the last completion.
+                let flight = Flight::start(
+                    self.transports.meter.clone(),
+                    seg_id,
+                    transport,
+                    raw.len(),
+                    raw.iter().map(|r| r.length).sum(),
+                );
+                for r in &raw {
+                    batch.observe(group_of(r.token), flight.clone());
+                }
+                t.submit(&peer, &raw)
+            });
             if let Err(e) = result {
                 if e.code == ErrorCode::Connection {
                     // A broken peer handle is not reused, and the next

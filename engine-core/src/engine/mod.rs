@@ -13,6 +13,8 @@
 //! - `request`: what applications ask (requests) and are told (routes);
 //! - `node`: who this engine is to peers, the metadata store;
 //! - `segments`: peers' segments, their views and connections;
+//! - `cost`: how long a route would take, from what transports declare;
+//! - `measure`: what completions showed, per peer and transport;
 //! - `select`: the transports and which one serves a request, and why;
 //! - `plan`: a batch checked, routed and coalesced, before anything moves;
 //! - `devices`, `ladder`, `allocations`: devices and what memory an address
@@ -25,9 +27,11 @@
 
 mod allocations;
 mod api;
+mod cost;
 mod devices;
 mod dispatch;
 mod ladder;
+mod measure;
 mod node;
 mod peers;
 mod plan;
@@ -47,7 +51,7 @@ pub use api::Engine;
 pub(crate) use devices::discover_gpus;
 pub use devices::Gpu;
 pub use node::list_segments;
-pub use request::{Op, Request, Route, RouteNic, Scope, SegmentId};
+pub use request::{Op, Request, Route, RouteEstimate, RouteNic, Scope, SegmentId};
 /// The staging requests peers send on the control plane, and their
 /// decoders (exercised by the fuzz targets).
 pub use staging::{

@@ -6,7 +6,7 @@
 
 use super::request::{Op, Request, SegmentId};
 use super::segments::{remote_out_of_bounds, RemoteSegment, RemoteView, Segments};
-use super::select::{Candidate, Transports, Want};
+use super::select::{Candidate, Choice, Transports, Want};
 use crate::error::{Error, ErrorCode, Result};
 use crate::memory::{LocalBuffer, MemoryRegistry};
 use std::collections::HashMap;
@@ -95,21 +95,25 @@ impl<T: Candidate> Planner<'_, T> {
         })
     }
 
-    /// Selection for one request, asking live peers what only they know.
+    /// Selection for one request of `bytes`, asking live peers what only
+    /// they know.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn select(
         &self,
         local: &LocalBuffer,
         seg: &RemoteSegment,
         view: &RemoteView,
         remote: usize,
+        bytes: u64,
         hint: Option<&str>,
         explain: bool,
-    ) -> Result<(usize, String)> {
+    ) -> Result<Choice> {
         let want = Want {
             local,
             segment: seg,
             view,
             remote,
+            bytes,
             hint,
             explain,
         };
@@ -180,7 +184,7 @@ impl<T: Candidate> Planner<'_, T> {
             let remote_on_device = !view.buffers[remote].location.starts_with("cpu");
             if (local.device.is_some() || remote_on_device)
                 && self
-                    .select(&local, &entry.0, &view, remote, hint, false)
+                    .select(&local, &entry.0, &view, remote, r.length, hint, false)
                     .is_err()
             {
                 if !self.has_devices && local.device.is_none() {
@@ -208,15 +212,16 @@ impl<T: Candidate> Planner<'_, T> {
             let (transport, remote_key) = match &last_route {
                 Some((k, t, key)) if *k == memo_key => (*t, key.clone()),
                 _ => {
-                    let (transport, _) = self
-                        .select(&local, &entry.0, &view, remote, hint, false)
-                        .map_err(|e| Error::new(e.code, format!("request {i}: {}", e.message)))?;
+                    let transport = self
+                        .select(&local, &entry.0, &view, remote, r.length, hint, false)
+                        .map_err(|e| Error::new(e.code, format!("request {i}: {}", e.message)))?
+                        .transport;
                     let name = self.transports[transport].name();
                     if self.transports.first_use(r.segment, transport) {
-                        if let Ok((_, reason)) =
-                            self.select(&local, &entry.0, &view, remote, hint, true)
+                        if let Ok(c) =
+                            self.select(&local, &entry.0, &view, remote, r.length, hint, true)
                         {
-                            log::info!("segment {}: using {name} ({reason})", entry.0.name);
+                            log::info!("segment {}: using {name} ({})", entry.0.name, c.reason);
                         }
                     }
                     let remote_key = view.buffers[remote]

@@ -9,6 +9,7 @@ use crate::error::{Error, ErrorCode, Result};
 use crate::location::Location;
 use crate::memory::{LocalBuffer, TransportRegistration, Visibility};
 use crate::transport::RegionSpec;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,6 +47,16 @@ impl Shared {
         };
         let location_s = location.to_string();
         let local_only = visibility == Visibility::LocalOnly;
+        // Host memory the engine allocated: the file that holds it, for
+        // transports that let same-host peers map it.
+        let share = match device {
+            None => self
+                .allocations
+                .lock()
+                .values()
+                .find_map(|a| a.share(addr, len)),
+            Some(_) => None,
+        };
         let mut registrations = Vec::new();
         for (i, t) in self.transports.iter().enumerate() {
             if let Some(plugin) = device {
@@ -61,6 +72,7 @@ impl Shared {
                     },
                     dmabuf: None,
                     local_only,
+                    share: None,
                 };
                 if let Some(r) =
                     self.gpu_direct
@@ -82,6 +94,7 @@ impl Shared {
                 device_ordinal: None,
                 dmabuf: None,
                 local_only,
+                share: share.as_ref().map(|(fd, off)| (fd.as_raw_fd(), *off)),
             };
             match t.register(&spec) {
                 Ok((handle, key)) => registrations.push(TransportRegistration {
@@ -168,27 +181,38 @@ impl Shared {
         numa_node: Option<u32>,
         visibility: Visibility,
     ) -> Result<u64> {
-        let (addr, owner) = Allocation::obtain(&self.transports, len, numa_node)?;
+        let hugepages = !matches!(
+            self.config
+                .setting("shm.hugepages")
+                .as_deref()
+                .map(str::trim),
+            Some("off" | "0" | "false" | "no")
+        );
+        let (addr, owner) = Allocation::obtain(&self.transports, len, numa_node, hugepages)?;
         let location = numa_node.map(Location::Cpu);
+        // Known before it is registered, so registration finds its file.
+        self.allocations.lock().insert(addr, owner);
         if let Err(e) = self.register(addr, len, location, visibility) {
-            owner.release(addr, &self.transports);
+            if let Some(owner) = self.allocations.lock().remove(&addr) {
+                owner.release(addr, &self.transports);
+            }
             return Err(e);
         }
-        self.allocations.lock().insert(addr, owner);
         Ok(addr)
     }
 
     /// Unregisters and frees memory from `allocate`.
     pub(crate) fn free_memory(&self, addr: u64) -> Result<()> {
-        let owner = self.allocations.lock().get(&addr).copied().ok_or_else(|| {
-            Error::new(
+        if !self.allocations.lock().contains_key(&addr) {
+            return Err(Error::new(
                 ErrorCode::NotFound,
                 format!("{addr:#x} was not returned by allocate_memory (or is freed already)"),
-            )
-        })?;
+            ));
+        }
         self.unregister_memory(addr)?;
-        self.allocations.lock().remove(&addr);
-        owner.release(addr, &self.transports);
+        if let Some(owner) = self.allocations.lock().remove(&addr) {
+            owner.release(addr, &self.transports);
+        }
         Ok(())
     }
 }

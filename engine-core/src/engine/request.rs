@@ -86,6 +86,61 @@ pub struct Route {
     pub peer_detail: Option<String>,
     /// For socket transports: the interface the kernel routes through.
     pub nic: Option<RouteNic>,
+    /// What the choice rests on: the estimate and the measured figures
+    /// (`None` for a requested transport).
+    pub estimate: Option<RouteEstimate>,
+}
+
+impl Route {
+    /// The route as JSON, for the C API (`ferry_route_json`): transport,
+    /// scope, reason, peer detail, and the estimate with the measured
+    /// figures (null where unknown).
+    pub fn to_json(&self) -> String {
+        let estimate = self.estimate.as_ref().map(|e| {
+            serde_json::json!({
+                "seconds": e.seconds,
+                "bandwidth_mbps": e.bandwidth_mbps,
+                "latency_ns": e.latency_ns,
+                "declared": e.declared,
+                "device": e.device,
+                "measured_bandwidth_mbps": e.measured_bandwidth_mbps,
+                "bandwidth_samples": e.bandwidth_samples,
+                "measured_latency_ns": e.measured_latency_ns,
+                "latency_samples": e.latency_samples,
+            })
+        });
+        serde_json::json!({
+            "transport": self.transport,
+            "scope": self.scope.as_str(),
+            "reason": self.reason,
+            "peer_detail": self.peer_detail,
+            "interface": self.nic.as_ref().map(|n| n.interface.clone()),
+            "estimate": estimate,
+        })
+        .to_string()
+    }
+}
+
+/// The cost model's figures behind a route, and what the engine measured
+/// on it; also in `reason`, in words.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouteEstimate {
+    /// Estimated time for the request, in seconds.
+    pub seconds: f64,
+    /// The path's figures used: declared (or the scope's defaults), or
+    /// measured where measurement contradicted them.
+    pub bandwidth_mbps: f64,
+    pub latency_ns: f64,
+    /// Whether the plugin declared the device's figures.
+    pub declared: bool,
+    /// The local device the route runs through, as its plugin named it.
+    pub device: Option<String>,
+    /// Measured throughput (Mbit/s) and latency (ns) toward this peer, with
+    /// the number of samples behind each.
+    pub measured_bandwidth_mbps: Option<f64>,
+    pub bandwidth_samples: u32,
+    pub measured_latency_ns: Option<f64>,
+    pub latency_samples: u32,
 }
 
 /// The local interface toward a peer and where it sits in the topology.

@@ -28,8 +28,13 @@ impl Shared {
             .find(remote_addr, len)
             .ok_or_else(|| remote_out_of_bounds(0, &seg, remote_addr, len, view.buffers.len()))?;
         let remote_on_device = !view.buffers[remote].location.starts_with("cpu");
-        let (t, reason) = match planner.select(&local, &seg, &view, remote, None, true) {
-            Ok(r) => r,
+        let (t, reason, estimate) = match planner
+            .select(&local, &seg, &view, remote, len, None, true)
+        {
+            Ok(c) => {
+                let estimate = c.scored.map(|s| self.transports.route_estimate(&s, None));
+                (c.transport, c.reason, estimate)
+            }
             Err(e) if local.device.is_none() && !remote_on_device => return Err(e),
             Err(_) => {
                 // Device memory that no transport moves directly is staged:
@@ -43,32 +48,46 @@ impl Shared {
                 } else {
                     (view.clone(), remote)
                 };
-                let (t, host_reason) = planner.select(&host_local, &seg, &v, idx, None, true)?;
-                let sides = match (local.device.is_some(), remote_on_device) {
-                    (true, true) => "on both sides",
-                    (true, false) => "on this side",
-                    _ => "at the peer",
+                let host = planner.select(&host_local, &seg, &v, idx, len, None, true)?;
+                let (sides, ends) = match (local.device.is_some(), remote_on_device) {
+                    (true, true) => ("on both sides", 2),
+                    (true, false) => ("on this side", 1),
+                    _ => ("at the peer", 1),
                 };
+                let estimate = host
+                    .scored
+                    .map(|s| self.transports.route_estimate(&s, Some((ends, len))));
                 (
-                    t,
+                    host.transport,
                     format!(
                         "{} memory to {} memory: no transport moves device memory directly here, \
-                         so it is staged through pinned host memory {sides}, pipelined; host leg: {host_reason}",
-                        local.location, view.buffers[remote].location
+                         so it is staged through pinned host memory {sides}, pipelined{}; host leg: {}",
+                        local.location,
+                        view.buffers[remote].location,
+                        estimate
+                            .as_ref()
+                            .map(|e| format!(
+                                " (estimated {:.1} us with a device copy at each staged end)",
+                                e.seconds * 1e6
+                            ))
+                            .unwrap_or_default(),
+                        host.reason
                     ),
+                    estimate,
                 )
             }
         };
         let transport = &self.transports[t];
         let peer = seg.peer(t, transport).ok();
-        // Socket transports go where the kernel routes; RDMA picks its NICs
-        // itself and same-host transports use none.
-        let nic = if transport.name.starts_with("rdma")
-            || transport.scopes & sys::FERRY_SCOPE_CROSS_HOST == 0
-        {
+        // Socket transports go where the kernel routes: shown when the
+        // interface the kernel picks is one of the transport's own devices
+        // (a transport that picks its NICs itself names NICs, not
+        // interfaces; same-host transports use none).
+        let nic = if transport.scopes & sys::FERRY_SCOPE_CROSS_HOST == 0 {
             None
         } else {
             self.route_nic(&seg, &local)
+                .filter(|n| transport.devices.iter().any(|d| d.name == n.interface))
         };
         Ok(Route {
             transport: transport.name.clone(),
@@ -76,6 +95,7 @@ impl Shared {
             reason,
             peer_detail: peer.and_then(|p| transport.describe(&p)),
             nic,
+            estimate,
         })
     }
 

@@ -1,19 +1,42 @@
 //! Selection: the engine's transports, and which of them carries a request
-//! and why. A function of plain data (what each transport declares, the
-//! local buffer, the peer's view) and of one question only a live peer can
-//! answer (does its plugin accept this buffer), passed in; so it is tested
-//! with fake transports and no sockets.
+//! and why. A function of plain data (what each transport declares about
+//! its devices, the local buffer, the peer's view, what the engine
+//! measured) and of one question only a live peer can answer (does its
+//! plugin accept this buffer), passed in; so it is tested with fake
+//! transports and no sockets.
+//!
+//! Every transport that can serve a request gets an estimate of the time
+//! it would take (`cost`), corrected where measurement contradicts what
+//! its plugin declared (`measure`); the smallest wins, ties going to the
+//! transport loaded first. Hysteresis keeps a route until another is
+//! clearly better, and a transport close to the best that has not been
+//! measured yet is tried on a few large hand-overs, so that measurement
+//! can correct declarations. No transport's name decides anything here.
 
+use super::cost::{self, Estimate, Figures, Link};
+use super::measure::{Measured, Meter, BANDWIDTH_MIN_BYTES, MIN_SAMPLES};
 use super::request::{Scope, SegmentId};
 use super::segments::{RemoteSegment, RemoteView};
 use crate::error::{Error, ErrorCode, Result};
 use crate::memory::LocalBuffer;
+use crate::topology::Topology;
 use crate::transport::Transport;
+use ferry_loader::DeviceReport;
 use ferry_plugins_abi::sys;
 use parking_lot::Mutex;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::ops::Deref;
 use std::sync::Arc;
+
+/// A measurement this far (as a factor) from the figure used so far
+/// replaces it.
+const CONTRADICTION: f64 = 1.10;
+/// The route in use is kept until another is estimated faster by this factor.
+const SWITCH: f64 = 1.10;
+/// Transports estimated within this factor of the best are measured.
+const EXPLORE: f64 = 4.0;
+/// Hand-overs given to a transport being measured before giving up on it.
+const EXPLORE_TRIES: u32 = 3 * MIN_SAMPLES;
 
 /// What selection reads of a transport.
 pub(crate) trait Candidate {
@@ -22,6 +45,8 @@ pub(crate) trait Candidate {
     fn mem_kinds(&self) -> u64;
     /// The `FERRY_SCOPE_*` bits it reaches.
     fn scopes(&self) -> u32;
+    /// The devices its plugin reported, with what it declared of them.
+    fn devices(&self) -> &[DeviceReport];
 }
 
 impl Candidate for Transport {
@@ -33,6 +58,9 @@ impl Candidate for Transport {
     }
     fn scopes(&self) -> u32 {
         self.scopes
+    }
+    fn devices(&self) -> &[DeviceReport] {
+        &self.devices
     }
 }
 
@@ -46,19 +74,34 @@ impl<T: Candidate> Candidate for Arc<T> {
     fn scopes(&self) -> u32 {
         (**self).scopes()
     }
+    fn devices(&self) -> &[DeviceReport] {
+        (**self).devices()
+    }
 }
+
+/// Which routes share a decision: one peer, one kind of local memory,
+/// small or large hand-overs (latency or bandwidth decides).
+type RouteKey = (SegmentId, u64, bool);
 
 /// The transports an engine started, in load order (an index into this
 /// list names a transport everywhere in the engine), with what start-up
 /// said about them.
 pub(crate) struct Transports<T> {
     list: Vec<T>,
+    /// Each transport's devices, placed in the topology.
+    links: Vec<Vec<Link>>,
     /// Enabled transports that failed to start, with the error.
     pub(crate) failures: Vec<(String, Error)>,
     /// Each started transport's endpoint, as the descriptor announces it.
     pub(crate) endpoints: Vec<(String, Vec<u8>)>,
+    /// What completions showed, per (segment, transport).
+    pub(crate) meter: Arc<Meter>,
     /// (segment, transport) pairs whose route was logged.
     logged: Mutex<HashSet<(SegmentId, usize)>>,
+    /// The transport each route uses now (for hysteresis).
+    current: Mutex<HashMap<RouteKey, usize>>,
+    /// Hand-overs given to each (segment, transport) to measure it.
+    tries: Mutex<HashMap<(SegmentId, usize), u32>>,
 }
 
 impl<T> Deref for Transports<T> {
@@ -75,11 +118,51 @@ pub(crate) struct Want<'a> {
     pub(crate) view: &'a RemoteView,
     /// Index of the remote buffer in `view`.
     pub(crate) remote: usize,
+    /// How many bytes the route carries at once (the request's length).
+    pub(crate) bytes: u64,
     /// The transport the request asks for, if any.
     pub(crate) hint: Option<&'a str>,
-    /// Put the reason into words (for logs and `route`); otherwise the
-    /// per-request path stays free of formatting.
+    /// Put the reason into words (for logs and `route`), and change no
+    /// state; otherwise the per-request path stays free of formatting.
     pub(crate) explain: bool,
+}
+
+/// A transport that can serve the request, and what it is expected to cost.
+#[derive(Clone, Debug)]
+pub(crate) struct Scored {
+    pub(crate) transport: usize,
+    /// From the declarations (or scope defaults) and the topology.
+    pub(crate) estimate: Estimate,
+    pub(crate) measured: Measured,
+    /// The figures used: the estimate's, unless measurement contradicted them.
+    pub(crate) used: Figures,
+    pub(crate) seconds: f64,
+}
+
+impl Scored {
+    fn corrected(&self) -> bool {
+        self.used != self.estimate.path
+    }
+}
+
+/// Why the winner won.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Basis {
+    /// The smallest estimate.
+    Fastest,
+    /// The route in use, kept: no other is clearly faster.
+    Kept,
+    /// Being measured: close to the best, not measured yet.
+    Measuring,
+}
+
+/// Selection's answer: the transport, and (when asked to explain) why.
+#[derive(Clone, Debug)]
+pub(crate) struct Choice {
+    pub(crate) transport: usize,
+    pub(crate) reason: String,
+    /// The chosen route's figures (`None` for a requested transport).
+    pub(crate) scored: Option<Scored>,
 }
 
 impl<T: Candidate> Transports<T> {
@@ -88,12 +171,41 @@ impl<T: Candidate> Transports<T> {
         failures: Vec<(String, Error)>,
         endpoints: Vec<(String, Vec<u8>)>,
     ) -> Transports<T> {
+        let links = list
+            .iter()
+            .map(|t| {
+                t.devices()
+                    .iter()
+                    .map(|d| Link::from_report(d, None))
+                    .collect()
+            })
+            .collect();
         Transports {
             list,
+            links,
             failures,
             endpoints,
+            meter: Arc::new(Meter::default()),
             logged: Mutex::new(HashSet::new()),
+            current: Mutex::new(HashMap::new()),
+            tries: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Places each transport's devices in the topology (path classes from
+    /// every memory location to each device that is a NIC).
+    pub(crate) fn placed(mut self, topology: &Topology) -> Transports<T> {
+        self.links = self
+            .list
+            .iter()
+            .map(|t| {
+                t.devices()
+                    .iter()
+                    .map(|d| Link::from_report(d, Some(topology)))
+                    .collect()
+            })
+            .collect();
+        self
     }
 
     /// Whether the route (segment, transport) is to be logged: true once.
@@ -101,27 +213,34 @@ impl<T: Candidate> Transports<T> {
         self.logged.lock().insert((segment, transport))
     }
 
-    /// Picks the transport for one request and says why: the best-ranked
-    /// transport that can move this memory to a peer in this scope, runs at
-    /// the peer, has a key for the remote buffer, and does not decline this
-    /// peer or buffer (`accepts(transport, key)`, asked in rank order until
-    /// one accepts).
+    /// Picks the transport for one request and says why: of the transports
+    /// that can move this memory to a peer in this scope, run at the peer,
+    /// have a key for the remote buffer, and do not decline this peer or
+    /// buffer (`accepts(transport, key)`, asked in order of preference
+    /// until one accepts), the one estimated fastest.
     pub(crate) fn select(
         &self,
         want: &Want<'_>,
         mut accepts: impl FnMut(usize, &[u8]) -> std::result::Result<(), String>,
-    ) -> Result<(usize, String)> {
+    ) -> Result<Choice> {
         let Want {
             local,
             segment: seg,
             view,
             remote,
+            bytes,
             hint,
             explain,
         } = *want;
         let remote_buf = &view.buffers[remote];
-        let mut candidates: Vec<(usize, (u8, u8))> = Vec::new();
+        let mut candidates: Vec<Scored> = Vec::new();
         let mut rejected: Vec<String> = Vec::new();
+        // Only a device placed in the topology needs the location's name.
+        let location = if self.links.iter().flatten().any(|l| !l.classes.is_empty()) {
+            local.location.to_string()
+        } else {
+            String::new()
+        };
         for (i, t) in self.list.iter().enumerate() {
             let name = t.name();
             if hint.is_some_and(|h| h != name) {
@@ -151,81 +270,93 @@ impl<T: Candidate> Transports<T> {
             };
             match verdict {
                 Some(v) => rejected.push(v),
-                None => candidates.push((i, rank(t))),
+                None => candidates.push(self.score(i, local, &location, seg.id, seg.scope, bytes)),
             }
         }
-        candidates.sort_by_key(|(i, r)| (*r, *i));
+        let key: RouteKey = (seg.id, local.mem_kind, bytes >= BANDWIDTH_MIN_BYTES);
+        let basis = self.order(&mut candidates, key, hint.is_some(), bytes);
         let mut chosen = None;
-        for (i, _) in &candidates {
-            let name = self.list[*i].name();
+        for (n, c) in candidates.iter().enumerate() {
+            let name = self.list[c.transport].name();
             let key = remote_buf
                 .keys
                 .get(name)
                 .map(|k| &k[..])
                 .unwrap_or_default();
-            match accepts(*i, key) {
+            match accepts(c.transport, key) {
                 Ok(()) => {
-                    chosen = Some(*i);
+                    chosen = Some(n);
                     break;
                 }
                 Err(why) => rejected.push(format!("{name} declined: {why}")),
             }
         }
         let Some(best) = chosen else {
-            let what = match hint {
-                Some(h) => format!("transport {h} was requested but cannot serve this request"),
-                None => format!(
-                    "no transport can move {} memory to {} ({})",
-                    local.location,
-                    seg.name,
-                    seg.scope.as_str()
-                ),
-            };
-            let code = if hint.is_some() {
-                ErrorCode::Unsupported
-            } else {
-                ErrorCode::Unavailable
-            };
-            return Err(Error::new(
-                code,
-                format!(
-                    "{what}: {}",
-                    if rejected.is_empty() {
-                        "this engine has no transport plugin that can move data (`ferry info` \
-                         shows why each plugin is disabled; FERRY_PLUGIN_PATH adds directories)"
-                            .to_string()
-                    } else {
-                        rejected.join("; ")
-                    }
-                ),
-            ));
+            return Err(nothing_serves(local, seg, hint, &rejected));
         };
-        let t = &self.list[best];
+        // A transport further down the list serves only because those
+        // before it declined: it won as the fastest of the rest.
+        let basis = if best == 0 { basis } else { Basis::Fastest };
+        let won = candidates[best].clone();
+        if !explain && hint.is_none() {
+            self.remember(key, seg, &won, basis, &candidates);
+        }
+        let t = &self.list[won.transport];
         if !explain {
-            return Ok((best, String::new()));
+            return Ok(Choice {
+                transport: won.transport,
+                reason: String::new(),
+                scored: Some(won),
+            });
         }
         if hint.is_some() {
-            return Ok((best, format!("{} was requested", t.name())));
+            return Ok(Choice {
+                transport: won.transport,
+                reason: format!("{} was requested", t.name()),
+                scored: Some(won),
+            });
         }
         let mut reason = format!(
-            "{} memory to {} memory on {}: {}",
+            "{} memory to {} memory on {}: {} {}; {}",
             local.location,
             remote_buf.location,
             seg.scope.as_str(),
-            rank_reason(t, seg.scope)
+            t.name(),
+            reach(t.scopes()),
+            self.describe(&won, bytes)
         );
-        if let Some(r) = local.registration(best).filter(|_| local.device.is_some()) {
+        match basis {
+            Basis::Fastest => {}
+            Basis::Kept => reason.push_str(&format!(
+                " (kept: no other route is estimated {:.0}% faster)",
+                (SWITCH - 1.0) * 100.0
+            )),
+            Basis::Measuring => reason.push_str(&format!(
+                " (being measured: {} of {MIN_SAMPLES} samples; another route is estimated \
+                 faster until measurement says otherwise)",
+                won.measured.bandwidth_samples
+            )),
+        }
+        if let Some(r) = local
+            .registration(won.transport)
+            .filter(|_| local.device.is_some())
+        {
             let how = ferry_plugins_abi::caps::mem_kind_names(r.mem_kind).join(", ");
             reason.push_str(&format!(
                 " (local {} memory registered as {how})",
                 local.location
             ));
         }
-        let others: Vec<&str> = candidates
+        let others: Vec<String> = candidates
             .iter()
-            .map(|(i, _)| *i)
-            .filter(|i| *i != best && rank(&self.list[*i]) >= rank(t))
-            .map(|i| self.list[i].name())
+            .filter(|c| c.transport != won.transport)
+            .map(|c| {
+                format!(
+                    "{} ({})",
+                    self.list[c.transport].name(),
+                    self.describe(c, bytes)
+                )
+            })
             .collect();
         if !others.is_empty() {
             reason.push_str(&format!("; preferred over {}", others.join(", ")));
@@ -233,8 +364,290 @@ impl<T: Candidate> Transports<T> {
         if !rejected.is_empty() {
             reason.push_str(&format!("; not usable: {}", rejected.join("; ")));
         }
-        Ok((best, reason))
+        Ok(Choice {
+            transport: won.transport,
+            reason,
+            scored: Some(won),
+        })
     }
+
+    /// Transport `i`'s estimate for this memory and size, corrected by what
+    /// was measured toward this segment.
+    fn score(
+        &self,
+        i: usize,
+        local: &LocalBuffer,
+        location: &str,
+        segment: SegmentId,
+        scope: Scope,
+        bytes: u64,
+    ) -> Scored {
+        let t = &self.list[i];
+        // Device memory moves as its registration says; host memory as itself.
+        let kind = match (local.device, local.registration(i)) {
+            (Some(_), Some(r)) => r.mem_kind,
+            _ => local.mem_kind,
+        };
+        let estimate = cost::estimate(
+            &self.links[i],
+            t.scopes(),
+            kind,
+            location,
+            bytes,
+            scope == Scope::CrossHost,
+        );
+        let measured = self.meter.get(segment, i);
+        let mut used = estimate.path;
+        if let Some(bw) = measured
+            .bandwidth()
+            .filter(|m| contradicts(*m, used.bandwidth_mbps))
+        {
+            used.bandwidth_mbps = bw;
+        }
+        if let Some(ns) = measured
+            .latency()
+            .filter(|m| contradicts(*m, used.latency_ns))
+        {
+            used.latency_ns = ns;
+        }
+        Scored {
+            transport: i,
+            seconds: used.seconds(bytes),
+            estimate,
+            measured,
+            used,
+        }
+    }
+
+    /// Puts the candidates in order of preference: fastest first (ties to
+    /// the transport loaded first), then the route in use moved to the
+    /// front unless another is clearly faster, then a transport being
+    /// measured moved to the front.
+    fn order(&self, candidates: &mut [Scored], key: RouteKey, hinted: bool, bytes: u64) -> Basis {
+        candidates.sort_by(|a, b| {
+            a.seconds
+                .total_cmp(&b.seconds)
+                .then(a.transport.cmp(&b.transport))
+        });
+        let Some(fastest) = candidates.first().map(|c| c.seconds) else {
+            return Basis::Fastest;
+        };
+        if hinted {
+            return Basis::Fastest;
+        }
+        // The fastest is measured by using it; once it is, the others
+        // within reach are measured too, on large hand-overs only.
+        if bytes >= BANDWIDTH_MIN_BYTES && candidates[0].measured.bandwidth_samples >= MIN_SAMPLES {
+            let tries = self.tries.lock();
+            let unmeasured = candidates.iter().position(|c| {
+                c.measured.bandwidth_samples < MIN_SAMPLES
+                    && c.seconds <= fastest * EXPLORE
+                    && tries.get(&(key.0, c.transport)).copied().unwrap_or(0) < EXPLORE_TRIES
+            });
+            if let Some(n) = unmeasured {
+                candidates[..=n].rotate_right(1);
+                return Basis::Measuring;
+            }
+        }
+        let current = self.current.lock().get(&key).copied();
+        if let Some(n) = current
+            .and_then(|t| candidates.iter().position(|c| c.transport == t))
+            .filter(|n| *n > 0 && candidates[*n].seconds <= fastest * SWITCH)
+        {
+            candidates[..=n].rotate_right(1);
+            return Basis::Kept;
+        }
+        Basis::Fastest
+    }
+
+    /// Records the route now in use for `key`, and says so once when it changes.
+    fn remember(
+        &self,
+        key: RouteKey,
+        seg: &RemoteSegment,
+        won: &Scored,
+        basis: Basis,
+        all: &[Scored],
+    ) {
+        if basis == Basis::Measuring {
+            *self
+                .tries
+                .lock()
+                .entry((seg.id, won.transport))
+                .or_default() += 1;
+            return;
+        }
+        let before = self.current.lock().insert(key, won.transport);
+        let Some(before) = before.filter(|b| *b != won.transport) else {
+            return;
+        };
+        let old = all.iter().find(|c| c.transport == before);
+        let size = if key.2 { "large" } else { "small" };
+        log::info!(
+            "segment {}: {size} transfers now go by {} ({}){}",
+            seg.name,
+            self.list[won.transport].name(),
+            self.describe(won, 0),
+            match old {
+                Some(o) => format!(
+                    " instead of {} ({})",
+                    self.list[before].name(),
+                    self.describe(o, 0)
+                ),
+                None => format!(
+                    " instead of {}, which cannot serve them now",
+                    self.list[before].name()
+                ),
+            }
+        );
+    }
+
+    /// A route's figures for `Engine::route`; with `staged` (ends, bytes),
+    /// as the host leg of device memory staged at that many ends.
+    pub(crate) fn route_estimate(
+        &self,
+        c: &Scored,
+        staged: Option<(u32, u64)>,
+    ) -> super::request::RouteEstimate {
+        let (used, seconds) = match staged {
+            Some((ends, bytes)) => {
+                let leg = Estimate {
+                    path: c.used,
+                    ..c.estimate.clone()
+                };
+                let s = cost::staged(&leg, ends, bytes);
+                (s.path, s.seconds)
+            }
+            None => (c.used, c.seconds),
+        };
+        let m = &c.measured;
+        super::request::RouteEstimate {
+            seconds,
+            bandwidth_mbps: used.bandwidth_mbps,
+            latency_ns: used.latency_ns,
+            declared: c.estimate.declared,
+            device: c
+                .estimate
+                .device
+                .and_then(|d| self.links[c.transport].get(d))
+                .map(|l| l.device.clone()),
+            measured_bandwidth_mbps: (m.bandwidth_samples > 0).then_some(m.bandwidth_mbps),
+            bandwidth_samples: m.bandwidth_samples,
+            measured_latency_ns: (m.latency_samples > 0).then_some(m.latency_ns),
+            latency_samples: m.latency_samples,
+        }
+    }
+
+    /// A route's figures in operator words: the estimate, the device and
+    /// path class behind it, and the measured figures when they count.
+    fn describe(&self, c: &Scored, bytes: u64) -> String {
+        let e = &c.estimate;
+        let mut s = String::new();
+        if bytes > 0 {
+            s.push_str(&format!(
+                "estimated {} for {}: ",
+                cost::micros(c.seconds * 1e9),
+                cost::size(bytes)
+            ));
+        }
+        let device = e
+            .device
+            .and_then(|d| self.links[c.transport].get(d))
+            .map(|l| match e.class {
+                Some(class) => format!(" over {} ({class})", l.device),
+                None => format!(" over {}", l.device),
+            })
+            .unwrap_or_default();
+        s.push_str(&format!(
+            "{} {}, {}{device}",
+            if e.declared {
+                "declared"
+            } else {
+                "no figures declared, assumed"
+            },
+            cost::gbits(e.path.bandwidth_mbps),
+            cost::micros(e.path.latency_ns)
+        ));
+        let m = &c.measured;
+        if m.bandwidth_samples > 0 || m.latency_samples > 0 {
+            let mut parts = Vec::new();
+            if m.bandwidth_samples > 0 {
+                parts.push(format!(
+                    "{} over {} samples",
+                    cost::gbits(m.bandwidth_mbps),
+                    m.bandwidth_samples
+                ));
+            }
+            if m.latency_samples > 0 {
+                parts.push(format!(
+                    "{} over {} samples",
+                    cost::micros(m.latency_ns),
+                    m.latency_samples
+                ));
+            }
+            s.push_str(&format!(
+                "; measured {}{}",
+                parts.join(", "),
+                if c.corrected() {
+                    ", which replaces the declared figure"
+                } else {
+                    ""
+                }
+            ));
+        }
+        s
+    }
+}
+
+/// Whether a measured figure is far enough from the one in use to replace it.
+fn contradicts(measured: f64, used: f64) -> bool {
+    measured > used * CONTRADICTION || measured * CONTRADICTION < used
+}
+
+/// What a transport reaches, from its scope bits.
+fn reach(scopes: u32) -> &'static str {
+    if scopes & sys::FERRY_SCOPE_CROSS_HOST != 0 {
+        "reaches other hosts"
+    } else if scopes & sys::FERRY_SCOPE_SAME_HOST != 0 {
+        "reaches processes of this host"
+    } else {
+        "copies within this process"
+    }
+}
+
+fn nothing_serves(
+    local: &LocalBuffer,
+    seg: &RemoteSegment,
+    hint: Option<&str>,
+    rejected: &[String],
+) -> Error {
+    let what = match hint {
+        Some(h) => format!("transport {h} was requested but cannot serve this request"),
+        None => format!(
+            "no transport can move {} memory to {} ({})",
+            local.location,
+            seg.name,
+            seg.scope.as_str()
+        ),
+    };
+    let code = if hint.is_some() {
+        ErrorCode::Unsupported
+    } else {
+        ErrorCode::Unavailable
+    };
+    Error::new(
+        code,
+        format!(
+            "{what}: {}",
+            if rejected.is_empty() {
+                "this engine has no transport plugin that can move data (`ferry info` \
+                 shows why each plugin is disabled; FERRY_PLUGIN_PATH adds directories)"
+                    .to_string()
+            } else {
+                rejected.join("; ")
+            }
+        ),
+    )
 }
 
 /// Whether transport `transport` (named `name`) serves this segment's
@@ -269,422 +682,10 @@ pub(crate) fn acceptance(
     verdict
 }
 
-/// Lower is better: transports limited to one process beat those limited to
-/// one host, which beat cross-host ones; among cross-host ones RDMA beats
-/// vendor plugins, which beat TCP, the transport of last resort.
-pub(crate) fn rank(t: &impl Candidate) -> (u8, u8) {
-    let scopes = t.scopes();
-    let locality = if scopes & (sys::FERRY_SCOPE_SAME_HOST | sys::FERRY_SCOPE_CROSS_HOST) == 0 {
-        0
-    } else if scopes & sys::FERRY_SCOPE_CROSS_HOST == 0 {
-        1
-    } else {
-        2
-    };
-    let kind = if t.name().starts_with("rdma") {
-        0
-    } else if t.name() == "tcp" {
-        2
-    } else {
-        1
-    };
-    (locality, kind)
-}
-
-fn rank_reason(t: &impl Candidate, scope: Scope) -> String {
-    let name = t.name();
-    match rank(t) {
-        (0, _) => format!("{name} copies within this process"),
-        (1, _) => format!("{name} is a same-host transport and the peer is on this host"),
-        (_, 0) => format!("{name} moves data by RDMA"),
-        (_, 2) => match scope {
-            Scope::CrossHost => {
-                format!("{name} is the only cross-host transport both ends run")
-            }
-            _ => format!(
-                "{name} works between any two engines (no same-host transport can serve this)"
-            ),
-        },
-        _ => format!("{name} is a vendor transport both ends run"),
-    }
-}
-
 /// Fake transports and the plain data selection reads, for unit tests
 /// here and in planning: no plugin, no socket.
 #[cfg(test)]
-pub(crate) mod fakes {
-    use super::super::request::{Scope, SegmentId};
-    use super::super::segments::RemoteSegment;
-    use super::Candidate;
-    use crate::descriptor::{
-        encode_blob, BufferDescriptor, BufferKey, SegmentDescriptor, TransportEndpoint,
-        DESCRIPTOR_VERSION,
-    };
-    use crate::location::Location;
-    use crate::memory::{LocalBuffer, TransportRegistration, Visibility};
-    use ferry_plugins_abi::sys;
-    use std::sync::Arc;
-
-    pub(crate) const HOST: u64 = sys::FERRY_MEM_HOST;
-    pub(crate) const SAME_HOST: u32 = sys::FERRY_SCOPE_SAME_HOST;
-    pub(crate) const ANY_HOST: u32 = sys::FERRY_SCOPE_SAME_HOST | sys::FERRY_SCOPE_CROSS_HOST;
-    pub(crate) const CROSS_HOST: u32 = sys::FERRY_SCOPE_CROSS_HOST;
-
-    /// A transport as selection sees it: what it declares.
-    pub(crate) struct FakeTransport {
-        pub(crate) name: &'static str,
-        pub(crate) mem_kinds: u64,
-        pub(crate) scopes: u32,
-    }
-
-    impl Candidate for FakeTransport {
-        fn name(&self) -> &str {
-            self.name
-        }
-        fn mem_kinds(&self) -> u64 {
-            self.mem_kinds
-        }
-        fn scopes(&self) -> u32 {
-            self.scopes
-        }
-    }
-
-    pub(crate) fn fake(name: &'static str, mem_kinds: u64, scopes: u32) -> FakeTransport {
-        FakeTransport {
-            name,
-            mem_kinds,
-            scopes,
-        }
-    }
-
-    /// tcp (any host), shm (same host), rdma (any host), as the real ones
-    /// declare themselves.
-    pub(crate) fn usual() -> Vec<FakeTransport> {
-        vec![
-            fake("tcp", HOST, ANY_HOST),
-            fake("shm", HOST, SAME_HOST),
-            fake("rdma", HOST | sys::FERRY_MEM_CUDA_DMABUF, ANY_HOST),
-        ]
-    }
-
-    fn registrations(transports: &[usize], mem_kind: u64) -> Vec<TransportRegistration> {
-        transports
-            .iter()
-            .map(|&t| TransportRegistration {
-                transport: t,
-                handle: t as u64 + 1,
-                key: vec![t as u8],
-                mem_kind,
-            })
-            .collect()
-    }
-
-    /// Host memory on NUMA node 0, registered with `transports`.
-    pub(crate) fn host_buffer(addr: u64, len: u64, transports: &[usize]) -> Arc<LocalBuffer> {
-        Arc::new(LocalBuffer {
-            addr,
-            len,
-            location: Location::Cpu(0),
-            mem_kind: HOST,
-            device: None,
-            visibility: Visibility::Published,
-            registrations: registrations(transports, HOST),
-            inflight: Default::default(),
-        })
-    }
-
-    /// Memory of cuda:0, registered directly (DMA-BUF) with `transports`.
-    pub(crate) fn device_buffer(addr: u64, len: u64, transports: &[usize]) -> Arc<LocalBuffer> {
-        Arc::new(LocalBuffer {
-            addr,
-            len,
-            location: Location::Cuda(0),
-            mem_kind: sys::FERRY_MEM_CUDA_STAGED,
-            device: Some(0),
-            visibility: Visibility::Published,
-            registrations: registrations(transports, sys::FERRY_MEM_CUDA_DMABUF),
-            inflight: Default::default(),
-        })
-    }
-
-    /// A peer's descriptor: the transports it runs, and its buffers
-    /// (address, length, location, the transports that registered it).
-    pub(crate) fn descriptor(
-        engine_id: &str,
-        transports: &[&str],
-        buffers: &[(u64, u64, &str, &[&str])],
-    ) -> SegmentDescriptor {
-        SegmentDescriptor {
-            version: DESCRIPTOR_VERSION,
-            name: "peer:1".into(),
-            control: String::new(),
-            engine_id: engine_id.into(),
-            machine_id: "m".into(),
-            process_id: "p".into(),
-            transports: transports
-                .iter()
-                .map(|t| TransportEndpoint {
-                    name: t.to_string(),
-                    endpoint: encode_blob(t.as_bytes()),
-                })
-                .collect(),
-            buffers: buffers
-                .iter()
-                .map(|(addr, len, location, keys)| BufferDescriptor {
-                    addr: *addr,
-                    len: *len,
-                    location: location.to_string(),
-                    keys: keys
-                        .iter()
-                        .map(|t| BufferKey {
-                            transport: t.to_string(),
-                            key: encode_blob(format!("{t}@{addr:#x}").as_bytes()),
-                        })
-                        .collect(),
-                })
-                .collect(),
-        }
-    }
-
-    pub(crate) fn segment(id: SegmentId, scope: Scope, d: SegmentDescriptor) -> Arc<RemoteSegment> {
-        Arc::new(RemoteSegment::new(id, "peer:1", scope, d))
-    }
-}
+pub(crate) mod fakes;
 
 #[cfg(test)]
-mod tests {
-    use super::fakes::*;
-    use super::*;
-    use std::cell::Cell;
-
-    const ALL: &[&str] = &["tcp", "shm", "rdma"];
-
-    fn pick(
-        transports: &Transports<FakeTransport>,
-        local: &LocalBuffer,
-        seg: &RemoteSegment,
-        hint: Option<&str>,
-    ) -> Result<(usize, String)> {
-        let view = seg.view.read().clone();
-        let want = Want {
-            local,
-            segment: seg,
-            view: &view,
-            remote: 0,
-            hint,
-            explain: true,
-        };
-        transports.select(&want, |_, _| Ok(()))
-    }
-
-    fn with(list: Vec<FakeTransport>) -> Transports<FakeTransport> {
-        Transports::new(list, Vec::new(), Vec::new())
-    }
-
-    #[test]
-    fn a_same_host_peer_gets_the_same_host_transport() {
-        let t = with(usual());
-        let d = descriptor("e", ALL, &[(0x1000, 4096, "cpu:0", ALL)]);
-        let seg = segment(1, Scope::SameHost, d);
-        let (best, why) = pick(&t, &host_buffer(0x9000, 4096, &[0, 1, 2]), &seg, None).unwrap();
-        assert_eq!(t[best].name, "shm");
-        assert!(why.contains("same-host transport"), "{why}");
-        assert!(why.contains("preferred over rdma, tcp"), "{why}");
-    }
-
-    #[test]
-    fn a_cross_host_peer_gets_rdma_then_a_vendor_transport_then_tcp() {
-        let mut list = usual();
-        list.push(fake("acme", HOST, CROSS_HOST));
-        let t = with(list);
-        let local = host_buffer(0x9000, 4096, &[0, 1, 2, 3]);
-        let everything = &["tcp", "shm", "rdma", "acme"];
-        let d = descriptor("e", everything, &[(0x1000, 4096, "cpu:0", everything)]);
-        let (best, why) = pick(&t, &local, &segment(1, Scope::CrossHost, d), None).unwrap();
-        assert_eq!(t[best].name, "rdma");
-        assert!(
-            why.contains("shm cannot reach a peer on another host"),
-            "{why}"
-        );
-
-        let no_rdma = &["tcp", "acme"];
-        let d = descriptor("e", no_rdma, &[(0x1000, 4096, "cpu:0", no_rdma)]);
-        let (best, why) = pick(&t, &local, &segment(1, Scope::CrossHost, d), None).unwrap();
-        assert_eq!(t[best].name, "acme");
-        assert!(why.contains("rdma does not run at the peer"), "{why}");
-
-        let only_tcp_key = &["tcp"];
-        let d = descriptor("e", everything, &[(0x1000, 4096, "cpu:0", only_tcp_key)]);
-        let (best, why) = pick(&t, &local, &segment(1, Scope::CrossHost, d), None).unwrap();
-        assert_eq!(t[best].name, "tcp");
-        assert!(why.contains("only cross-host transport"), "{why}");
-        assert!(
-            why.contains("rdma did not register the peer's buffer at 0x1000"),
-            "{why}"
-        );
-    }
-
-    #[test]
-    fn a_transport_that_declines_gives_way_to_the_next() {
-        let t = with(usual());
-        let d = descriptor("e", ALL, &[(0x1000, 4096, "cpu:0", ALL)]);
-        let seg = segment(1, Scope::CrossHost, d);
-        let view = seg.view.read().clone();
-        let local = host_buffer(0x9000, 4096, &[0, 1, 2]);
-        let want = Want {
-            local: &local,
-            segment: &seg,
-            view: &view,
-            remote: 0,
-            hint: None,
-            explain: true,
-        };
-        let mut asked = Vec::new();
-        let (best, why) = t
-            .select(&want, |i, key| {
-                asked.push((i, key.to_vec()));
-                if i == 2 {
-                    Err("no route to the peer's NIC".into())
-                } else {
-                    Ok(())
-                }
-            })
-            .unwrap();
-        assert_eq!(t[best].name, "tcp");
-        assert!(
-            why.contains("rdma declined: no route to the peer's NIC"),
-            "{why}"
-        );
-        // In rank order, each with its key for the remote buffer.
-        assert_eq!(
-            asked,
-            vec![(2, b"rdma@0x1000".to_vec()), (0, b"tcp@0x1000".to_vec())]
-        );
-    }
-
-    #[test]
-    fn a_requested_transport_is_used_or_refused() {
-        let t = with(usual());
-        let d = descriptor("e", ALL, &[(0x1000, 4096, "cpu:0", ALL)]);
-        let seg = segment(1, Scope::CrossHost, d);
-        let local = host_buffer(0x9000, 4096, &[0, 1, 2]);
-        let (best, why) = pick(&t, &local, &seg, Some("tcp")).unwrap();
-        assert_eq!((t[best].name, why.as_str()), ("tcp", "tcp was requested"));
-        let e = pick(&t, &local, &seg, Some("shm")).unwrap_err();
-        assert_eq!(e.code, ErrorCode::Unsupported);
-        assert!(
-            e.message
-                .starts_with("transport shm was requested but cannot serve this request"),
-            "{}",
-            e.message
-        );
-    }
-
-    #[test]
-    fn when_nothing_serves_every_reason_is_given() {
-        let t = with(vec![
-            fake("tcp", HOST, ANY_HOST),
-            fake("gpu-only", sys::FERRY_MEM_CUDA_DMABUF, ANY_HOST),
-        ]);
-        let d = descriptor(
-            "e",
-            &["gpu-only"],
-            &[(0x1000, 4096, "cpu:0", &["gpu-only"])],
-        );
-        let seg = segment(1, Scope::CrossHost, d);
-        let e = pick(&t, &host_buffer(0x9000, 4096, &[0]), &seg, None).unwrap_err();
-        assert_eq!(e.code, ErrorCode::Unavailable);
-        assert!(
-            e.message.contains("tcp does not run at the peer")
-                && e.message.contains("gpu-only cannot move cpu:0 memory"),
-            "{}",
-            e.message
-        );
-
-        let none = with(Vec::new());
-        let e = pick(&none, &host_buffer(0x9000, 4096, &[]), &seg, None).unwrap_err();
-        assert!(
-            e.message.contains("no transport plugin that can move data"),
-            "{}",
-            e.message
-        );
-    }
-
-    #[test]
-    fn device_memory_goes_only_to_transports_that_registered_it() {
-        let t = with(usual());
-        let d = descriptor("e", ALL, &[(0x1000, 4096, "cpu:0", ALL)]);
-        let seg = segment(1, Scope::SameHost, d);
-        let (best, why) = pick(&t, &device_buffer(0x9000, 4096, &[2]), &seg, None).unwrap();
-        assert_eq!(t[best].name, "rdma");
-        assert!(
-            why.contains("shm did not register this cuda:0 memory directly"),
-            "{why}"
-        );
-        assert!(
-            why.contains("local cuda:0 memory registered as cuda-dmabuf"),
-            "{why}"
-        );
-        let e = pick(&t, &device_buffer(0x9000, 4096, &[]), &seg, None).unwrap_err();
-        assert_eq!(e.code, ErrorCode::Unavailable);
-    }
-
-    #[test]
-    fn the_per_request_path_does_not_explain() {
-        let t = with(usual());
-        let d = descriptor("e", ALL, &[(0x1000, 4096, "cpu:0", ALL)]);
-        let seg = segment(1, Scope::SameHost, d);
-        let view = seg.view.read().clone();
-        let local = host_buffer(0x9000, 4096, &[0, 1, 2]);
-        let want = Want {
-            local: &local,
-            segment: &seg,
-            view: &view,
-            remote: 0,
-            hint: None,
-            explain: false,
-        };
-        assert_eq!(t.select(&want, |_, _| Ok(())).unwrap(), (1, String::new()));
-    }
-
-    #[test]
-    fn a_peer_is_asked_once_per_key_and_a_peer_that_cannot_be_asked_is_not_remembered() {
-        let seg = segment(1, Scope::CrossHost, descriptor("e", ALL, &[]));
-        let asked = Cell::new(0);
-        let ask = |answer: Option<std::result::Result<(), String>>| {
-            let asked = &asked;
-            move || {
-                asked.set(asked.get() + 1);
-                answer
-            }
-        };
-        // Unreachable for now: let the request try, and ask again later.
-        assert_eq!(acceptance(&seg, 2, "rdma", b"k", ask(None)), Ok(()));
-        let no = Err("too far".to_string());
-        assert_eq!(acceptance(&seg, 2, "rdma", b"k", ask(Some(no.clone()))), no);
-        assert_eq!(acceptance(&seg, 2, "rdma", b"k", ask(Some(Ok(())))), no);
-        assert_eq!(asked.get(), 2);
-        // Another key, or another transport, is another question.
-        assert_eq!(
-            acceptance(&seg, 2, "rdma", b"k2", ask(Some(Ok(())))),
-            Ok(())
-        );
-        assert_eq!(acceptance(&seg, 0, "tcp", b"k", ask(Some(Ok(())))), Ok(()));
-        assert_eq!(asked.get(), 4);
-        // A restarted peer is asked again.
-        seg.replace_view(descriptor("restarted", ALL, &[]));
-        assert_eq!(acceptance(&seg, 2, "rdma", b"k", ask(Some(Ok(())))), Ok(()));
-        assert_eq!(asked.get(), 5);
-    }
-
-    #[test]
-    fn ranks_order_scope_first_then_kind() {
-        let r = |name, scopes| rank(&fake(name, HOST, scopes));
-        let in_process = r("loopback", sys::FERRY_SCOPE_SAME_PROCESS);
-        let shm = r("shm", SAME_HOST);
-        let rdma = r("rdma", ANY_HOST);
-        let vendor = r("acme", ANY_HOST);
-        let tcp = r("tcp", ANY_HOST);
-        assert!(in_process < shm && shm < rdma && rdma < vendor && vendor < tcp);
-    }
-}
+mod tests;

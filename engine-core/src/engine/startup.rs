@@ -253,6 +253,8 @@ impl Engine {
         let staging = Staging::new(config.staging_chunk, config.staging_depth);
         let host = HostFacts::detect(topology.sysfs_root(), no_direct_transport(&plugins));
         let gpu_direct = GpuDirect::decide(&devices.gpus, &topology, policy, host);
+        let transports =
+            Transports::new(transports, transport_failures, endpoints).placed(&topology);
         let shared = Arc::new(Shared {
             config,
             topology,
@@ -264,7 +266,7 @@ impl Engine {
                 link,
                 metadata,
             },
-            transports: Transports::new(transports, transport_failures, endpoints),
+            transports,
             devices,
             gpu_direct,
             memory: MemoryRegistry::default(),

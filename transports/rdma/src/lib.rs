@@ -81,6 +81,25 @@ fn report_methods(
     }
 }
 
+/// What rdma declares for a device (plugin.h, ferry_probe_device_t): its
+/// active port's speed from the verbs port attributes (lanes x lane rate),
+/// and a one-sided write's completion time on that link layer (about 2 us
+/// on InfiniBand, 3 us on RoCE, switch hops included). A device without an
+/// active port declares nothing.
+fn declared_link(port: &verbs::PortFacts) -> (u64, u32) {
+    let mbps = (port.speed_gbps * 1000.0).round();
+    let bandwidth = if mbps.is_finite() && mbps > 0.0 {
+        mbps as u64
+    } else {
+        0
+    };
+    let latency = match port.link {
+        verbs::Link::InfiniBand => 2_000,
+        verbs::Link::Ethernet => 3_000,
+    };
+    (bandwidth, latency)
+}
+
 impl TransportPlugin for RdmaTransport {
     const NAME: &'static CStr = c"rdma";
     const VERSION: &'static CStr = ferry_plugins_abi::c_version!();
@@ -160,6 +179,7 @@ impl TransportPlugin for RdmaTransport {
             if dmabuf.is_ok() {
                 kinds |= sys::FERRY_MEM_CUDA_DMABUF;
             }
+            let (bandwidth_mbps, latency_ns) = port.map_or((0, 0), declared_link);
             report.add_device(&ProbeDevice {
                 name,
                 pci_bus_id: topo_nic
@@ -168,7 +188,8 @@ impl TransportPlugin for RdmaTransport {
                 numa_node: topo_nic.and_then(|n| n.numa_node),
                 detail: Some(&detail),
                 mem_kinds: kinds,
-                ..Default::default()
+                bandwidth_mbps,
+                latency_ns,
             });
             if port.is_none() {
                 down.push(name.clone());

@@ -292,9 +292,10 @@ fn recv(fd: RawFd) -> io::Result<Option<(Msg, Option<OwnedFd>)>> {
     Ok(Some((msg, passed)))
 }
 
-/// What the owner side serves: the fd and length for a token, if the
-/// allocation exists and is registered.
-pub type Lookup = dyn Fn(u64) -> Option<(RawFd, u64)> + Send + Sync;
+/// What the owner side serves: the fd (a duplicate, so it cannot be
+/// closed and reused while being sent) and length for a token, if the
+/// memory is still registered.
+pub type Lookup = dyn Fn(u64) -> Option<(OwnedFd, u64)> + Send + Sync;
 
 /// One connected peer, as the owner sees it.
 struct ServerConn {
@@ -587,7 +588,7 @@ fn serve(conn: &ServerConn, lookup: &Lookup, stop: &AtomicBool) -> Result<(), St
                             a: msg.a,
                             b: len,
                         },
-                        Some(memfd),
+                        Some(memfd.as_raw_fd()),
                     ),
                     None => send(
                         fd,

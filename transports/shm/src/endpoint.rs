@@ -3,9 +3,10 @@
 //! hostile input.
 //!
 //! endpoint: `ferry-shm/1 pid=<pid> pidns=<inode> uid=<uid> sock=<hex> probe=<hex> cma=<on|off>`
-//! key:      `map <id> <token> <base> <len>`  (memory this instance allocated:
-//!                                            map allocation <token>, which
-//!                                            spans [base, base + len))
+//! key:      `map <id> <token> <base> <len> <offset>`  (memory the engine
+//!                                            allocated: the registered range
+//!                                            [base, base + len) lies at
+//!                                            <offset> in the file <token>)
 //!           `cma <id> <base> <len>`          (any other memory: cross-memory attach)
 //!
 //! `id` names one registration; a revoked id is never served again, and a
@@ -89,12 +90,14 @@ impl Endpoint {
 /// How a peer's buffer can be reached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Key {
-    /// Memory the peer's instance allocated: map it by token.
+    /// Memory the peer's engine allocated: map the file by token; the
+    /// buffer starts `offset` bytes into it.
     Map {
         id: u64,
         token: u64,
         base: u64,
         len: u64,
+        offset: u64,
     },
     /// Any other memory of the peer: cross-memory attach.
     Cma { id: u64, base: u64, len: u64 },
@@ -108,7 +111,8 @@ impl Key {
                 token,
                 base,
                 len,
-            } => format!("map {id:x} {token:x} {base:x} {len:x}"),
+                offset,
+            } => format!("map {id:x} {token:x} {base:x} {len:x} {offset:x}"),
             Key::Cma { id, base, len } => format!("cma {id:x} {base:x} {len:x}"),
         }
         .into_bytes()
@@ -119,11 +123,12 @@ impl Key {
         let fields: Vec<&str> = text.split(' ').collect();
         let num = |s: &str| u64::from_str_radix(s, 16).ok();
         let key = match fields.as_slice() {
-            ["map", i, t, b, l] => Key::Map {
+            ["map", i, t, b, l, o] => Key::Map {
                 id: num(i)?,
                 token: num(t)?,
                 base: num(b)?,
                 len: num(l)?,
+                offset: num(o).filter(|o| o.checked_add(num(l).unwrap_or(0)).is_some())?,
             },
             ["cma", i, b, l] => Key::Cma {
                 id: num(i)?,
@@ -179,6 +184,7 @@ mod tests {
                 token: 7,
                 base: 0x1000,
                 len: 0x2000,
+                offset: 0x3000,
             },
             Key::Cma {
                 id: 4,
@@ -191,5 +197,6 @@ mod tests {
         assert_eq!(Key::decode(b"cma 1 ffffffffffffffff 2"), None);
         assert_eq!(Key::decode(b"cma 1 10 0"), None);
         assert_eq!(Key::decode(b"map 1 2"), None);
+        assert_eq!(Key::decode(b"map 1 2 1000 10 ffffffffffffffff"), None);
     }
 }

@@ -2,12 +2,18 @@
 //! one host, without the network stack.
 //!
 //! Two ways in, decided per buffer (each buffer's key says which):
-//! - **mapped**: memory the engine allocated through this plugin is a sealed
-//!   memfd; a peer gets the fd over the instances' Unix socket, maps it once
-//!   and copies with plain loads and stores. Needs no ptrace permission.
+//! - **mapped**: memory the engine allocated is a sealed memfd, which the
+//!   engine hands over at registration (`share_fd`); a peer gets the fd over
+//!   the instances' Unix socket, maps it once and copies with plain loads
+//!   and stores (non-temporal stores for large parts). Needs no ptrace
+//!   permission.
 //! - **cross-memory attach**: any other registered memory is read or
 //!   written with process_vm_readv/writev, batched into one system call per
-//!   batch. Needs the kernel's permission (same user, Yama, seccomp); when a
+//!   stretch of requests.
+//!
+//! Large submissions are split over a pool of copy threads near the memory
+//! (one pool per NUMA node, shared by all peers); small ones are copied on
+//! the submitting thread. Needs the kernel's permission (same user, Yama, seccomp); when a
 //!   peer cannot get it, `accepts` says why and the engine uses the next
 //!   transport (TCP).
 //!
@@ -16,9 +22,9 @@
 //! peer's socket is reachable (same network namespace) and belongs to the
 //! advertised process.
 //!
-//! Safety of the target: a peer only maps allocations with a live
-//! registration and only copies into ranges the engine checked against the
-//! target's descriptor. Unregistering tells every peer (REVOKE) and waits
+//! Safety of the target: a peer only gets the file of a live registration
+//! and only copies into ranges the engine checked against the target's
+//! descriptor (and this plugin against the buffer's key). Unregistering tells every peer (REVOKE) and waits
 //! until each confirms it has stopped touching the buffer; a revoked
 //! registration is never served again. Only processes of this user (and of
 //! `shm.allowed_uids`) may connect to the socket (SO_PEERCRED, checked
@@ -28,22 +34,26 @@
 
 mod channel;
 mod cma;
+mod copy;
 mod endpoint;
 mod memory;
+mod numa;
+mod pool;
+mod speed;
 mod wire;
 
 use channel::{Client, ClientEvents, Server};
+use copy::{NonTemporal, Piece};
 use endpoint::{Endpoint, Key};
 use ferry_plugins_abi::sdk::{
-    Completer, Host, InitParams, MemRegion, Op, PeerInfo, PluginError, PluginResult, ProbeDevice,
+    Completer, Host, InitParams, MemRegion, PeerInfo, PluginError, PluginResult, ProbeDevice,
     ProbeReport, Registration, TransferRequest, TransportInstance,
 };
 use ferry_plugins_abi::sys;
 use ferry_plugins_abi::ErrorCode;
-use memory::{Allocation, Mapping};
+use memory::{Mapping, SharedFile};
 use std::collections::{HashMap, HashSet};
 use std::ffi::CStr;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
@@ -110,21 +120,33 @@ impl ferry_plugins_abi::sdk::TransportPlugin for ShmTransport {
     type Instance = ShmInstance;
 
     fn probe(host: &Host<'_>, report: &mut ProbeReport<'_>) -> PluginResult<()> {
-        // Mapped memory needs memfd and a Unix socket: try both.
-        let alloc = memory::allocate(4096, false, 1)
+        // Mapped memory needs memfd.
+        memory::memfd()
             .map_err(|e| unavailable(format!("cannot create shareable memory (memfd): {e}")))?;
-        drop(alloc);
         report.set_capabilities(sys::FERRY_MEM_HOST, sys::FERRY_SCOPE_SAME_HOST);
         let huge = memory::hugetlb_pages();
+        let copiers = pool::Copiers::parse(host.config("shm.copy_threads").as_deref())
+            .map_err(|e| PluginError::new(ErrorCode::InvalidArgument, e))?
+            .for_node(numa::NodeMap::read().resolve(None));
+        let declared = speed::measure(copiers);
         let detail = format!(
-            "mapped memfd (sealed); huge pages: {} hugetlb pages configured, shmem THP '{}'",
+            "mapped memfd (sealed); huge pages: {} hugetlb pages configured, shmem THP '{}'; \
+             copies on {} thread(s); declares {:.1} GB/s (0.8 x memcpy on {} thread(s), {:.1} GB/s \
+             measured now) and {} us",
             huge,
-            memory::shmem_thp()
+            memory::shmem_thp(),
+            declared.copiers,
+            declared.bandwidth_mbps as f64 / 8000.0,
+            declared.copiers,
+            declared.memcpy_gb_per_s,
+            speed::LATENCY_NS / 1000
         );
         report.add_device(&ProbeDevice {
             name: "memfd",
             detail: Some(&detail),
             mem_kinds: sys::FERRY_MEM_HOST,
+            bandwidth_mbps: declared.bandwidth_mbps,
+            latency_ns: speed::LATENCY_NS,
             ..Default::default()
         });
         if huge == 0 {
@@ -174,37 +196,29 @@ ferry_plugins_abi::export_transport_plugin!(ShmTransport);
 /// One registered buffer.
 struct Region {
     key: Key,
+    /// The NUMA node of its memory, when known: copies run near it.
+    numa_node: Option<u32>,
+    /// Memory the engine allocated: the file peers map (Key::Map).
+    file: Option<SharedFile>,
 }
 
 /// State shared by the instance and its socket server.
 #[derive(Default)]
 struct Owned {
-    /// Allocations by address.
-    allocations: HashMap<u64, Arc<Allocation>>,
     /// Registrations by handle.
     regions: HashMap<u64, Region>,
 }
 
 impl Owned {
-    fn allocation_containing(&self, addr: u64, len: u64) -> Option<&Arc<Allocation>> {
-        self.allocations
-            .values()
-            .find(|a| addr >= a.addr && addr.saturating_add(len) <= a.addr + a.len)
-    }
-
-    /// The fd behind `token`, while some registration still uses it.
-    fn shared_fd(&self, token: u64) -> Option<(i32, u64)> {
-        let live = self
-            .regions
-            .values()
-            .any(|r| matches!(r.key, Key::Map { token: t, .. } if t == token));
-        if !live {
-            return None;
-        }
-        self.allocations
-            .values()
-            .find(|a| a.token == token)
-            .map(|a| (a.fd.as_raw_fd(), a.mapped))
+    /// A duplicate of the file behind `token`, and its size, while its
+    /// registration lives.
+    fn shared_fd(&self, token: u64) -> Option<(std::os::fd::OwnedFd, u64)> {
+        self.regions.values().find_map(|r| match (&r.key, &r.file) {
+            (Key::Map { token: t, .. }, Some(f)) if *t == token => {
+                Some((f.fd.try_clone().ok()?, f.len))
+            }
+            _ => None,
+        })
     }
 }
 
@@ -214,7 +228,8 @@ pub struct ShmInstance {
     auth_timeout: Duration,
     completer: Completer,
     timeout: Duration,
-    hugepages: bool,
+    nontemporal: NonTemporal,
+    pools: pool::Pools,
     endpoint: Endpoint,
     owned: Arc<RwLock<Owned>>,
     next_id: AtomicU64,
@@ -225,7 +240,11 @@ pub struct ShmInstance {
 impl ShmInstance {
     fn start(host: Host<'static>, params: InitParams, completer: Completer) -> PluginResult<Self> {
         let cma = setting_on(&host, "shm.cma");
-        let hugepages = setting_on(&host, "shm.hugepages");
+        let bad = |e: String| PluginError::new(ErrorCode::InvalidArgument, e);
+        let copiers =
+            pool::Copiers::parse(host.config("shm.copy_threads").as_deref()).map_err(bad)?;
+        let nontemporal =
+            NonTemporal::parse(host.config("shm.nontemporal").as_deref()).map_err(bad)?;
         let timeout = Duration::from_millis(
             host.config("timeout_ms")
                 .and_then(|v| v.trim().parse().ok())
@@ -294,13 +313,16 @@ impl ShmInstance {
             params.engine_name,
             if cma { "offered" } else { "off" }
         ));
+        let log = host;
+        let pools = pool::Pools::new(copiers, Box::new(move |line: &str| log.info(line)));
         Ok(ShmInstance {
             host,
             token,
             auth_timeout,
             completer,
             timeout,
-            hugepages,
+            nontemporal,
+            pools,
             endpoint,
             owned,
             next_id: AtomicU64::new(random_u64() >> 1),
@@ -417,47 +439,6 @@ impl TransportInstance for ShmInstance {
         Ok(self.endpoint.encode())
     }
 
-    fn allocate_memory(&self, len: u64, _numa_node: Option<u32>) -> Option<PluginResult<u64>> {
-        let token = random_u64();
-        Some(match memory::allocate(len, self.hugepages, token) {
-            Ok(a) => {
-                let addr = a.addr;
-                self.host.debug(&format!(
-                    "shm: allocated {len} bytes at {addr:#x} ({})",
-                    if a.huge { "huge pages" } else { "normal pages" }
-                ));
-                self.owned_mut().allocations.insert(addr, Arc::new(a));
-                Ok(addr)
-            }
-            Err(e) => Err(PluginError::new(
-                ErrorCode::NoMemory,
-                format!("shm: cannot allocate {len} bytes of shareable memory: {e}"),
-            )),
-        })
-    }
-
-    fn free_memory(&self, addr: u64) -> PluginResult<()> {
-        let mut owned = self.owned_mut();
-        let a = owned.allocations.get(&addr).cloned().ok_or_else(|| {
-            PluginError::new(
-                ErrorCode::NotFound,
-                format!("shm allocated nothing at {addr:#x}"),
-            )
-        })?;
-        let used = owned
-            .regions
-            .values()
-            .any(|r| matches!(r.key, Key::Map { token, .. } if token == a.token));
-        if used {
-            return Err(PluginError::new(
-                ErrorCode::Busy,
-                format!("memory at {addr:#x} is still registered"),
-            ));
-        }
-        owned.allocations.remove(&addr);
-        Ok(())
-    }
-
     fn register_memory(&self, region: &MemRegion) -> PluginResult<Registration> {
         if region.mem_kind != sys::FERRY_MEM_HOST {
             return Err(PluginError::new(
@@ -473,21 +454,64 @@ impl TransportInstance for ShmInstance {
             });
         }
         let id = self.next_id.fetch_add(1, Ordering::SeqCst);
-        let mut owned = self.owned_mut();
-        let key = match owned.allocation_containing(region.addr, region.len) {
-            Some(a) => Key::Map {
-                id,
-                token: a.token,
-                base: a.addr,
-                len: a.len,
-            },
-            None => Key::Cma {
-                id,
-                base: region.addr,
-                len: region.len,
-            },
+        // Memory the engine allocated comes with its file: peers map it.
+        // Anything else (or a file that does not hold the range) is reached
+        // by cross-memory attach.
+        let shared = region
+            .share_fd
+            .and_then(|(fd, offset)| match SharedFile::dup(fd) {
+                Ok(f)
+                    if offset
+                        .checked_add(region.len)
+                        .is_some_and(|end| end <= f.len) =>
+                {
+                    Some((f, offset))
+                }
+                Ok(_) => {
+                    self.host.warn(&format!(
+                        "shm: the engine's file for [{:#x}, +{}) is shorter than the buffer; \
+                         peers reach it by cross-memory attach",
+                        region.addr, region.len
+                    ));
+                    None
+                }
+                Err(e) => {
+                    self.host.warn(&format!(
+                        "shm: cannot keep the engine's file for [{:#x}, +{}) ({e}); peers \
+                         reach it by cross-memory attach",
+                        region.addr, region.len
+                    ));
+                    None
+                }
+            });
+        let (key, file) = match shared {
+            Some((file, offset)) => (
+                Key::Map {
+                    id,
+                    token: random_u64(),
+                    base: region.addr,
+                    len: region.len,
+                    offset,
+                },
+                Some(file),
+            ),
+            None => (
+                Key::Cma {
+                    id,
+                    base: region.addr,
+                    len: region.len,
+                },
+                None,
+            ),
         };
-        owned.regions.insert(id, Region { key });
+        self.owned_mut().regions.insert(
+            id,
+            Region {
+                key,
+                numa_node: region.numa_node,
+                file,
+            },
+        );
         Ok(Registration {
             handle: id,
             key: key.encode(),
@@ -574,32 +598,108 @@ impl TransportInstance for ShmInstance {
         if peer.state.closed.load(Ordering::SeqCst) {
             return Err(peer.gone());
         }
-        let keys: Vec<Option<Key>> = requests.iter().map(|r| Key::decode(r.remote_key)).collect();
-        // Map what is not mapped yet, before taking the copy lock.
-        for key in keys.iter().flatten() {
-            if let Key::Map { token, .. } = key {
-                peer.ensure_mapped(*token, self.timeout)?;
-            }
-        }
-        let mem = peer.state.copying.read().unwrap_or_else(|p| p.into_inner());
-        let mut cma_batch: Vec<usize> = Vec::new();
-        for (i, (r, key)) in requests.iter().zip(&keys).enumerate() {
-            let result = match key {
-                None => Err(PluginError::new(ErrorCode::Protocol, "malformed shm key")),
-                Some(k) if mem.revoked.contains(&k.id()) => Err(refused_range(r)),
-                Some(Key::Map {
-                    token, base, len, ..
-                }) => copy_mapped(&mem, r, *token, *base, *len),
-                Some(Key::Cma { .. }) => {
-                    cma_batch.push(i);
-                    continue;
+        // Requests of a batch mostly name the same buffer: decode a key once
+        // per run of requests that repeat it, and map what is not mapped yet
+        // before taking the copy lock.
+        let mut keys: Vec<Option<Key>> = Vec::with_capacity(requests.len());
+        let mut last: Option<(&[u8], Option<Key>)> = None;
+        for r in requests {
+            let key = match last {
+                Some((bytes, key)) if bytes == r.remote_key => key,
+                _ => {
+                    let key = Key::decode(r.remote_key);
+                    if let Some(Key::Map { token, .. }) = key {
+                        peer.ensure_mapped(token, self.timeout)?;
+                    }
+                    last = Some((r.remote_key, key));
+                    key
                 }
             };
-            self.completer
-                .complete(r.token, result.as_ref().map(|_| ()));
+            keys.push(key);
         }
-        if !cma_batch.is_empty() {
-            self.copy_cma(peer, requests, &cma_batch);
+        let mem = peer.state.copying.read().unwrap_or_else(|p| p.into_inner());
+        let (mut mapped, mut cma) = (Vec::new(), Vec::new());
+        let (mut mapped_bytes, mut cma_bytes) = (0u64, 0u64);
+        for (i, (r, key)) in requests.iter().zip(&keys).enumerate() {
+            let piece = |remote| Piece {
+                req: i,
+                op: r.op,
+                local: r.local_addr,
+                remote,
+                len: r.length,
+            };
+            let refused = match key {
+                None => Some(PluginError::new(ErrorCode::Protocol, "malformed shm key")),
+                Some(k) if mem.revoked.contains(&k.id()) || !within(k, r) => Some(refused_range(r)),
+                Some(Key::Map {
+                    token,
+                    base,
+                    offset,
+                    ..
+                }) => match mapped_address(&mem, r, *token, *base, *offset) {
+                    Ok(at) => {
+                        mapped.push(piece(at));
+                        mapped_bytes += r.length;
+                        None
+                    }
+                    Err(e) => Some(e),
+                },
+                Some(Key::Cma { .. }) => {
+                    cma.push(piece(r.remote_addr));
+                    cma_bytes += r.length;
+                    None
+                }
+            };
+            if let Some(e) = refused {
+                self.completer.complete(r.token, Err(&e));
+            }
+        }
+        // Large submissions are split over the copy threads near the local
+        // memory; small ones stay on this thread.
+        let pool = (copy::parts_for(mapped_bytes.max(cma_bytes), 2) > 1)
+            .then(|| self.pools.near(self.numa_node(requests)))
+            .flatten();
+        let copiers = pool.as_ref().map_or(1, |p| p.helpers() + 1);
+        let mut failed: HashMap<usize, PluginError> = HashMap::new();
+        // SAFETY: every mapped piece's remote range was checked inside a
+        // mapping that the copy lock (`mem`) keeps mapped until after the
+        // copies; every local range lies in a buffer the engine checked is
+        // registered here and keeps registered while the request is in flight.
+        let finished = unsafe {
+            copy::mapped(
+                pool.as_deref(),
+                &mapped,
+                copy::parts_for(mapped_bytes, copiers),
+                self.nontemporal,
+            )
+        };
+        if !finished {
+            for p in &mapped {
+                failed.insert(p.req, incomplete());
+            }
+        }
+        if !cma.is_empty() {
+            // SAFETY: as above for the local ranges; the kernel checks the
+            // remote ones against the peer's address space.
+            let cma_failed = unsafe {
+                copy::cma(
+                    pool.as_deref(),
+                    peer.endpoint.pid,
+                    &cma,
+                    copy::parts_for(cma_bytes, copiers),
+                )
+            };
+            for (req, why) in cma_failed {
+                failed
+                    .entry(req)
+                    .or_insert_with(|| self.cma_error(peer, &requests[req], why));
+            }
+        }
+        drop(mem);
+        for p in mapped.iter().chain(&cma) {
+            let r = &requests[p.req];
+            self.completer
+                .complete(r.token, failed.get(&p.req).map_or(Ok(()), Err));
         }
         Ok(())
     }
@@ -616,39 +716,43 @@ impl TransportInstance for ShmInstance {
     }
 }
 
-/// Copies one request through a mapping of the peer's allocation.
-fn copy_mapped(
+/// Whether the request's remote range lies inside the buffer of its key.
+fn within(key: &Key, r: &TransferRequest<'_>) -> bool {
+    let (base, len) = key.range();
+    r.remote_addr >= base
+        && r.remote_addr
+            .checked_add(r.length)
+            .is_some_and(|end| end <= base + len)
+}
+
+/// Where the request's remote range is in our mapping of the peer's file
+/// `token` (whose byte `offset` is the peer's address `base`).
+fn mapped_address(
     mem: &PeerMemory,
     r: &TransferRequest<'_>,
     token: u64,
     base: u64,
-    len: u64,
-) -> PluginResult<()> {
+    offset: u64,
+) -> PluginResult<u64> {
     let mapping = mem.mappings.get(&token).ok_or_else(|| refused_range(r))?;
     let off = r
         .remote_addr
         .checked_sub(base)
+        .and_then(|o| o.checked_add(offset))
         .ok_or_else(|| refused_range(r))?;
     let end = off.checked_add(r.length).ok_or_else(|| refused_range(r))?;
-    if end > len.min(mapping.len) {
+    if end > mapping.len {
         return Err(refused_range(r));
     }
-    let remote = mapping.base.wrapping_add(off as usize);
-    let local = r.local_addr as *mut u8;
-    // SAFETY: [off, end) lies inside the mapping, which the copy lock keeps
-    // mapped; the local range lies in a buffer the engine checked is
-    // registered here and keeps registered while the request is in flight.
-    // ptr::copy tolerates the two ranges aliasing (same process, same file).
-    unsafe {
-        match r.op {
-            Op::Write => std::ptr::copy(local.cast_const(), remote, r.length as usize),
-            Op::Read => std::ptr::copy(remote.cast_const(), local, r.length as usize),
-        }
-    }
-    Ok(())
+    Ok(mapping.base as u64 + off)
 }
 
-const IOV_MAX: usize = 1024;
+fn incomplete() -> PluginError {
+    PluginError::new(
+        ErrorCode::Internal,
+        "shm: a copy thread stopped before finishing its part",
+    )
+}
 
 impl ShmInstance {
     fn cma_verdict(&self, e: &Endpoint) -> Result<(), String> {
@@ -673,70 +777,45 @@ impl ShmInstance {
         }
     }
 
-    /// Copies the cross-memory-attach requests `idx`, one system call per
-    /// run of up to IOV_MAX requests of the same operation.
-    fn copy_cma(&self, peer: &ShmPeer, requests: &[TransferRequest<'_>], idx: &[usize]) {
-        let mut start = 0;
-        while start < idx.len() {
-            let op = requests[idx[start]].op;
-            let mut end = start;
-            while end < idx.len() && end - start < IOV_MAX && requests[idx[end]].op == op {
-                end += 1;
-            }
-            let run = &idx[start..end];
-            let iov = |addr: u64, len: u64| libc::iovec {
-                iov_base: addr as *mut libc::c_void,
-                iov_len: len as usize,
-            };
-            let local: Vec<libc::iovec> = run
-                .iter()
-                .map(|&i| iov(requests[i].local_addr, requests[i].length))
-                .collect();
-            let remote: Vec<libc::iovec> = run
-                .iter()
-                .map(|&i| iov(requests[i].remote_addr, requests[i].length))
-                .collect();
-            // SAFETY: every local iovec is a range of a buffer the engine
-            // registered and keeps registered while the request is in flight.
-            let moved =
-                unsafe { cma::vectored(peer.endpoint.pid, op == Op::Write, &local, &remote) };
-            let mut done: u64 = match &moved {
-                Ok(n) => *n as u64,
-                Err(_) => 0,
-            };
-            for &i in run {
-                let r = &requests[i];
-                let result = if done >= r.length {
-                    done -= r.length;
-                    Ok(())
-                } else {
-                    done = 0;
-                    Err(match &moved {
-                        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => peer.gone(),
-                        Err(e) if e.raw_os_error() == Some(libc::EPERM) => PluginError::new(
-                            ErrorCode::Permission,
-                            format!("shm: {}", cma::explain_refusal(e, peer.endpoint.uid)),
-                        ),
-                        Err(e) => PluginError::new(
-                            ErrorCode::OutOfBounds,
-                            format!(
-                                "shm: cross-memory copy of [{:#x}, +{}) at {} failed: {e}",
-                                r.remote_addr, r.length, peer.name
-                            ),
-                        ),
-                        Ok(_) => PluginError::new(
-                            ErrorCode::OutOfBounds,
-                            format!(
-                                "shm: [{:#x}, +{}) is not mapped in {} any more",
-                                r.remote_addr, r.length, peer.name
-                            ),
-                        ),
-                    })
-                };
-                self.completer
-                    .complete(r.token, result.as_ref().map(|_| ()));
-            }
-            start = end;
+    /// The NUMA node of the first request's local buffer, when known.
+    fn numa_node(&self, requests: &[TransferRequest<'_>]) -> Option<u32> {
+        let handle = requests.first()?.local_mem;
+        self.owned
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .regions
+            .get(&handle)?
+            .numa_node
+    }
+
+    /// A failed cross-memory copy, in words.
+    fn cma_error(
+        &self,
+        peer: &ShmPeer,
+        r: &TransferRequest<'_>,
+        why: copy::Failure,
+    ) -> PluginError {
+        match why {
+            copy::Failure::Refused(e) if e.raw_os_error() == Some(libc::ESRCH) => peer.gone(),
+            copy::Failure::Refused(e) if e.raw_os_error() == Some(libc::EPERM) => PluginError::new(
+                ErrorCode::Permission,
+                format!("shm: {}", cma::explain_refusal(&e, peer.endpoint.uid)),
+            ),
+            copy::Failure::Refused(e) => PluginError::new(
+                ErrorCode::OutOfBounds,
+                format!(
+                    "shm: cross-memory copy of [{:#x}, +{}) at {} failed: {e}",
+                    r.remote_addr, r.length, peer.name
+                ),
+            ),
+            copy::Failure::Short => PluginError::new(
+                ErrorCode::OutOfBounds,
+                format!(
+                    "shm: [{:#x}, +{}) is not mapped in {} any more",
+                    r.remote_addr, r.length, peer.name
+                ),
+            ),
+            copy::Failure::Incomplete => incomplete(),
         }
     }
 }

@@ -1,51 +1,18 @@
-//! Shareable memory: allocations backed by a sealed memfd (huge pages when
-//! the host has them), and a peer's mapping of one.
+//! Shareable memory as shm sees it: whether this host can make it (memfd),
+//! a peer's memfd mapped here, and the files of registrations shared with
+//! peers.
 //!
-//! The memfd is sealed against shrinking before anyone else sees it, so no
-//! process can truncate it under a peer's mapping: a peer never takes SIGBUS
-//! from memory Ferry shared. A peer refuses to map an fd that lacks the seal.
+//! The engine allocates the memory (engine-core's `shared_memory`) and seals
+//! the memfd against shrinking before anyone else sees it, so no process can
+//! truncate it under a peer's mapping: a peer never takes SIGBUS from memory
+//! Ferry shared. A peer refuses to map an fd that lacks the seal.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-pub const HUGE_PAGE: u64 = 2 << 20;
-
-fn page_size() -> u64 {
-    // SAFETY: sysconf has no preconditions.
-    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    u64::try_from(n).unwrap_or(4096).max(4096)
-}
-
-/// Memory this instance allocated and can hand to peers.
-pub struct Allocation {
-    pub token: u64,
-    pub addr: u64,
-    pub len: u64,
-    /// Bytes mapped (len rounded up to the page size used).
-    pub mapped: u64,
-    pub fd: OwnedFd,
-    pub huge: bool,
-}
-
-// SAFETY: the mapping is owned by this struct and only unmapped in Drop; the
-// raw address is plain data shared like a Vec<u8>'s pointer would be.
-unsafe impl Send for Allocation {}
-// SAFETY: as above.
-unsafe impl Sync for Allocation {}
-
-impl Drop for Allocation {
-    fn drop(&mut self) {
-        // SAFETY: addr/mapped describe the mapping made in `allocate`, which
-        // nothing uses once the allocation is dropped (unregistered first).
-        unsafe { libc::munmap(self.addr as *mut libc::c_void, self.mapped as usize) };
-    }
-}
-
-fn memfd(huge: bool) -> io::Result<OwnedFd> {
-    let mut flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
-    if huge {
-        flags |= libc::MFD_HUGETLB | libc::MFD_HUGE_2MB;
-    }
+/// A new memfd that allows sealing.
+pub fn memfd() -> io::Result<OwnedFd> {
+    let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
     // SAFETY: a NUL-terminated name; the returned fd is checked.
     let fd = unsafe { libc::memfd_create(c"ferry-shm".as_ptr(), flags) };
     if fd < 0 {
@@ -55,58 +22,35 @@ fn memfd(huge: bool) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-fn try_allocate(len: u64, huge: bool, token: u64) -> io::Result<Allocation> {
-    let unit = if huge { HUGE_PAGE } else { page_size() };
-    let mapped = len.div_ceil(unit) * unit;
-    let fd = memfd(huge)?;
-    // SAFETY: fd is a valid memfd.
-    if unsafe { libc::ftruncate(fd.as_raw_fd(), mapped as libc::off_t) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-    // SAFETY: fcntl on a valid fd with an int argument.
-    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: mapping `mapped` bytes of a file that is exactly that long and
-    // sealed against shrinking; the result is checked.
-    let ptr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            mapped as usize,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED | libc::MAP_POPULATE,
-            fd.as_raw_fd(),
-            0,
-        )
-    };
-    if ptr == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
-    }
-    if !huge {
-        // Transparent huge pages for shmem, where the host allows them.
-        // SAFETY: advice on our own fresh mapping.
-        unsafe { libc::madvise(ptr, mapped as usize, libc::MADV_HUGEPAGE) };
-    }
-    Ok(Allocation {
-        token,
-        addr: ptr as u64,
-        len,
-        mapped,
-        fd,
-        huge,
-    })
+/// The file of a registration peers may map: our own duplicate of the
+/// engine's memfd (so it outlives nothing it should not) and its size.
+pub struct SharedFile {
+    pub fd: OwnedFd,
+    pub len: u64,
 }
 
-/// Allocates `len` bytes; huge pages first when `hugepages` allows and the
-/// host has free ones, else normal pages.
-pub fn allocate(len: u64, hugepages: bool, token: u64) -> io::Result<Allocation> {
-    if hugepages && len >= HUGE_PAGE {
-        if let Ok(a) = try_allocate(len, true, token) {
-            return Ok(a);
+impl SharedFile {
+    /// Duplicates `fd` (borrowed from the engine for the call).
+    pub fn dup(fd: i32) -> io::Result<SharedFile> {
+        // SAFETY: F_DUPFD_CLOEXEC on a descriptor the engine keeps open for
+        // the call; the result is checked.
+        let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+        if dup < 0 {
+            return Err(io::Error::last_os_error());
         }
+        // SAFETY: a fresh descriptor we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(dup) };
+        // SAFETY: a zeroed stat is valid storage for fstat to fill.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat on a valid fd into valid storage.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(SharedFile {
+            fd,
+            len: st.st_size as u64,
+        })
     }
-    try_allocate(len, false, token)
 }
 
 /// A peer's allocation mapped here.
@@ -189,24 +133,37 @@ pub fn shmem_thp() -> String {
 mod tests {
     use super::*;
 
+    fn sealed(len: u64) -> OwnedFd {
+        let fd = memfd().unwrap();
+        // SAFETY: sizing and sealing our own memfd.
+        unsafe {
+            assert_eq!(libc::ftruncate(fd.as_raw_fd(), len as libc::off_t), 0);
+            assert_eq!(
+                libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK),
+                0
+            );
+        }
+        fd
+    }
+
     #[test]
-    fn allocations_are_sealed_and_mappable_by_fd() {
-        let a = allocate(3 << 20, true, 1).unwrap();
-        assert!(a.mapped >= a.len);
-        // SAFETY: writing inside our own mapping.
-        unsafe { *(a.addr as *mut u8).add(100) = 42 };
-        let m = map(&a.fd, a.len).unwrap();
-        // SAFETY: reading inside the second mapping of the same file.
-        assert_eq!(unsafe { *m.base.add(100) }, 42);
-        // SAFETY: ftruncate on our fd; the seal must refuse it.
-        let rc = unsafe { libc::ftruncate(a.fd.as_raw_fd(), 0) };
-        assert_ne!(rc, 0, "sealed memory cannot shrink");
-        assert!(map(&a.fd, a.mapped * 2).is_err());
+    fn sealed_files_map_and_share() {
+        let fd = sealed(3 << 20);
+        let a = map(&fd, 3 << 20).unwrap();
+        let shared = SharedFile::dup(fd.as_raw_fd()).unwrap();
+        assert_eq!(shared.len, 3 << 20);
+        let b = map(&shared.fd, shared.len).unwrap();
+        // SAFETY: inside both mappings of the same file.
+        unsafe {
+            *a.base.add(100) = 42;
+            assert_eq!(*b.base.add(100), 42);
+        }
+        assert!(map(&fd, 6 << 20).is_err());
     }
 
     #[test]
     fn unsealed_files_are_refused() {
-        let fd = memfd(false).unwrap();
+        let fd = memfd().unwrap();
         // SAFETY: sizing our own memfd.
         unsafe { libc::ftruncate(fd.as_raw_fd(), 4096) };
         assert!(map(&fd, 4096).unwrap_err().contains("not sealed"));

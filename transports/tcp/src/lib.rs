@@ -66,13 +66,20 @@ impl ferry_plugins_abi::sdk::TransportPlugin for TcpTransport {
             if itf.loopback {
                 detail.push_str(" (loopback: same-host peers only)");
             }
+            let (bandwidth_mbps, latency_ns) = declared_link(
+                itf.loopback,
+                nic.map(|n| n.speed_mbps)
+                    .filter(|s| *s > 0)
+                    .or_else(|| sysfs_speed_mbps(&itf.name)),
+            );
             report.add_device(&ProbeDevice {
                 name: &itf.name,
                 pci_bus_id: nic.map(|n| n.pci_bus_id.as_str()).filter(|p| !p.is_empty()),
                 numa_node: nic.and_then(|n| n.numa_node),
                 detail: Some(&detail),
                 mem_kinds: sys::FERRY_MEM_HOST,
-                ..Default::default()
+                bandwidth_mbps,
+                latency_ns,
             });
         }
         if !interfaces.iter().any(|i| !i.loopback) {
@@ -94,6 +101,39 @@ impl ferry_plugins_abi::sdk::TransportPlugin for TcpTransport {
 }
 
 ferry_plugins_abi::export_transport_plugin!(TcpTransport);
+
+/// What tcp declares for one interface (plugin.h, ferry_probe_device_t):
+/// a NIC's link speed, the ceiling of what the striped connections reach,
+/// with a kernel stack's round trip at each end; loopback is bound by the
+/// kernel's copies (a few GB/s per connection, striped), declared low, as
+/// the engine's measurements correct it. An interface whose speed the
+/// kernel does not report (virtio, some bonds) declares no bandwidth, and
+/// the engine assumes its conservative default.
+fn declared_link(loopback: bool, speed_mbps: Option<u64>) -> (u64, u32) {
+    const LOOPBACK_MBPS: u64 = 40_000;
+    const LOOPBACK_LATENCY_NS: u32 = 20_000;
+    const NIC_LATENCY_NS: u32 = 30_000;
+    if loopback {
+        (LOOPBACK_MBPS, LOOPBACK_LATENCY_NS)
+    } else {
+        (speed_mbps.unwrap_or(0), NIC_LATENCY_NS)
+    }
+}
+
+/// The link speed the kernel reports for an interface, in Mbit/s (`None`
+/// when down, virtual, or unknown: the file reads -1 or cannot be read).
+fn sysfs_speed_mbps(interface: &str) -> Option<u64> {
+    if interface.contains('/') || interface.starts_with('.') {
+        return None;
+    }
+    std::fs::read_to_string(format!("/sys/class/net/{interface}/speed"))
+        .ok()?
+        .trim()
+        .parse::<i64>()
+        .ok()
+        .and_then(|s| u64::try_from(s).ok())
+        .filter(|s| *s > 0)
+}
 
 fn setting<T: std::str::FromStr>(host: &Host<'_>, key: &str, default: T) -> PluginResult<T> {
     match host.config(key) {

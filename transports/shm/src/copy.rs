@@ -1,0 +1,438 @@
+//! The copies of one submission: requests cut into parts of about equal
+//! size for the copy threads, each part copied through a mapping of the
+//! peer's memory (loads and stores, optionally non-temporal stores) or by
+//! cross-memory attach (process_vm_readv/writev over iovec batches), and
+//! the requests that failed, with why.
+//!
+//! Small submissions are one part, copied on the caller's thread: no hand-off
+//! adds latency to them.
+
+use crate::cma;
+use crate::pool::Pool;
+use ferry_plugins_abi::sdk::Op;
+use std::io;
+use std::sync::Mutex;
+
+/// A submission smaller than twice this stays on the caller's thread, and
+/// no part is smaller than this (a hand-off costs a few microseconds, the
+/// time to copy tens of KiB).
+pub const MIN_PART: u64 = 64 << 10;
+
+/// Most iovecs one process_vm_readv/writev takes (the kernel's UIO_MAXIOV).
+const IOV_MAX: usize = 1024;
+
+/// One request's copy (or a slice of it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// Index of the request in the submission.
+    pub req: usize,
+    pub op: Op,
+    pub local: u64,
+    /// Mapped: an address in our mapping of the peer's memory. Cross-memory
+    /// attach: an address in the peer.
+    pub remote: u64,
+    pub len: u64,
+}
+
+/// When non-temporal stores are used on the mapped path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NonTemporal {
+    Off,
+    /// For every part (a thread's share of a submission) of at least this
+    /// many bytes.
+    From(u64),
+}
+
+impl NonTemporal {
+    /// Parts smaller than this use regular stores: they fit in cache, and
+    /// the peer may read them from there.
+    const DEFAULT_MIN: u64 = 256 << 10;
+
+    /// From the `shm.nontemporal` setting: `on` (the default), `off`, or
+    /// the part size in bytes from which they are used; Err explains a bad
+    /// value.
+    pub fn parse(v: Option<&str>) -> Result<NonTemporal, String> {
+        match v.map(str::trim) {
+            Some("off" | "0" | "false" | "no") => Ok(NonTemporal::Off),
+            None | Some("" | "on" | "1" | "true" | "yes") => {
+                Ok(NonTemporal::From(Self::DEFAULT_MIN))
+            }
+            Some(s) => s
+                .parse::<u64>()
+                .ok()
+                .filter(|n| *n > 0)
+                .map(NonTemporal::From)
+                .ok_or_else(|| {
+                    format!(
+                        "FERRY_SHM_NONTEMPORAL={s:?} is not 'on', 'off' or a size in bytes \
+                         from which non-temporal stores are used"
+                    )
+                }),
+        }
+    }
+
+    fn applies(self, len: u64) -> bool {
+        matches!(self, NonTemporal::From(min) if len >= min)
+    }
+}
+
+/// How many parts `total` bytes make for `copiers` threads.
+pub fn parts_for(total: u64, copiers: usize) -> usize {
+    ((total / MIN_PART) as usize).clamp(1, copiers.max(1))
+}
+
+/// Cuts `pieces` into `parts` runs of about equal bytes (cutting pieces
+/// where a run ends, at 4 KiB boundaries). Returns the pieces and where
+/// each run starts in them (one more entry than runs: the end).
+pub fn split(pieces: &[Piece], parts: usize) -> (Vec<Piece>, Vec<usize>) {
+    let total: u64 = pieces.iter().map(|p| p.len).sum();
+    let parts = parts.max(1) as u64;
+    let share = total.div_ceil(parts).next_multiple_of(4096).max(1);
+    let mut out = Vec::with_capacity(pieces.len() + parts as usize);
+    let mut starts = vec![0];
+    let mut room = share;
+    for p in pieces {
+        let mut p = *p;
+        while p.len > room {
+            out.push(Piece { len: room, ..p });
+            p.local += room;
+            p.remote += room;
+            p.len -= room;
+            starts.push(out.len());
+            room = share;
+        }
+        if p.len > 0 {
+            out.push(p);
+            room -= p.len;
+        }
+        if room == 0 {
+            starts.push(out.len());
+            room = share;
+        }
+    }
+    if *starts.last().unwrap_or(&0) != out.len() {
+        starts.push(out.len());
+    }
+    (out, starts)
+}
+
+/// Runs `one(run of pieces)` for every part, on the pool when there is
+/// more than one part and a pool. False when a part did not finish.
+fn run_parts(
+    pool: Option<&Pool>,
+    pieces: &[Piece],
+    parts: usize,
+    one: &(dyn Fn(&[Piece]) + Sync),
+) -> bool {
+    match pool {
+        Some(pool) if parts > 1 && pool.helpers() > 0 => {
+            let (cut, starts) = split(pieces, parts);
+            pool.run(starts.len() - 1, &|i| one(&cut[starts[i]..starts[i + 1]]))
+        }
+        _ => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| one(pieces))).is_ok(),
+    }
+}
+
+/// Copies mapped pieces. False when a part did not finish (a bug, reported
+/// as a failure of every request of the submission).
+///
+/// # Safety
+/// Every piece's local range must be valid memory of this process, and its
+/// remote range must lie inside a mapping that stays mapped until this
+/// returns.
+pub unsafe fn mapped(pool: Option<&Pool>, pieces: &[Piece], parts: usize, nt: NonTemporal) -> bool {
+    run_parts(pool, pieces, parts, &|run| {
+        let nt = nt.applies(run.iter().map(|p| p.len).sum());
+        for p in run {
+            let (dst, src) = match p.op {
+                Op::Write => (p.remote, p.local),
+                Op::Read => (p.local, p.remote),
+            };
+            // SAFETY: the caller's contract on both ranges.
+            unsafe { copy_bytes(dst as *mut u8, src as *const u8, p.len as usize, nt) };
+        }
+    })
+}
+
+/// Why a cross-memory-attach piece failed.
+#[derive(Debug)]
+pub enum Failure {
+    /// The system call failed with this error.
+    Refused(io::Error),
+    /// It moved fewer bytes than asked: the range is not mapped in the peer.
+    Short,
+    /// A copy thread did not finish its part.
+    Incomplete,
+}
+
+/// Copies pieces by cross-memory attach with process `pid`. Returns the
+/// failed pieces' requests, each with why (a request may appear more than
+/// once when several of its slices failed).
+///
+/// # Safety
+/// Every piece's local range must be valid memory of this process (writable
+/// for reads) until this returns.
+pub unsafe fn cma(
+    pool: Option<&Pool>,
+    pid: i32,
+    pieces: &[Piece],
+    parts: usize,
+) -> Vec<(usize, Failure)> {
+    let failed: Mutex<Vec<(usize, Failure)>> = Mutex::default();
+    let done = run_parts(pool, pieces, parts, &|run| {
+        let mut mine = Vec::new();
+        // SAFETY: the caller's contract on the local ranges.
+        unsafe { cma_run(pid, run, &mut mine) };
+        if !mine.is_empty() {
+            failed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(mine);
+        }
+    });
+    let mut failed = failed.into_inner().unwrap_or_else(|p| p.into_inner());
+    if !done {
+        failed.extend(pieces.iter().map(|p| (p.req, Failure::Incomplete)));
+    }
+    failed
+}
+
+/// One thread's pieces: a system call per stretch of up to IOV_MAX pieces
+/// of one operation. After a short count the piece where the kernel
+/// stopped fails and the rest is tried again, so one unmapped range fails
+/// only its own request.
+unsafe fn cma_run(pid: i32, run: &[Piece], failed: &mut Vec<(usize, Failure)>) {
+    let iov = |addr: u64, len: u64| libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: len as usize,
+    };
+    let mut start = 0;
+    while start < run.len() {
+        let op = run[start].op;
+        let end = run[start..]
+            .iter()
+            .take(IOV_MAX)
+            .position(|p| p.op != op)
+            .map_or((start + IOV_MAX).min(run.len()), |n| start + n);
+        let stretch = &run[start..end];
+        let local: Vec<libc::iovec> = stretch.iter().map(|p| iov(p.local, p.len)).collect();
+        let remote: Vec<libc::iovec> = stretch.iter().map(|p| iov(p.remote, p.len)).collect();
+        // SAFETY: the caller's contract on every local range; the kernel
+        // checks the remote ones against the peer's address space.
+        let moved = unsafe { cma::vectored(pid, op == Op::Write, &local, &remote) };
+        match moved {
+            Ok(mut n) => {
+                let mut next = end;
+                for (i, p) in stretch.iter().enumerate() {
+                    if n as u64 >= p.len {
+                        n -= p.len as usize;
+                    } else {
+                        failed.push((p.req, Failure::Short));
+                        next = start + i + 1;
+                        break;
+                    }
+                }
+                start = next;
+            }
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EFAULT | libc::EINVAL)) => {
+                // Nothing moved: the first piece is at fault.
+                failed.push((stretch[0].req, Failure::Refused(e)));
+                start += 1;
+            }
+            Err(e) => {
+                // The peer is gone or we may not attach: every piece fails.
+                for p in &run[start..] {
+                    failed.push((
+                        p.req,
+                        Failure::Refused(io::Error::from_raw_os_error(
+                            e.raw_os_error().unwrap_or(libc::EIO),
+                        )),
+                    ));
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// Copies `len` bytes; with non-temporal stores when `nt` and the ranges
+/// do not overlap (x86-64; elsewhere always memmove).
+///
+/// # Safety
+/// `src` readable and `dst` writable for `len` bytes.
+pub unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize, nt: bool) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let apart = (dst as usize).abs_diff(src as usize) >= len;
+        if nt && len >= 64 && apart {
+            // SAFETY: the caller's contract; the ranges do not overlap.
+            unsafe { copy_streaming(dst, src, len) };
+            return;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = nt;
+    // SAFETY: the caller's contract; memmove tolerates overlap (a loopback
+    // to this process's own mapping of the same file).
+    unsafe { std::ptr::copy(src, dst, len) }
+}
+
+/// Loads, and stores that bypass the cache (the destination is the other
+/// process's, not read here soon), 64 bytes at a time.
+///
+/// # Safety
+/// As [`copy_bytes`], and the ranges do not overlap.
+#[cfg(target_arch = "x86_64")]
+unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+    let head = dst.align_offset(16).min(len);
+    // SAFETY: within the caller's ranges (head <= len), not overlapping.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
+    let (mut d, mut s, mut n) = (dst.wrapping_add(head), src.wrapping_add(head), len - head);
+    while n >= 64 {
+        // SAFETY: 64 bytes remain at s (readable) and d (writable, 16-byte
+        // aligned, as _mm_stream_si128 requires); SSE2 is part of x86-64.
+        unsafe {
+            let a = _mm_loadu_si128(s.cast::<__m128i>());
+            let b = _mm_loadu_si128(s.add(16).cast::<__m128i>());
+            let c = _mm_loadu_si128(s.add(32).cast::<__m128i>());
+            let e = _mm_loadu_si128(s.add(48).cast::<__m128i>());
+            _mm_stream_si128(d.cast::<__m128i>(), a);
+            _mm_stream_si128(d.add(16).cast::<__m128i>(), b);
+            _mm_stream_si128(d.add(32).cast::<__m128i>(), c);
+            _mm_stream_si128(d.add(48).cast::<__m128i>(), e);
+            d = d.add(64);
+            s = s.add(64);
+        }
+        n -= 64;
+    }
+    // SAFETY: the n < 64 bytes left of both ranges; the fence orders the
+    // streaming stores before the completion that follows.
+    unsafe {
+        std::ptr::copy_nonoverlapping(s, d, n);
+        _mm_sfence();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    fn piece(req: usize, local: u64, remote: u64, len: u64) -> Piece {
+        Piece {
+            req,
+            op: Op::Write,
+            local,
+            remote,
+            len,
+        }
+    }
+
+    #[test]
+    fn splitting_keeps_every_byte_once_in_balanced_parts() {
+        let pieces = [
+            piece(0, 0, 1 << 40, 3 << 20),
+            piece(1, 3 << 20, (1 << 40) + (8 << 20), 4096),
+            piece(2, 8 << 20, (1 << 40) + (16 << 20), 5 << 20),
+        ];
+        for parts in 1..=9 {
+            let (cut, starts) = split(&pieces, parts);
+            assert!(starts.len() - 1 <= parts, "{parts}: {starts:?}");
+            assert_eq!(*starts.last().unwrap(), cut.len());
+            for (req, whole) in pieces.iter().enumerate() {
+                let mine: Vec<&Piece> = cut.iter().filter(|p| p.req == req).collect();
+                assert_eq!(mine.iter().map(|p| p.len).sum::<u64>(), whole.len);
+                // Consecutive, gapless slices of the request.
+                let mut at = whole.local;
+                for p in mine {
+                    assert_eq!(p.local, at);
+                    assert_eq!(p.remote - whole.remote, at - whole.local);
+                    at += p.len;
+                }
+            }
+            let sizes: Vec<u64> = starts
+                .windows(2)
+                .map(|w| cut[w[0]..w[1]].iter().map(|p| p.len).sum())
+                .collect();
+            let max = *sizes.iter().max().unwrap();
+            assert!(
+                max <= (8 << 20) / parts as u64 + 4096 * 2 || parts == 1,
+                "{sizes:?}"
+            );
+        }
+        assert_eq!(parts_for(4096, 16), 1);
+        assert_eq!(parts_for(1 << 20, 16), 16);
+        assert_eq!(parts_for(1 << 20, 2), 2);
+    }
+
+    #[test]
+    fn mapped_copies_on_several_threads_move_every_byte() {
+        let pool = Pool::new(3, BTreeSet::new()).unwrap();
+        let src: Vec<u8> = (0..(9 << 20) + 123)
+            .map(|i| (i * 7 + i / 4096) as u8)
+            .collect();
+        for nt in [NonTemporal::Off, NonTemporal::From(1)] {
+            let mut dst = vec![0u8; src.len()];
+            let pieces = [
+                piece(0, src.as_ptr() as u64, dst.as_mut_ptr() as u64, 5 << 20),
+                piece(
+                    1,
+                    src.as_ptr() as u64 + (5 << 20),
+                    dst.as_mut_ptr() as u64 + (5 << 20),
+                    src.len() as u64 - (5 << 20),
+                ),
+            ];
+            // SAFETY: both pieces lie inside src and dst, alive meanwhile.
+            assert!(unsafe { mapped(Some(&pool), &pieces, 4, nt) });
+            assert!(dst == src, "{nt:?}");
+        }
+    }
+
+    #[test]
+    fn unaligned_streaming_copies_are_exact() {
+        let src: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
+        for (off, len) in [(0, 0), (1, 63), (3, 64), (5, 4000), (17, 4983)] {
+            let mut dst = vec![0u8; 5000];
+            // SAFETY: [off, off + len) lies inside both vectors.
+            unsafe { copy_bytes(dst.as_mut_ptr().add(off), src.as_ptr().add(off), len, true) };
+            assert_eq!(dst[off..off + len], src[off..off + len]);
+            assert!(dst[off + len..].iter().all(|b| *b == 0));
+        }
+    }
+
+    #[test]
+    fn cross_memory_attach_fails_only_the_unmapped_request() {
+        if cma::syscalls_allowed().is_err() {
+            return;
+        }
+        let pool = Pool::new(1, BTreeSet::new()).unwrap();
+        let src = vec![7u8; 1 << 20];
+        let mut dst = vec![0u8; 1 << 20];
+        let pid = std::process::id() as i32;
+        let read = |req, local: u64, remote: u64, len| Piece {
+            op: Op::Read,
+            ..piece(req, local, remote, len)
+        };
+        let pieces = [
+            read(0, dst.as_mut_ptr() as u64, src.as_ptr() as u64, 256 << 10),
+            read(1, dst.as_mut_ptr() as u64 + (256 << 10), 8, 4096),
+            read(
+                2,
+                dst.as_mut_ptr() as u64 + (512 << 10),
+                src.as_ptr() as u64 + (512 << 10),
+                512 << 10,
+            ),
+        ];
+        // SAFETY: every local range lies inside dst.
+        let failed = unsafe { cma(Some(&pool), pid, &pieces, 2) };
+        let reqs: BTreeSet<usize> = failed.iter().map(|f| f.0).collect();
+        assert_eq!(reqs, BTreeSet::from([1]), "{failed:?}");
+        assert!(dst[..256 << 10].iter().all(|b| *b == 7));
+        assert!(dst[512 << 10..].iter().all(|b| *b == 7));
+        assert!(NonTemporal::parse(Some("on")).unwrap().applies(1 << 20));
+        assert_eq!(NonTemporal::parse(Some("off")), Ok(NonTemporal::Off));
+        assert_eq!(NonTemporal::parse(None), NonTemporal::parse(Some("on")));
+        assert!(NonTemporal::parse(Some("fast")).is_err());
+    }
+}
