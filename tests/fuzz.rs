@@ -71,6 +71,7 @@ targets!(
     plugin_message,
     tcp_wire,
     shm_wire,
+    cuda_ipc_wire,
     rdma_wire,
     auth,
 );

@@ -60,6 +60,37 @@ fn gpu_to_gpu_writes_and_reads_over_tcp_and_shm_are_staged_and_verified() {
         // SAFETY: back is a live Vec of LEN bytes; dst is device memory.
         unsafe { initiator.copy_memory(back.as_mut_ptr() as u64, dst, LEN) }.unwrap();
         assert!(back == host, "GPU -> GPU -> GPU over {transports}");
+        // The metrics show it staged: one flow per op, every byte.
+        let m = initiator.metrics();
+        for op in ["write", "read"] {
+            let f = m
+                .flows
+                .iter()
+                .find(|f| f.op == op && f.transport == "staging")
+                .expect("a staged flow");
+            assert_eq!(
+                (f.transport.as_str(), f.device.as_str(), f.memory.as_str()),
+                ("staging", "cuda:0", "staged"),
+                "{f:?}"
+            );
+            assert_eq!((f.requests, f.bytes), (1, LEN), "{f:?}");
+            // Its host legs, over the transport, from the staging slots.
+            let legs: u64 = m
+                .flows
+                .iter()
+                .filter(|f| f.op == op && f.memory == "staging_slot")
+                .inspect(|f| assert_eq!(f.transport, transports, "{f:?}"))
+                .map(|f| f.bytes)
+                .sum();
+            assert_eq!(legs, LEN, "{op}");
+        }
+        assert!(
+            m.registered
+                .iter()
+                .any(|r| r.device == "cuda:0" && r.memory == "staged"),
+            "{:?}",
+            m.registered
+        );
 
         // Host <-> device too, and a request inside the device buffer.
         let mut h2 = vec![0u8; 1 << 20];

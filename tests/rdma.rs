@@ -414,6 +414,16 @@ fn child_nic_failure_mid_transfer() {
         "{logs}"
     );
     assert!(logs.contains("continue on"), "{logs}");
+    // The engine's metrics carry the plugin's counts.
+    let plugins = e.metrics().plugins;
+    let count = |name: &str, device: &str| {
+        plugins
+            .iter()
+            .find(|p| p.plugin == "rdma" && p.name == name && p.device == device)
+            .map_or(0, |p| p.value)
+    };
+    assert!(count("nic_pauses", "mlx5_3") >= 1, "{plugins:?}");
+    assert!(count("slice_retries", "") >= 1, "{plugins:?}");
 }
 
 #[test]

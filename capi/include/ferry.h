@@ -364,6 +364,22 @@ ferry_status_t ferry_transfer_sync(const struct ferry_engine *engine,
  */
 ferry_status_t ferry_info_json(char *buf, size_t cap, size_t *len);
 
+/**
+ * The engine's metrics as JSON: bytes and requests per transport, local
+ * device, peer and op; failures by error code; latency histograms; staged
+ * traffic; route changes; registered memory; plugins' counters (the same
+ * data as the Prometheus endpoint, FERRY_METRICS_LISTEN). Like the other
+ * text calls: `*len` gets the full length; FERRY_ERR_NO_MEMORY when `cap`
+ * is too small.
+ *
+ * # Safety
+ * `engine` valid; `buf` writable for `cap` bytes; `len` NULL or valid.
+ */
+ferry_status_t ferry_metrics_json(const struct ferry_engine *engine,
+                                  char *buf,
+                                  size_t cap,
+                                  size_t *len);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

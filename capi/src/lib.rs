@@ -791,3 +791,27 @@ pub unsafe extern "C" fn ferry_info_json(
         copied
     })
 }
+
+/// The engine's metrics as JSON: bytes and requests per transport, local
+/// device, peer and op; failures by error code; latency histograms; staged
+/// traffic; route changes; registered memory; plugins' counters (the same
+/// data as the Prometheus endpoint, FERRY_METRICS_LISTEN). Like the other
+/// text calls: `*len` gets the full length; FERRY_ERR_NO_MEMORY when `cap`
+/// is too small.
+///
+/// # Safety
+/// `engine` valid; `buf` writable for `cap` bytes; `len` NULL or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_metrics_json(
+    engine: *const ferry_engine,
+    buf: *mut c_char,
+    cap: usize,
+    len: *mut usize,
+) -> ferry_status_t {
+    ffi_boundary!({
+        // SAFETY: per the contract.
+        let e = unsafe { obj(engine, "engine")? };
+        // SAFETY: per the contract.
+        unsafe { copy_text(&e.inner.metrics_json(), buf, cap, len) }
+    })
+}

@@ -512,7 +512,13 @@ fn memcpy_run(block: usize, duration: f64, threads: usize) -> Result<f64, String
 
 /// Pinned host <-> device copy bandwidth of `device`, through its plugin:
 /// the limit staged transfers are compared with.
-pub fn device_limit(device: Location, block: u64, duration: f64, json: bool) -> Result<(), String> {
+pub fn device_limit(
+    device: Location,
+    block: u64,
+    duration: f64,
+    dtod: Option<u64>,
+    json: bool,
+) -> Result<(), String> {
     let engine = Engine::new(EngineConfig::from_env().map_err(|e| e.to_string())?)
         .map_err(|e| e.to_string())?;
     let total = WORKING_SET.max(block);
@@ -543,12 +549,18 @@ pub fn device_limit(device: Location, block: u64, duration: f64, json: bool) -> 
     }
     let _ = engine.free_device(dev);
     engine.free_pinned(host);
+    let d2d = match dtod {
+        Some(size) => Some(device_to_device(&engine, device, size, duration)?),
+        None => None,
+    };
     if json {
-        println!(
-            "{}",
-            serde_json::json!({"limit": "pinned-copy", "device": device.to_string(), "block_size": block,
-                "host_to_device_gb_per_s": results[0].1, "device_to_host_gb_per_s": results[1].1})
-        );
+        let mut v = serde_json::json!({"limit": "pinned-copy", "device": device.to_string(), "block_size": block,
+            "host_to_device_gb_per_s": results[0].1, "device_to_host_gb_per_s": results[1].1});
+        if let (Some(g), Some(size)) = (d2d, dtod) {
+            v["device_to_device_gb_per_s"] = serde_json::json!(g);
+            v["device_to_device_size"] = serde_json::json!(size);
+        }
+        println!("{v}");
     } else {
         println!(
             "{device}: pinned host -> device {:.2} GB/s, device -> host {:.2} GB/s ({} copies)",
@@ -556,8 +568,50 @@ pub fn device_limit(device: Location, block: u64, duration: f64, json: bool) -> 
             results[1].1,
             human_size(block)
         );
+        if let (Some(g), Some(size)) = (d2d, dtod) {
+            println!(
+                "{device}: device -> device {g:.2} GB/s ({} copies on the device)",
+                human_size(size)
+            );
+        }
     }
     Ok(())
+}
+
+/// Copies of `size` bytes between two buffers of `device`, through its
+/// plugin (cuMemcpyAsync device to device), in GB/s of bytes copied.
+fn device_to_device(
+    engine: &Engine,
+    device: Location,
+    size: u64,
+    duration: f64,
+) -> Result<f64, String> {
+    let a = engine
+        .allocate_device(device, size)
+        .map_err(|e| e.to_string())?;
+    let b = match engine.allocate_device(device, size) {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = engine.free_device(a);
+            return Err(e.to_string());
+        }
+    };
+    // One untimed copy first: the first touches the pages.
+    // SAFETY: a and b are device allocations of `size` bytes made above.
+    let mut result =
+        unsafe { engine.copy_batch(device, &[(b, a, size)]) }.map_err(|e| e.to_string());
+    let started = Instant::now();
+    let mut bytes = 0u64;
+    while result.is_ok() && (started.elapsed().as_secs_f64() < duration || bytes == 0) {
+        // SAFETY: as above.
+        result = unsafe { engine.copy_batch(device, &[(b, a, size), (a, b, size)]) }
+            .map_err(|e| e.to_string());
+        bytes += 2 * size;
+    }
+    let gbps = bytes as f64 / started.elapsed().as_secs_f64() / 1e9;
+    let _ = engine.free_device(a);
+    let _ = engine.free_device(b);
+    result.map(|()| gbps)
 }
 
 /// Checks a device end to end through the engine: allocation, pointer

@@ -5,7 +5,11 @@
 
 mod bench;
 mod demo;
+mod plot;
+mod sweep;
+mod top;
 mod util;
+mod workbench;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use ferry_core::topology::{fixture, Topology};
@@ -44,6 +48,8 @@ shows the settings in effect):
   FERRY_METADATA                 p2p (default) or etcd://host:port[,host:port...]
   FERRY_METADATA_PREFIX          etcd key prefix (/ferry)
   FERRY_METADATA_TTL_S           etcd lease of an engine's entry (10)
+  FERRY_METRICS                  on (default) or off: count nothing per request
+  FERRY_METRICS_LISTEN           serve Prometheus metrics at host:port (none)
  Topology and GPUs
   FERRY_SYSFS_ROOT               read topology from this tree instead of /sys
   FERRY_NICS                     allow (mlx5_0,mlx5_1) or deny (^mlx5_2) list of NICs
@@ -143,6 +149,23 @@ enum Command {
         #[arg(long, hide = true)]
         role: Option<String>,
     },
+    /// A live view of a running engine: throughput per transport, device
+    /// and peer, failures, refusals, route changes (from its metrics
+    /// endpoint, FERRY_METRICS_LISTEN). q quits.
+    Top {
+        /// The engine's segment (its descriptor names its metrics endpoint).
+        #[arg(required_unless_present = "metrics", conflicts_with = "metrics")]
+        segment: Option<String>,
+        /// The metrics endpoint: host:port or a URL.
+        #[arg(long)]
+        metrics: Option<String>,
+        /// Seconds between refreshes.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+        /// Exit after this many refreshes (for scripts and screenshots).
+        #[arg(long, hide = true)]
+        frames: Option<u64>,
+    },
     /// Measure throughput, ops/s and latency between two engines.
     Bench {
         #[command(subcommand)]
@@ -219,7 +242,9 @@ enum BenchMode {
         #[arg(long)]
         json: bool,
     },
-    /// Pinned host <-> device copy bandwidth, for staged-transfer ratios.
+    /// Pinned host <-> device copy bandwidth, for staged-transfer ratios;
+    /// with --dtod, also a device-to-device copy of that size on the same
+    /// device (the limit of same-host GPU transports such as cuda-ipc).
     DeviceLimit {
         #[arg(long, value_parser = parse_location, default_value = "cuda:0")]
         device: Location,
@@ -227,6 +252,9 @@ enum BenchMode {
         block: u64,
         #[arg(long, default_value_t = 2.0)]
         duration: f64,
+        /// Also time device-to-device copies of this size (e.g. 1G).
+        #[arg(long, value_parser = parse_size)]
+        dtod: Option<u64>,
         #[arg(long)]
         json: bool,
     },
@@ -241,6 +269,38 @@ enum BenchMode {
     RdmaCheck {
         #[arg(long, value_parser = parse_location, default_value = "cuda:0")]
         device: Location,
+    },
+    /// Throughput and latency against block size over every usable
+    /// transport, with this machine's limits from the same run: writes
+    /// sweep.json, throughput.svg and latency.svg.
+    Sweep {
+        /// Directory for the results.
+        #[arg(long, default_value = "ferry-sweep")]
+        out: PathBuf,
+        /// Block sizes, comma separated.
+        #[arg(long, default_value = "4K,16K,64K,256K,1M,4M,16M", value_delimiter = ',', value_parser = parse_size)]
+        blocks: Vec<u64>,
+        /// Seconds per point.
+        #[arg(long, default_value_t = 1.0)]
+        duration: f64,
+        /// Only these transports (comma separated; default every usable one).
+        #[arg(long, value_delimiter = ',')]
+        transports: Option<Vec<String>>,
+        /// Also sweep with local memory on this device (e.g. cuda:0).
+        #[arg(long, value_parser = parse_location)]
+        device: Option<Location>,
+    },
+    /// Throughput with metrics on and off (FERRY_METRICS), interleaved in
+    /// one run, at 4 KiB x 256 and 1 MiB x 32.
+    MetricsOverhead {
+        /// Rounds of each (on and off take turns).
+        #[arg(long, default_value_t = 30)]
+        rounds: usize,
+        /// Seconds per round.
+        #[arg(long, default_value_t = 0.2)]
+        duration: f64,
+        #[arg(long, default_value = "tcp,shm", value_delimiter = ',')]
+        transports: Vec<String>,
     },
     #[command(hide = true)]
     TcpSink {
@@ -335,11 +395,46 @@ fn main() -> ExitCode {
                 device,
                 block,
                 duration,
+                dtod,
                 json,
-            } => bench::device_limit(device, block, duration, json),
+            } => bench::device_limit(device, block, duration, dtod, json),
             BenchMode::DeviceCheck { device } => bench::device_check(device),
             BenchMode::RdmaCheck { device } => bench::rdma_check(device),
+            BenchMode::Sweep {
+                out,
+                blocks,
+                duration,
+                transports,
+                device,
+            } => sweep::sweep(sweep::SweepArgs {
+                out,
+                blocks,
+                duration,
+                transports,
+                device,
+            }),
+            BenchMode::MetricsOverhead {
+                rounds,
+                duration,
+                transports,
+            } => sweep::metrics_overhead(sweep::OverheadArgs {
+                rounds,
+                duration,
+                transports,
+            }),
         },
+        Command::Top {
+            segment,
+            metrics,
+            interval,
+            frames,
+        } => top_url(segment, metrics).and_then(|url| {
+            top::run(top::TopArgs {
+                url,
+                interval: std::time::Duration::from_secs_f64(interval.clamp(0.1, 3600.0)),
+                frames,
+            })
+        }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -434,4 +529,24 @@ fn topology(json: bool, write_fixture: Option<Vec<String>>) -> Result<(), String
         }
     }
     Ok(())
+}
+
+/// The metrics URL `ferry top` reads: given, or from the segment's
+/// descriptor (an engine with FERRY_METRICS_LISTEN announces it).
+fn top_url(segment: Option<String>, metrics: Option<String>) -> Result<String, String> {
+    if let Some(m) = metrics {
+        return Ok(top::metrics_url(&m));
+    }
+    let segment = segment.ok_or("give a segment or --metrics URL")?;
+    let mut config = ferry_core::EngineConfig::from_env().map_err(|e| e.to_string())?;
+    config.metrics = false;
+    let engine = ferry_core::Engine::new(config).map_err(|e| e.to_string())?;
+    let seg = engine.open_segment(&segment).map_err(|e| e.to_string())?;
+    let d = engine.descriptor_of(seg).map_err(|e| e.to_string())?;
+    d.metrics.map(|m| top::metrics_url(&m)).ok_or_else(|| {
+        format!(
+            "segment {segment} announces no metrics endpoint: start it with \
+             FERRY_METRICS_LISTEN=host:port, or give --metrics URL"
+        )
+    })
 }

@@ -7,6 +7,7 @@
 
 use crate::error::{Error, ErrorCode, Result};
 use crate::memory::LocalBuffer;
+use crate::metrics::Tally;
 use crate::transport::CompletionSink;
 use parking_lot::{Condvar, Mutex, RwLock};
 use std::collections::HashMap;
@@ -78,6 +79,8 @@ struct Group {
     local: Arc<LocalBuffer>,
     done: bool,
     observer: Option<Arc<dyn GroupObserver>>,
+    /// Where its completion counts (none with metrics off).
+    tally: Option<Tally>,
 }
 
 #[derive(Default)]
@@ -118,7 +121,13 @@ impl Batch {
     }
 
     /// Adds a group of `count` requests starting at `start`; returns its token.
-    pub(crate) fn add_group(&self, start: usize, count: usize, local: Arc<LocalBuffer>) -> u64 {
+    pub(crate) fn add_group(
+        &self,
+        start: usize,
+        count: usize,
+        local: Arc<LocalBuffer>,
+        tally: Option<Tally>,
+    ) -> u64 {
         local.inflight.fetch_add(count, Ordering::SeqCst);
         let mut st = self.state.lock();
         st.groups.push(Group {
@@ -127,6 +136,7 @@ impl Batch {
             local,
             done: false,
             observer: None,
+            tally,
         });
         token(self.id, st.groups.len() - 1)
     }
@@ -161,6 +171,9 @@ impl Batch {
         let local = g.local.clone();
         let observer = g.observer.take();
         let ok = result.is_ok();
+        if let Some(t) = g.tally.take() {
+            t.finish(count, result.as_ref().err().map(|e| e.code));
+        }
         match result {
             Ok(()) => {
                 for s in &mut st.statuses[start..start + count] {

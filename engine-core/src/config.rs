@@ -132,6 +132,18 @@ pub const KEYS: &[Key] = &[
         "staged chunks in flight per job, 1 to 16",
     ),
     key(
+        "metrics",
+        "FERRY_METRICS",
+        "on",
+        "count requests, bytes, failures and latencies per transport and peer: on or off",
+    ),
+    key(
+        "metrics_listen",
+        "FERRY_METRICS_LISTEN",
+        "",
+        "where the Prometheus endpoint (/metrics, /metrics.json) listens, host:port; none by default",
+    ),
+    key(
         "plugin_path",
         "FERRY_PLUGIN_PATH",
         "",
@@ -306,6 +318,11 @@ pub struct EngineConfig {
     /// FERRY_AUTH_MAX_PENDING_PER_HOST 8); more are answered BUSY.
     pub auth_max_pending: usize,
     pub auth_max_pending_per_host: usize,
+    /// FERRY_METRICS=off: count nothing per request (on by default).
+    pub metrics: bool,
+    /// Where the metrics endpoint listens (FERRY_METRICS_LISTEN, e.g.
+    /// 127.0.0.1:9464); none by default.
+    pub metrics_listen: Option<String>,
 }
 
 impl Default for EngineConfig {
@@ -331,6 +348,8 @@ impl Default for EngineConfig {
             auth_timeout: Duration::from_millis(admission::DEFAULT_AUTH_TIMEOUT_MS),
             auth_max_pending: admission::DEFAULT_MAX_PENDING,
             auth_max_pending_per_host: admission::DEFAULT_MAX_PENDING_PER_SOURCE,
+            metrics: true,
+            metrics_listen: None,
         }
     }
 }
@@ -535,6 +554,21 @@ impl EngineConfig {
                     *ttl_s = number(key, value, 2..=3600, "seconds")?;
                 }
             }
+            "metrics" => {
+                self.metrics = match value.trim() {
+                    "" | "on" => true,
+                    "off" => false,
+                    other => {
+                        return Err(Error::new(
+                            ErrorCode::InvalidArgument,
+                            format!("metrics {other:?}: expected on or off"),
+                        ))
+                    }
+                }
+            }
+            "metrics_listen" => {
+                self.metrics_listen = Some(value.trim().to_string()).filter(|v| !v.is_empty())
+            }
             "auth_token" => self.auth_token = Token::new(value),
             "auth_token_file" => {
                 let text = std::fs::read_to_string(v).map_err(|e| {
@@ -654,6 +688,8 @@ impl EngineConfig {
             "gpu_direct" => self.gpu_direct.as_str().to_string(),
             "staging_chunk" => self.staging_chunk.to_string(),
             "staging_depth" => self.staging_depth.to_string(),
+            "metrics" => if self.metrics { "on" } else { "off" }.to_string(),
+            "metrics_listen" => self.metrics_listen.clone().unwrap_or_default(),
             "plugin_path" => std::env::join_paths(&self.loader.plugin_path)
                 .map(|p| p.to_string_lossy().into_owned())
                 .unwrap_or_default(),

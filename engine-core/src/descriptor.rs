@@ -36,6 +36,10 @@ pub struct SegmentDescriptor {
     pub transports: Vec<TransportEndpoint>,
     /// Sorted by address, non-overlapping.
     pub buffers: Vec<BufferDescriptor>,
+    /// The engine's metrics endpoint ("host:port"), when it serves one
+    /// (FERRY_METRICS_LISTEN); what `ferry top SEGMENT` reads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -118,6 +122,7 @@ impl SegmentDescriptor {
             ("engine_id", &self.engine_id),
             ("machine_id", &self.machine_id),
             ("process_id", &self.process_id),
+            ("metrics", self.metrics.as_ref().unwrap_or(&String::new())),
         ] {
             if s.len() > MAX_NAME_LEN {
                 return Err(protocol(&format!(
@@ -204,6 +209,7 @@ mod tests {
                 name: "tcp".into(),
                 endpoint: encode_blob(b"127.0.0.1:9"),
             }],
+            metrics: None,
             buffers: vec![
                 BufferDescriptor {
                     addr: 0x1000,

@@ -35,6 +35,7 @@ pub mod info;
 pub mod location;
 pub mod memory;
 pub mod metadata;
+pub mod metrics;
 mod shared_memory;
 pub mod topology;
 pub mod transport;

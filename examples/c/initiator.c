@@ -76,6 +76,19 @@ int main(int argc, char **argv) {
     printf("OUT_OF_BOUNDS %s: %s\n", ferry_status_name(rc), ferry_last_error());
     if (rc != FERRY_ERR_OUT_OF_BOUNDS) return 1;
 
+    /* What moved, as the engine counted it (JSON; ask for the length first). */
+    size_t mlen = 0;
+    ferry_metrics_json(engine, NULL, 0, &mlen);
+    char *metrics = malloc(mlen + 1);
+    if (metrics == NULL) return 1;
+    CHECK(ferry_metrics_json(engine, metrics, mlen + 1, NULL));
+    if (strstr(metrics, "\"op\":\"write\"") == NULL) {
+        fprintf(stderr, "metrics do not show the writes: %s\n", metrics);
+        return 1;
+    }
+    printf("METRICS %zu bytes of JSON\n", mlen);
+    free(metrics);
+
     CHECK(ferry_unregister_memory(engine, src));
     CHECK(ferry_unregister_memory(engine, dst));
     ferry_engine_free(engine);

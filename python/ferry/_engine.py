@@ -12,6 +12,7 @@ message.
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
@@ -391,6 +392,13 @@ class Engine:
     @property
     def closed(self) -> bool:
         return self._native.closed
+
+    def metrics(self) -> dict:
+        """What this engine moved, where, how fast, and what failed: flows
+        (bytes and requests per transport, device, peer, op and memory,
+        failures by error code), latency histograms, refused submits, route
+        changes, registered memory, plugins' counters (docs/metrics.md)."""
+        return json.loads(self._native.metrics_json())
 
     def register(self, obj: Local, length: Optional[int] = None, *, location: Optional[str] = None) -> Registration:
         """Registers ``obj``'s memory so it can be a local buffer and peers

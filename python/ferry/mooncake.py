@@ -156,6 +156,10 @@ class TransferEngine:
         self._native()
         return self._engine
 
+    def metrics(self) -> dict:
+        """Ferry's extension: the engine's metrics (``ferry.Engine.metrics``)."""
+        return self.get_engine().metrics()
+
     def get_session_id(self) -> str:
         """This engine's segment name, as peers open it."""
         return self._native().segment_name()

@@ -6,7 +6,9 @@
 //! preferred transport, requests carry it as a hint; if it cannot serve a
 //! segment (the engine refuses before submitting anything), that segment
 //! falls back to the engine's own choice, said once in the log, and stays
-//! there.
+//! there. GPU buffers that a same-host transport shares directly (cuda-ipc)
+//! go by the engine's own choice to a peer on this host: the protocol names
+//! a network transport, which would stage them through host memory.
 
 use crate::errors::{ferry_err, invalid};
 use ferry_core::{BatchId, BatchStatus, Engine, EngineConfig, Error, ErrorCode, Op, Request};
@@ -55,6 +57,9 @@ pub struct NativeEngine {
     preferred: Option<String>,
     /// Segments the preferred transport could not serve.
     declined: Mutex<HashSet<u64>>,
+    /// Whether each segment asked about is on this host (where GPU buffers
+    /// shared directly ignore the preference).
+    same_host: Mutex<std::collections::HashMap<u64, bool>>,
 }
 
 impl NativeEngine {
@@ -63,6 +68,39 @@ impl NativeEngine {
             .read()
             .clone()
             .ok_or_else(|| invalid(py, "this engine is closed"))
+    }
+
+    /// Whether the engine's own choice carries these requests: their local
+    /// buffer is GPU memory a same-host transport shares directly
+    /// (`FERRY_MEM_CUDA_IPC`) and the segment is an engine on this host
+    /// (asked once per segment, through a route). Said once per segment.
+    fn engine_chooses(&self, engine: &Engine, segment: u64, reqs: &[Request]) -> bool {
+        let Some(r) = reqs.first() else {
+            return false;
+        };
+        let shared = engine.registrations(r.local_addr).is_ok_and(|v| {
+            v.iter()
+                .any(|(_, kind)| *kind == ferry_plugins_abi::sys::FERRY_MEM_CUDA_IPC)
+        });
+        if !shared {
+            return false;
+        }
+        if let Some(&here) = self.same_host.lock().get(&segment) {
+            return here;
+        }
+        let Ok(route) = engine.route(r.segment, r.local_addr, r.remote_addr, r.length) else {
+            return false;
+        };
+        let here = route.scope != ferry_core::Scope::CrossHost;
+        if here {
+            log::info!(
+                "segment {segment} is on this host: its GPU buffers go by the engine's choice \
+                 ({}) rather than the preferred transport",
+                route.transport
+            );
+        }
+        self.same_host.lock().insert(segment, here);
+        here
     }
 
     /// Allocates a batch and submits `reqs` to it, preferring the preferred
@@ -76,7 +114,9 @@ impl NativeEngine {
         let batch = engine.allocate_batch(reqs.len().max(1))?;
         let pinned = reqs.iter().any(|r| r.transport.is_some());
         if let (Some(p), false) = (&self.preferred, pinned) {
-            if !self.declined.lock().contains(&segment) {
+            if !self.declined.lock().contains(&segment)
+                && !self.engine_chooses(engine, segment, &reqs)
+            {
                 for r in &mut reqs {
                     r.transport = Some(p.clone());
                 }
@@ -210,6 +250,7 @@ impl NativeEngine {
             engine: RwLock::new(Some(Arc::new(engine))),
             preferred,
             declined: Mutex::new(HashSet::new()),
+            same_host: Mutex::new(std::collections::HashMap::new()),
         })
     }
 
@@ -222,6 +263,12 @@ impl NativeEngine {
     /// The control listener's port (Mooncake's "RPC port").
     fn control_port(&self, py: Python<'_>) -> PyResult<u16> {
         Ok(self.get(py)?.control_addr().port())
+    }
+
+    /// The engine's metrics as JSON (`Engine::metrics_json`).
+    fn metrics_json(&self, py: Python<'_>) -> PyResult<String> {
+        let e = self.get(py)?;
+        Ok(py.detach(|| e.metrics_json()))
     }
 
     /// Transports that can move data, in load order.
@@ -290,6 +337,7 @@ impl NativeEngine {
     fn close_segment(&self, py: Python<'_>, segment: u64) -> PyResult<()> {
         let engine = self.get(py)?;
         self.declined.lock().remove(&segment);
+        self.same_host.lock().remove(&segment);
         py.detach(|| engine.close_segment(segment))
             .map_err(|e| ferry_err(py, e))
     }

@@ -86,6 +86,21 @@ def test_write_read_with_context_managers(engines):
         assert e.value.name == "OUT_OF_BOUNDS" and e.value.code == -5
 
 
+def test_metrics_count_what_moved(engines):
+    target, initiator = engines
+    remote = np.zeros(MiB, dtype=np.uint8)
+    src = np.ones(MiB, dtype=np.uint8)
+    with target.register(remote) as reg, initiator.register(src), initiator.open(target.segment_name) as seg:
+        seg.write(src, reg.addr, 65536, transport="tcp")
+        seg.write_batch([(src, reg.addr, 4096), (memoryview(src)[8192:12288], reg.addr + 8192)], transport="tcp")
+        m = initiator.metrics()
+        (flow,) = [f for f in m["flows"] if f["op"] == "write"]
+        assert (flow["transport"], flow["peer"], flow["memory"]) == ("tcp", target.segment_name, "host")
+        assert (flow["requests"], flow["bytes"], flow["failures"]) == (3, 65536 + 8192, {})
+        assert m["engine"] == initiator.segment_name and m["enabled"]
+        assert any(r["bytes"] == MiB for r in m["registered"])
+
+
 def test_errors_carry_ferry_codes_and_messages(engines):
     _, initiator = engines
     with pytest.raises(ferry.FerryError) as e:

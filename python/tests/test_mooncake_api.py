@@ -51,6 +51,9 @@ def test_sync_write_and_read(pair):
     assert te.batch_transfer_sync(name, [back.ctypes.data], [remote.ctypes.data], [MiB], TransferOpcode.WRITE,
                                   transport_hint="tcp") == 0
     assert np.array_equal(remote[:MiB], local)
+    # Ferry's extension: the engine's metrics count exactly what moved.
+    moved = {op: sum(f["bytes"] for f in te.metrics()["flows"] if f["op"] == op) for op in ("read", "write")}
+    assert moved == {"read": 2 * MiB, "write": 2 * MiB}
 
 
 def test_async_batches(pair):

@@ -3,6 +3,7 @@
 `ferry` wheel, verified with checksums computed on the GPU.
 
     python tests/gpu/python_cuda.py run [--transport tcp|shm] [--size 64M] [--device cuda:0]
+        [--transports all] [--alloc default|expandable] [--expect cuda-ipc]
 
 `run` starts a `server` process (Mooncake-compatible API, as SGLang calls it:
 initialize with P2PHANDSHAKE, register_memory(tensor.data_ptr(), nbytes))
@@ -11,6 +12,13 @@ in a batch of chunks, reads it back into another GPU tensor, then does the
 same with Ferry's own API (ferry.Engine: register(tensor), seg.write(...)).
 Both sides compute a position-weighted checksum on the GPU; `run` exits 0
 only if they agree and every step succeeded.
+
+`--transport` is the protocol both APIs prefer (as SGLang passes it);
+`--transports` what the engines run (FERRY_TRANSPORTS; `all`: every plugin,
+the default being the preferred one alone). `--alloc expandable` makes
+PyTorch's caching allocator map VMM chunks (expandable_segments:True).
+`--expect T`: the route of the GPU tensors must be T (route() says so, and
+the preference gives way to it: the log says so).
 """
 
 import argparse
@@ -80,6 +88,10 @@ def client(args):
         back2 = torch.zeros_like(src2)
         with engine.register(src2) as r, engine.register(back2), engine.open(session) as seg:
             assert r.location == str(torch.device(args.device)), r.location
+            if args.expect:
+                transport, reason = seg.route(src2, ptr)
+                print(f"route: {transport} ({reason})", file=sys.stderr)
+                assert transport == args.expect, f"route is {transport}, not {args.expect}: {reason}"
             seg.write(src2, ptr)
             seg.read(back2, ptr)
         assert torch.equal(back2, src2), "read back differs from what was written (ferry.Engine)"
@@ -88,9 +100,20 @@ def client(args):
 
 
 def run(args):
-    env = dict(os.environ, FERRY_TRANSPORTS=args.transport)
+    env = dict(os.environ)
+    transports = args.transports or args.transport
+    if transports == "all":
+        env.pop("FERRY_TRANSPORTS", None)
+    else:
+        env["FERRY_TRANSPORTS"] = transports
+    if args.alloc == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if args.expect:
+        env.setdefault("FERRY_LOG", "info")
     me = [sys.executable, os.path.abspath(__file__)]
     common = ["--transport", args.transport, "--size", str(args.size), "--device", args.device]
+    if args.expect:
+        common += ["--expect", args.expect]
     srv = subprocess.Popen(me + ["server"] + common, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         info = json.loads(srv.stdout.readline())
@@ -101,11 +124,14 @@ def run(args):
             print(f"FAIL client exited {out.returncode}")
             return 1
         sums = json.loads(out.stdout.strip().splitlines()[-1])
+        if args.expect and f"go by the engine's choice ({args.expect})" not in out.stderr:
+            print(f"FAIL the preferred transport {args.transport} was not set aside for {args.expect}")
+            return 1
         srv.stdin.write("checksum\n")
         srv.stdin.flush()
         at_server = int(srv.stdout.readline())
         ok = at_server == sums["second"]
-        print(f"{args.transport}: {args.size >> 20} MiB GPU->GPU, client checksum {sums['second']}, "
+        print(f"{args.transport} ({transports}, {args.alloc} allocator): {args.size >> 20} MiB GPU->GPU, client checksum {sums['second']}, "
               f"server checksum {at_server}: {'match' if ok else 'MISMATCH'}")
         srv.stdin.write("quit\n")
         srv.stdin.flush()
@@ -122,6 +148,9 @@ def main():
     ap.add_argument("--transport", default="tcp")
     ap.add_argument("--size", type=lambda s: int(s[:-1]) << 20 if s.endswith("M") else int(s), default=64 << 20)
     ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--transports")
+    ap.add_argument("--alloc", choices=["default", "expandable"], default="default")
+    ap.add_argument("--expect")
     ap.add_argument("--session")
     ap.add_argument("--ptr", type=int)
     args = ap.parse_args()

@@ -141,6 +141,86 @@ done
 kill $(cat "$tmp/pids") 2>/dev/null
 cat "$OUT/bench.md"
 
+section "cuda-ipc: GPU memory between two processes of one host, at device speed (issue 15)"
+# Limits of this run: a device-to-device copy of 1 GiB on the same GPU
+# (cuMemcpyAsync through the cuda plugin) and the pinned copies above.
+$B bench device-limit --device cuda:0 --block 16M --duration 1 --dtod 1G --json | tee "$OUT/dtod-limit.json"
+dtod=$(field device_to_device_gb_per_s < "$OUT/dtod-limit.json")
+plugin_enabled() { # name info-json
+    awk -v n="\"name\": \"$1\"" 'index($0, n) { found = 1 } found && /"state":/ { print; exit }' "$2" | grep -q '"enabled"'
+}
+check "cuda-ipc plugin enabled" plugin_enabled cuda-ipc "$OUT/info.json"
+sed -n '/^  cuda-ipc /,/^$/p' "$OUT/info.txt"
+for block in 16M 1M; do
+    check "cuda-ipc demo: 1 GiB cuda:0 -> cuda:0 in $block blocks, written, read back, verified" \
+        bash -o pipefail -c "FERRY_TRANSPORTS=cuda-ipc,tcp $B demo --size 1G --block $block --device cuda:0 | tee '$OUT/cuda-ipc-demo-$block.txt' | grep 'transport  cuda-ipc' >/dev/null"
+done
+grep -h -E 'transport|GB/s|checksum' "$OUT"/cuda-ipc-demo-*.txt
+printf '| path | op | block | GB/s | ratio to same-GPU copy (%.1f GB/s) | p50 us |\n|---|---|---|---|---|---|\n' "${dtod:-0}" > "$OUT/cuda-ipc.md"
+ipc_row() { # label op block json
+    awk -v p="$1" -v o="$2" -v b="$3" -v d="${dtod:-0}" -v line="$4" 'BEGIN {
+        g = 0; if (match(line, /"gb_per_s":[0-9.eE+-]+/)) g = substr(line, RSTART + 11, RLENGTH - 11) + 0
+        l = 0; if (match(line, /"p50":[0-9.eE+-]+/)) l = substr(line, RSTART + 6, RLENGTH - 6) + 0
+        printf "| %s | %s | %s | %.1f | %.3f | %.1f |\n", p, o, b, g, (d > 0) ? g / d : 0, l }' >> "$OUT/cuda-ipc.md"
+}
+tmp_ipc=$(mktemp -d)
+ipc_target() { # name "VAR=value ..." args...
+    local name=$1 envs=$2; shift 2
+    env $envs $B bench target --buffer-size 1G "$@" > "$tmp_ipc/$name" 2>"$tmp_ipc/$name.err" &
+    echo $! >> "$tmp_ipc/pids"
+    for _ in $(seq 300); do grep -q '^segment ' "$tmp_ipc/$name" && break; sleep 0.1; done
+    sed -n 's/^segment //p' "$tmp_ipc/$name"
+}
+dev_seg=$(ipc_target dev "FERRY_TRANSPORTS=cuda-ipc,tcp" --device cuda:0)
+declare -A ipc_gbps ipc_route
+for block in 16M 1M; do
+    batch=64; [ "$block" = 16M ] && batch=16
+    for op in write read; do
+        j=$(FERRY_TRANSPORTS=cuda-ipc,tcp $B bench initiator --segment "$dev_seg" --op $op --block-size $block \
+            --batch-size $batch --duration "$DUR" --device cuda:0 --json 2>/dev/null | tee -a "$OUT/cuda-ipc.jsonl")
+        echo "$j" | grep -q '"transport":"cuda-ipc"' || echo "route of $op $block is not cuda-ipc: $j"
+        ipc_gbps[$op-$block]=$(echo "$j" | field gb_per_s)
+        ipc_row "cuda-ipc cuda:0 -> cuda:0" $op $block "$j"
+    done
+done
+# The staged path of the same run, for the 30x check.
+j=$(FERRY_TRANSPORTS=tcp $B bench initiator --segment "$dev_seg" --op write --block-size 16M --batch-size 16 \
+    --duration "$DUR" --device cuda:0 --json --transport tcp 2>/dev/null | tee -a "$OUT/cuda-ipc.jsonl")
+tcp16=$(echo "$j" | field gb_per_s)
+ipc_row "tcp, staged (same target)" write 16M "$j"
+# One 4 KiB synchronous write at a time: latency.
+j=$(FERRY_TRANSPORTS=cuda-ipc,tcp $B bench initiator --segment "$dev_seg" --op write --block-size 4K --batch-size 1 \
+    --duration 2 --device cuda:0 --json 2>/dev/null | tee -a "$OUT/cuda-ipc.jsonl")
+p50=$(echo "$j" | sed -n 's/.*"p50":\([0-9.eE+-]*\).*/\1/p')
+ipc_row "cuda-ipc, one request at a time" write 4K "$j"
+# cuda:0 -> a same-host peer's engine-allocated host memory, and back.
+host_seg=$(ipc_target host "FERRY_TRANSPORTS=cuda-ipc,shm,tcp" --allocate)
+for op in write read; do
+    j=$($B bench initiator --segment "$host_seg" --op $op --block-size 16M --batch-size 16 --duration "$DUR" \
+        --device cuda:0 --json 2>/dev/null | tee -a "$OUT/cuda-ipc.jsonl")
+    ipc_gbps[host-$op]=$(echo "$j" | field gb_per_s)
+    ipc_route[$op]=$(echo "$j" | sed -n 's/.*"transport":"\([^"]*\)".*/\1/p')
+    ipc_row "cuda:0 -> peer's allocated host memory (${ipc_route[$op]:-?})" $op 16M "$j"
+done
+kill $(cat "$tmp_ipc/pids") 2>/dev/null
+cat "$OUT/cuda-ipc.md"
+ge() { awk -v a="${1:-0}" -v b="${2:-0}" 'BEGIN { exit !(a >= b && a > 0) }'; }
+ratio() { awk -v a="${1:-0}" -v b="${2:-0}" 'BEGIN { printf "%.3f", (b > 0) ? a / b : 0 }'; }
+for op in write read; do
+    r=$(ratio "${ipc_gbps[$op-16M]:-0}" "$dtod"); check "cuda-ipc $op 16M: $r x same-GPU copy >= 0.5" ge "$r" 0.5
+    r=$(ratio "${ipc_gbps[$op-1M]:-0}" "$dtod"); check "cuda-ipc $op 1M: $r x same-GPU copy >= 0.25" ge "$r" 0.25
+done
+r=$(ratio "${ipc_gbps[write-16M]:-0}" "$tcp16"); check "cuda-ipc write 16M: $r x staged tcp of this run >= 30" ge "$r" 30
+check "cuda-ipc 4 KiB synchronous write p50 ${p50:-?} us <= 25" awk -v p="${p50:-1e9}" 'BEGIN { exit !(p <= 25) }'
+if [ "${ipc_route[write]:-}" = cuda-ipc ]; then
+    r=$(ratio "${ipc_gbps[host-write]:-0}" "$d2h"); check "cuda:0 -> peer host memory: $r x pinned d2h >= 0.7" ge "$r" 0.7
+    r=$(ratio "${ipc_gbps[host-read]:-0}" "$h2d"); check "peer host memory -> cuda:0: $r x pinned h2d >= 0.7" ge "$r" 0.7
+else
+    echo "SKIP cuda:0 <-> peer host memory: the route is ${ipc_route[write]:-?}, not cuda-ipc (the engine" \
+         "fills share_fd for memory it allocates only with branch shm merged)"
+fi
+rm -rf "$tmp_ipc"
+
 section "Python wheel: torch CUDA tensors between two processes; throughput vs ferry bench"
 # The wheel from prepare.sh, installed (no index: no network here) into a
 # venv that sees torch. Skipped, with the reason, when either is missing.
@@ -181,6 +261,12 @@ sys.exit(not any(p["name"] == "cuda" and p["state"] == "enabled" for p in ferry.
     for t in tcp shm; do
         check "python: torch CUDA tensors, two processes, over $t" "$VPY" tests/gpu/python_cuda.py run --transport $t
     done
+    # As SGLang calls it (protocol "tcp"), every transport loaded: GPU
+    # tensors take cuda-ipc with no option, from both allocators.
+    for alloc in default expandable; do
+        check "python: torch CUDA tensors ($alloc allocator) take cuda-ipc" \
+            "$VPY" tests/gpu/python_cuda.py run --transport tcp --transports all --alloc $alloc --expect cuda-ipc --size 256M
+    done
     rm -f "$OUT/python-bench.jsonl"
     py_bench() {
         "$VPY" python/bench.py --ferry "$B" --blocks 1M,16M --duration "$DUR" "$@" \
@@ -197,5 +283,7 @@ fi
 
 section "summary"
 echo "pinned copy limit: host->device ${h2d:-?} GB/s, device->host ${d2h:-?} GB/s"
+echo "same-GPU copy limit (1 GiB): ${dtod:-?} GB/s"
+[ -f "$OUT/cuda-ipc.md" ] && cat "$OUT/cuda-ipc.md"
 echo "$failures check(s) failed"
 exit $((failures > 0))

@@ -20,6 +20,8 @@ use std::io::{Read, Write};
 // The transports are plugins (cdylibs, each exporting the same entry
 // symbol), so no binary can link two of them. Their wire modules depend on
 // nothing else of their crate: the targets compile the very same sources.
+#[path = "../../transports/cuda-ipc/src/wire.rs"]
+pub mod cuda_ipc;
 #[path = "../../transports/rdma/src/wire.rs"]
 pub mod rdma;
 #[path = "../../transports/shm/src/wire.rs"]
@@ -42,6 +44,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("tcp_wire", tcp_wire),
     ("shm_wire", shm_wire),
     ("rdma_wire", rdma_wire),
+    ("cuda_ipc_wire", cuda_ipc_wire),
     ("auth", auth_exchange),
 ];
 
@@ -235,6 +238,56 @@ pub fn shm_wire(data: &[u8]) -> usize {
     accepted
 }
 
+/// The cuda-ipc transport's endpoint and key text and its socket frames
+/// (requests, reply headers, pieces), as a peer's bytes.
+pub fn cuda_ipc_wire(data: &[u8]) -> usize {
+    use cuda_ipc as w;
+    let mut accepted = 0;
+    if let Some(e) = w::Endpoint::decode(data) {
+        accepted += 1;
+        assert_eq!(w::Endpoint::decode(&e.encode()), Some(e));
+    }
+    if let Some(k) = w::Key::decode(data) {
+        accepted += 1;
+        assert!(k.len > 0 && k.addr.checked_add(k.len).is_some());
+        assert_eq!(w::Key::decode(&k.encode()), Some(k));
+    }
+    let mut pieces = Vec::new();
+    let mut reply = None;
+    for chunk in data.chunks(w::PIECE_LEN) {
+        if let Ok(b) = <&[u8; w::REQUEST_LEN]>::try_from(&chunk[..chunk.len().min(w::REQUEST_LEN)])
+        {
+            if let Some(r) = w::Request::decode(b) {
+                accepted += 1;
+                assert_eq!(&r.encode(), b);
+            }
+        }
+        if let Ok(b) = <&[u8; w::REPLY_LEN]>::try_from(&chunk[..chunk.len().min(w::REPLY_LEN)]) {
+            if let Some(r) = w::Reply::decode(b) {
+                accepted += 1;
+                assert_eq!(w::Reply::decode(&r.encode()), Some(r));
+                reply.get_or_insert(r);
+            }
+        }
+        if let Ok(b) = <&[u8; w::PIECE_LEN]>::try_from(chunk) {
+            if let Some(p) = w::Piece::decode(b) {
+                accepted += 1;
+                assert_eq!(w::Piece::decode(&p.encode()), Some(p));
+                pieces.push(p);
+            }
+        }
+    }
+    if let Some(r) = reply {
+        if w::check_pieces(&r, &pieces).is_ok() {
+            accepted += 1;
+            let first = pieces[0].start;
+            let last = pieces[pieces.len() - 1];
+            assert!(r.addr >= first && r.addr + r.len <= last.start + last.len);
+        }
+    }
+    accepted
+}
+
 /// The RDMA plugin's endpoint, buffer keys and connection messages.
 pub fn rdma_wire(data: &[u8]) -> usize {
     let mut accepted = 0;
@@ -308,6 +361,7 @@ fn sample_descriptor() -> SegmentDescriptor {
             name: "tcp".into(),
             endpoint: encode_blob(&tcp::encode_endpoint("10.0.0.1:7001", 0x1234)),
         }],
+        metrics: None,
         buffers: vec![
             BufferDescriptor {
                 addr: 0x7f00_0000_0000,
@@ -466,6 +520,60 @@ fn tcp_frames() -> Vec<Vec<u8>> {
     ]
 }
 
+fn cuda_ipc_messages() -> Vec<Vec<u8>> {
+    use cuda_ipc as w;
+    let reply = w::Reply {
+        op: w::OP_REPLY,
+        status: 0,
+        id: 9,
+        addr: 0x20_0000,
+        len: 0x30_0000,
+        kind: w::KIND_VMM,
+        count: 2,
+    };
+    let piece = |start| w::Piece {
+        start,
+        len: 0x20_0000,
+        fd_offset: 0,
+        has_fd: true,
+        handle: [0; 64],
+    };
+    let mut frames = Vec::new();
+    let mut r = reply.encode().to_vec();
+    r.resize(w::PIECE_LEN, 0);
+    frames.extend(r);
+    frames.extend(piece(0x20_0000).encode());
+    frames.extend(piece(0x40_0000).encode());
+    vec![
+        frames,
+        w::Request {
+            op: w::OP_OPEN,
+            id: 3,
+        }
+        .encode()
+        .to_vec(),
+        w::Endpoint {
+            pid: 4242,
+            uid: 1000,
+            pidns: 4026531836,
+            ipcns: 4026531839,
+            boot: vec![0xab; 16],
+            socket: b"ferry-cuda-ipc-4242-0123456789abcdef".to_vec(),
+        }
+        .encode(),
+        w::Key {
+            id: 7,
+            addr: 0x7f00_0000_0000,
+            len: 1 << 30,
+            memory: w::Memory::Device {
+                gpu: "GPU-e0e1e2e3-e4e5-e6e7-e8e9-eaebecedeeef".into(),
+            },
+        }
+        .encode(),
+        b"host 8 1000 1000 shared".to_vec(),
+    ]
+}
+
 fn shm_messages() -> Vec<Vec<u8>> {
     let mut both = shm::Msg {
         kind: shm::MAP,
@@ -573,6 +681,7 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
             .collect(),
         "tcp_wire" => tcp_frames(),
         "shm_wire" => shm_messages(),
+        "cuda_ipc_wire" => cuda_ipc_messages(),
         "rdma_wire" => sample_rdma_messages(),
         "auth" => auth_messages(),
         _ => Vec::new(),
@@ -623,6 +732,10 @@ const DICTIONARY: &[&[u8]] = &[
     b"FRYB",
     b"FRYD",
     b"ferry-shm/1",
+    b"ferry-cuda-ipc/1",
+    b"dev ",
+    b"host ",
+    b" GPU-",
     b" pid=",
     b"map ",
     b"cma ",

@@ -16,7 +16,8 @@
 //! answers for any pointer in the process's unified address space. Only if
 //! the driver asks for a current context does it borrow one.
 
-use crate::driver::*;
+use ferry_cuda_driver::driver::*;
+use ferry_cuda_driver::PrimaryContext;
 use ferry_plugins_abi::sdk::{
     DeviceInfo, DeviceInstance, Host, PluginError, PluginResult, PointerInfo, PointerKind,
 };
@@ -70,86 +71,6 @@ pub fn describe_all(driver: &Driver) -> PluginResult<Vec<DeviceFacts>> {
     (0..count).map(|o| describe_device(driver, o)).collect()
 }
 
-/// A retained primary context; released when the last holder drops it.
-pub struct PrimaryContext {
-    driver: &'static Driver,
-    device: CUdevice,
-    raw: CUcontext,
-}
-
-// SAFETY: a CUcontext is a process-wide handle; the driver API is thread
-// safe and lets any thread make a context current, several at once.
-unsafe impl Send for PrimaryContext {}
-// SAFETY: as above; the handle is never mutated after retain.
-unsafe impl Sync for PrimaryContext {}
-
-impl PrimaryContext {
-    fn retain(driver: &'static Driver, device: CUdevice) -> PluginResult<PrimaryContext> {
-        let f = driver.function(
-            driver.api.cu_device_primary_ctx_retain,
-            "cuDevicePrimaryCtxRetain",
-        )?;
-        let mut raw: CUcontext = std::ptr::null_mut();
-        // SAFETY: raw is a valid out-pointer; device came from cuDeviceGet.
-        driver.check("cuDevicePrimaryCtxRetain", unsafe { f(&mut raw, device) })?;
-        Ok(PrimaryContext {
-            driver,
-            device,
-            raw,
-        })
-    }
-
-    /// Makes this context current on the calling thread until the guard
-    /// drops, which restores the previous one.
-    fn enter(&self) -> PluginResult<Current> {
-        let d = self.driver;
-        let get = d.function(d.api.cu_ctx_get_current, "cuCtxGetCurrent")?;
-        let set = d.function(d.api.cu_ctx_set_current, "cuCtxSetCurrent")?;
-        let mut previous: CUcontext = std::ptr::null_mut();
-        // SAFETY: previous is a valid out-pointer.
-        d.check("cuCtxGetCurrent", unsafe { get(&mut previous) })?;
-        if previous == self.raw {
-            return Ok(Current {
-                driver: d,
-                restore: None,
-            });
-        }
-        // SAFETY: raw is a retained primary context, alive while self is.
-        d.check("cuCtxSetCurrent", unsafe { set(self.raw) })?;
-        Ok(Current {
-            driver: d,
-            restore: Some(previous),
-        })
-    }
-}
-
-impl Drop for PrimaryContext {
-    fn drop(&mut self) {
-        if let Some(f) = self.driver.api.cu_device_primary_ctx_release {
-            // SAFETY: balances the retain in PrimaryContext::retain; nothing
-            // of ours uses the context after this (streams and allocations
-            // hold an Arc or were freed by the instance's Drop).
-            let _ = unsafe { f(self.device) };
-        }
-    }
-}
-
-/// Restores the thread's previous context when dropped.
-struct Current {
-    driver: &'static Driver,
-    restore: Option<CUcontext>,
-}
-
-impl Drop for Current {
-    fn drop(&mut self) {
-        if let (Some(previous), Some(set)) = (self.restore, self.driver.api.cu_ctx_set_current) {
-            // SAFETY: previous was current on this thread a moment ago (or
-            // null, which unbinds); the application owns it.
-            let _ = unsafe { set(previous) };
-        }
-    }
-}
-
 /// A stream on one device, non-blocking with respect to the legacy
 /// default stream.
 pub struct CudaStream {
@@ -166,7 +87,7 @@ unsafe impl Sync for CudaStream {}
 
 impl Drop for CudaStream {
     fn drop(&mut self) {
-        let d = self.ctx.driver;
+        let d = self.ctx.driver();
         let Some(destroy) = d.api.cu_stream_destroy else {
             return;
         };

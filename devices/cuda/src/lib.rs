@@ -6,8 +6,9 @@
 //! The NVIDIA driver is loaded at run time (`libcuda.so.1`, never linked),
 //! so one build runs on hosts with and without GPUs: without a driver,
 //! probe says "unavailable" with the reason and nothing else happens.
-//! `driver` holds the symbol table and the loading rules, `instance` the
-//! contexts and the data path.
+//! The driver's symbol table, loading rules and contexts live in
+//! `ferry-cuda-driver` (shared with the cuda-ipc transport); `instance`
+//! holds the devices and the data path.
 //!
 //! Settings (engine configuration key, then environment variable):
 //! - `cuda.library` / `FERRY_CUDA_LIBRARY`: the driver library to open
@@ -19,13 +20,11 @@
 //! has called it must not use CUDA in a fork()ed child) and only device
 //! queries: it creates no context and allocates nothing.
 
-mod driver;
-mod elf_check;
 mod instance;
 #[cfg(test)]
 mod tests;
 
-use driver::Driver;
+use ferry_cuda_driver::driver::{self, Driver};
 use ferry_plugins_abi::sdk::{DeviceInfo, Host, PluginResult, ProbeDevice, ProbeReport};
 use ferry_plugins_abi::sys;
 use instance::{describe_all, CudaInstance, DeviceFacts};

@@ -242,12 +242,13 @@ impl FakeView {
 #[test]
 fn without_a_driver_probe_is_cleanly_unavailable() {
     // SAFETY: only asks whether the system has a driver at all.
-    let real_driver = unsafe { libloading::Library::new(crate::driver::DEFAULT_LIBRARY) }.is_ok();
+    let real_driver =
+        unsafe { libloading::Library::new(ferry_cuda_driver::driver::DEFAULT_LIBRARY) }.is_ok();
     let (status, message, findings) = probe(host(None));
     if real_driver {
         eprintln!(
             "this host has {}; only checking that probe returns",
-            crate::driver::DEFAULT_LIBRARY
+            ferry_cuda_driver::driver::DEFAULT_LIBRARY
         );
         assert!(
             status == sys::FERRY_OK || status == sys::FERRY_ERR_UNAVAILABLE,

@@ -23,6 +23,8 @@ use std::time::Duration;
 pub struct Engine {
     // Declared first: stops serving before the shared state goes.
     pub(super) control: ControlServer,
+    /// The metrics endpoint (FERRY_METRICS_LISTEN), stopped before the rest.
+    pub(super) metrics_server: Option<crate::metrics::MetricsServer>,
     pub(super) shared: Arc<Shared>,
 }
 
@@ -282,5 +284,36 @@ impl Engine {
     /// This engine's own descriptor, as peers see it.
     pub fn descriptor(&self) -> SegmentDescriptor {
         self.shared.describe()
+    }
+}
+
+/// Metrics: what moved, where, how fast, and what failed.
+impl Engine {
+    /// Every metric now: bytes and requests per transport, device, peer and
+    /// op, failures by code, latency histograms, staged traffic, route
+    /// changes, registered memory, plugins' counters.
+    pub fn metrics(&self) -> crate::metrics::MetricsSnapshot {
+        self.shared.metrics_snapshot()
+    }
+
+    /// [`Engine::metrics`] as JSON (what the C and Python APIs return).
+    pub fn metrics_json(&self) -> String {
+        serde_json::to_string(&self.metrics()).unwrap_or_default()
+    }
+
+    /// [`Engine::metrics`] in the Prometheus text format.
+    pub fn metrics_prometheus(&self) -> String {
+        crate::metrics::prometheus::render(&self.metrics())
+    }
+
+    /// Turns per-request counting on or off while the engine runs (it
+    /// starts as FERRY_METRICS says); what was counted stays readable.
+    pub fn set_metrics_enabled(&self, on: bool) {
+        self.shared.metrics.set_enabled(on);
+    }
+
+    /// Where the metrics endpoint listens, when FERRY_METRICS_LISTEN set one.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_server.as_ref().map(|s| s.local_addr())
     }
 }

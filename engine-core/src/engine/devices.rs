@@ -87,7 +87,10 @@ impl Devices {
                 // transport can move them.
                 PointerKind::Host | PointerKind::HostPinned | PointerKind::Managed(_) => continue,
             };
-            if size > 0 && addr.saturating_add(len) > base.saturating_add(size) {
+            if size > 0
+                && addr.saturating_add(len) > base.saturating_add(size)
+                && !self.contiguous_device(d, ordinal, base + size, addr.saturating_add(len))?
+            {
                 return Err(Error::new(
                     ErrorCode::OutOfBounds,
                     format!(
@@ -124,6 +127,23 @@ impl Devices {
             )),
             None => Ok((host_location(addr), sys::FERRY_MEM_HOST, None)),
         }
+    }
+
+    /// Whether `[from, to)` is device memory of `ordinal` in allocations
+    /// that follow one another with no gap: VMM memory is mapped in chunks
+    /// (PyTorch's expandable segments), each its own allocation to the
+    /// driver, and one tensor may span several.
+    fn contiguous_device(&self, d: &Device, ordinal: u32, from: u64, to: u64) -> Result<bool> {
+        let mut at = from;
+        while at < to {
+            match d.query_pointer(at)? {
+                (PointerKind::Device(o), base, size) if o == ordinal && base == at && size > 0 => {
+                    at = base.saturating_add(size);
+                }
+                _ => return Ok(false),
+            }
+        }
+        Ok(true)
     }
 
     /// Allocates device memory on `location` (e.g. cuda:0) through its device

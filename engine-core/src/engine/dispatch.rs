@@ -5,13 +5,17 @@
 
 use super::measure::Flight;
 use super::plan::{Plan, StagedItem};
-use super::request::SegmentId;
+use super::request::{Op, SegmentId};
+use super::segments::RemoteSegment;
 use super::shared::Shared;
 use crate::batch::{group_of, Batch};
 use crate::error::{Error, ErrorCode, Result};
+use crate::memory::{LocalBuffer, Visibility};
+use crate::metrics::{memory_label, FlowCache, FlowKey, FlowLabels, Tally, STAGING_SLOT};
 use ferry_plugins_abi::sys;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// Requests for one (segment, transport), each with its index in the
 /// plan's `routed`.
@@ -34,17 +38,37 @@ impl Shared {
         // Reserve the batch slots and create one completion group per
         // coalesced request.
         let base = batch.reserve(requests)?;
+        let mut flows = Flows {
+            cache: FlowCache::default(),
+            started: Instant::now(),
+        };
         for (i, item) in &mut staged {
-            item.group = group_of(batch.add_group(base + *i, 1, item.local.clone()));
+            let tally = self.tally(
+                &mut flows,
+                None,
+                item.op,
+                &item.local,
+                0,
+                &item.segment,
+                item.length,
+            );
+            item.group = group_of(batch.add_group(base + *i, 1, item.local.clone(), tally));
         }
         let mut by_target: Vec<TargetGroup> = Vec::new();
         for (n, p) in routed.iter().enumerate() {
-            let token = batch.add_group(base + p.first, p.count, p.local.clone());
-            let local_mem = p
-                .local
-                .registration(p.transport)
-                .map(|r| r.handle)
-                .unwrap_or(0);
+            let registration = p.local.registration(p.transport);
+            let local_mem = registration.map(|r| r.handle).unwrap_or(0);
+            let mem_kind = registration.map_or(p.local.mem_kind, |r| r.mem_kind);
+            let tally = self.tally(
+                &mut flows,
+                Some(p.transport),
+                p.op,
+                &p.local,
+                mem_kind,
+                &p.segment,
+                p.length,
+            );
+            let token = batch.add_group(base + p.first, p.count, p.local.clone(), tally);
             let raw = sys::ferry_transfer_request_t {
                 op: p.op.raw(),
                 reserved: 0,
@@ -59,7 +83,13 @@ impl Shared {
             let key = (p.segment.id, p.transport);
             match by_target.iter_mut().find(|(k, _)| *k == key) {
                 Some((_, list)) => list.push((raw, n)),
-                None => by_target.push((key, vec![(raw, n)])),
+                None => {
+                    self.metrics
+                        .route_used(p.segment.id, mem_kind, p.transport, || {
+                            p.segment.name.clone()
+                        });
+                    by_target.push((key, vec![(raw, n)]))
+                }
             }
         }
 
@@ -147,5 +177,61 @@ impl Shared {
             Some(e) if failures == routed.len() && staged.is_empty() => Err(e),
             _ => Ok(staged.into_iter().map(|(_, it)| it).collect()),
         }
+    }
+}
+
+/// One dispatch's view of the metrics: the flow last used, and the time
+/// its submissions started.
+struct Flows {
+    cache: FlowCache,
+    started: Instant,
+}
+
+impl Shared {
+    /// Where a submission of `bytes` counts: its flow (transport, or
+    /// staging when `None`; local device; peer; op; memory kind).
+    #[allow(clippy::too_many_arguments)]
+    fn tally(
+        &self,
+        flows: &mut Flows,
+        transport: Option<usize>,
+        op: Op,
+        local: &LocalBuffer,
+        mem_kind: u64,
+        segment: &RemoteSegment,
+        bytes: u64,
+    ) -> Option<Tally> {
+        if !self.metrics.enabled() {
+            return None;
+        }
+        // Staging's own host legs (its slots are the only local-only
+        // buffers) count apart from what applications asked.
+        let mem_kind = if local.visibility == Visibility::LocalOnly {
+            STAGING_SLOT
+        } else {
+            mem_kind
+        };
+        let key = FlowKey {
+            transport: transport.unwrap_or(usize::MAX),
+            segment: segment.id,
+            op: (op == Op::Write) as u8,
+            location: local.location,
+            mem_kind,
+        };
+        let flow = self
+            .metrics
+            .cached_flow(&mut flows.cache, key, || FlowLabels {
+                transport: transport
+                    .and_then(|t| self.transports.get(t))
+                    .map_or_else(|| "staging".to_string(), |t| t.name.clone()),
+                device: local.location.to_string(),
+                peer: segment.name.clone(),
+                op: match op {
+                    Op::Read => "read",
+                    Op::Write => "write",
+                },
+                memory: memory_label(mem_kind),
+            })?;
+        Some(Tally::new(flow, bytes, flows.started))
     }
 }

@@ -2,7 +2,8 @@
 //! transports. Decided per GPU at start (DESIGN.md's tiers: DMA-BUF >
 //! nvidia-peermem > staging, judged against the GPU's closest RDMA NIC),
 //! then proven per transport by a trial registration that falls back one
-//! step when it fails.
+//! step when it fails. Before the NICs, transports that share device
+//! memory with same-host peers themselves (cuda-ipc) register it.
 
 use super::devices::Gpu;
 use crate::device::Device;
@@ -25,6 +26,8 @@ pub(crate) struct GpuDirect {
     failures: Mutex<Vec<(String, usize, Method)>>,
     /// (device, transport, method) successes already logged.
     logged: Mutex<HashSet<(String, usize, Method)>>,
+    /// (device, transport, shared) outcomes of same-host sharing logged.
+    ipc_logged: Mutex<HashSet<(String, usize, bool)>>,
 }
 
 impl GpuDirect {
@@ -70,6 +73,65 @@ impl GpuDirect {
             policy,
             failures: Mutex::new(Vec::new()),
             logged: Mutex::new(HashSet::new()),
+            ipc_logged: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// Registers device memory with a transport that shares it with
+    /// same-host peers itself (`FERRY_MEM_CUDA_IPC`: CUDA IPC handles or VMM
+    /// fds, copied by the GPU's copy engines), before any NIC is asked.
+    /// `None` when `t` does not share device memory or refused this buffer
+    /// (the reason is logged once per device and transport; same-host peers
+    /// then stage it).
+    pub(crate) fn register_ipc(
+        &self,
+        i: usize,
+        t: &Transport,
+        spec: &RegionSpec<'_>,
+    ) -> Option<TransportRegistration> {
+        if t.mem_kinds & sys::FERRY_MEM_CUDA_IPC == 0 {
+            return None;
+        }
+        let attempt = RegionSpec {
+            mem_kind: sys::FERRY_MEM_CUDA_IPC,
+            dmabuf: None,
+            ..*spec
+        };
+        let outcome = t.register(&attempt);
+        let first = self
+            .ipc_logged
+            .lock()
+            .insert((spec.location.to_string(), i, outcome.is_ok()));
+        match outcome {
+            Ok((handle, key)) => {
+                if first {
+                    log::info!(
+                        "{}: {} memory is shared with same-host peers directly (the GPU's copy \
+                         engines move it; no staging)",
+                        t.name,
+                        spec.location
+                    );
+                }
+                Some(TransportRegistration {
+                    transport: i,
+                    handle,
+                    key,
+                    mem_kind: sys::FERRY_MEM_CUDA_IPC,
+                })
+            }
+            Err(e) => {
+                let msg = format!(
+                    "{}: cannot share {} memory at {:#x} with same-host peers ({}); they stage it \
+                     through host memory",
+                    t.name, spec.location, spec.addr, e.message
+                );
+                if first {
+                    log::info!("{msg}");
+                } else {
+                    log::debug!("{msg}");
+                }
+                None
+            }
         }
     }
 

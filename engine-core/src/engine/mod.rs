@@ -23,6 +23,7 @@
 //! - `shared`: the state all of the above make up, behind one `Arc`;
 //! - `registration`, `publish`, `peers`, `dispatch`, `submit`, `route`,
 //!   `staging/{target,initiator,job}`: what the engine does with it;
+//! - `observe`: the metrics as the engine reads them out, and its endpoint;
 //! - `startup` and `api`: `Engine::new` and the rest of the public API.
 
 mod allocations;
@@ -33,6 +34,7 @@ mod dispatch;
 mod ladder;
 mod measure;
 mod node;
+mod observe;
 mod peers;
 mod plan;
 mod publish;

@@ -19,17 +19,30 @@ impl Peers for Shared {
         &self,
         seg: &RemoteSegment,
         transport: usize,
+        local_mem: Option<u64>,
         key: &[u8],
     ) -> std::result::Result<(), String> {
         let t = &self.transports[transport];
-        acceptance(seg, transport, &t.name, key, || {
+        // The verdict is per pair when the local buffer is registered with
+        // the transport (the plugin's accepts_pair), else per remote key.
+        let memo: Vec<u8> = match local_mem {
+            Some(h) => [key, &h.to_le_bytes()[..]].concat(),
+            None => key.to_vec(),
+        };
+        acceptance(seg, transport, &t.name, &memo, || {
             let strip = |m: String| -> String {
                 m.strip_prefix(&format!("{}: ", t.name))
                     .map(str::to_string)
                     .unwrap_or(m)
             };
             match seg.peer(transport, t) {
-                Ok(peer) => Some(t.accepts(&peer, key).map_err(|e| strip(e.message))),
+                Ok(peer) => Some(
+                    match local_mem {
+                        Some(h) => t.accepts_pair(&peer, h, key),
+                        None => t.accepts(&peer, key),
+                    }
+                    .map_err(|e| strip(e.message)),
+                ),
                 // Other connection errors are the peer's state, not a
                 // refusal: let the request try and report them.
                 Err(e) if e.code != ErrorCode::Unavailable => None,

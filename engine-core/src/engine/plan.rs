@@ -20,11 +20,13 @@ pub(crate) trait Peers {
     /// registered more memory).
     fn refresh(&self, seg: &RemoteSegment) -> Result<Arc<RemoteView>>;
     /// Whether transport `transport` serves the segment's buffer with
-    /// `key` (connecting on first use, remembering the answer).
+    /// `key` (connecting on first use, remembering the answer), from the
+    /// local buffer the transport gave handle `local_mem`, if it did.
     fn accepts(
         &self,
         seg: &RemoteSegment,
         transport: usize,
+        local_mem: Option<u64>,
         key: &[u8],
     ) -> std::result::Result<(), String>;
 }
@@ -117,8 +119,10 @@ impl<T: Candidate> Planner<'_, T> {
             hint,
             explain,
         };
-        self.transports
-            .select(&want, |t, key| self.peers.accepts(seg, t, key))
+        self.transports.select(&want, |t, key| {
+            let local_mem = local.registration(t).map(|r| r.handle);
+            self.peers.accepts(seg, t, local_mem, key)
+        })
     }
 
     /// Checks and routes every request. With `slots`, remote addresses are
@@ -306,6 +310,7 @@ mod tests {
             &self,
             _seg: &RemoteSegment,
             transport: usize,
+            _local_mem: Option<u64>,
             _key: &[u8],
         ) -> std::result::Result<(), String> {
             *self.asked.lock() += 1;

@@ -51,6 +51,7 @@ impl Shared {
                 })
                 .collect(),
             buffers,
+            metrics: self.metrics.advertised(),
         }
     }
 

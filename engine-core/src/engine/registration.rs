@@ -74,10 +74,13 @@ impl Shared {
                     local_only,
                     share: None,
                 };
-                if let Some(r) =
+                // Same-host peers first: a copy-engine transport shares the
+                // memory itself; RDMA NICs register it by the GPU-direct ladder.
+                let direct = self.gpu_direct.register_ipc(i, t, &spec).or_else(|| {
                     self.gpu_direct
                         .register(i, t, &self.devices.plugins[plugin], &spec)
-                {
+                });
+                if let Some(r) = direct {
                     registrations.push(r);
                 }
                 continue;

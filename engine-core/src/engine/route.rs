@@ -36,7 +36,7 @@ impl Shared {
                 (c.transport, c.reason, estimate)
             }
             Err(e) if local.device.is_none() && !remote_on_device => return Err(e),
-            Err(_) => {
+            Err(direct) => {
                 // Device memory that no transport moves directly is staged:
                 // the host leg runs between pinned slots.
                 let host_local = match local.device {
@@ -61,7 +61,7 @@ impl Shared {
                     host.transport,
                     format!(
                         "{} memory to {} memory: no transport moves device memory directly here, \
-                         so it is staged through pinned host memory {sides}, pipelined{}; host leg: {}",
+                         so it is staged through pinned host memory {sides}, pipelined{}; host leg: {}; not direct: {}",
                         local.location,
                         view.buffers[remote].location,
                         estimate
@@ -71,7 +71,8 @@ impl Shared {
                                 e.seconds * 1e6
                             ))
                             .unwrap_or_default(),
-                        host.reason
+                        host.reason,
+                        direct.message
                     ),
                     estimate,
                 )

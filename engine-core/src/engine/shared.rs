@@ -12,6 +12,7 @@ use super::staging::Staging;
 use crate::batch::{Batch, BatchStatus, BatchTable};
 use crate::config::EngineConfig;
 use crate::memory::MemoryRegistry;
+use crate::metrics::Metrics;
 use crate::topology::Topology;
 use crate::transport::Transport;
 use ferry_loader::PluginSet;
@@ -42,6 +43,8 @@ pub(crate) struct Shared {
     pub(crate) allocations: Mutex<HashMap<u64, Allocation>>,
     /// How each GPU's memory is registered for RDMA, and what failed.
     pub(crate) gpu_direct: GpuDirect,
+    /// What moved, where, how fast, and what failed.
+    pub(crate) metrics: Metrics,
 }
 
 impl Shared {

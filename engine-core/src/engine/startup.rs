@@ -189,6 +189,7 @@ impl Engine {
             peer_controls.clone(),
         );
         let aliases = host.aliases();
+        let plugin_counters = host.plugin_counters().clone();
         let plugins = load_plugins(&config.loader, host);
 
         // Devices first: transports may ask where a device sits.
@@ -253,6 +254,9 @@ impl Engine {
         let staging = Staging::new(config.staging_chunk, config.staging_depth);
         let host = HostFacts::detect(topology.sysfs_root(), no_direct_transport(&plugins));
         let gpu_direct = GpuDirect::decide(&devices.gpus, &topology, policy, host);
+        let metrics = crate::metrics::Metrics::new(config.metrics, plugin_counters);
+        metrics.set_transport_names(transports.iter().map(|t| t.name.clone()).collect());
+        let metrics_listen = config.metrics_listen.clone();
         let transports =
             Transports::new(transports, transport_failures, endpoints).placed(&topology);
         let shared = Arc::new(Shared {
@@ -274,6 +278,7 @@ impl Engine {
             segments: Segments::new(peer_controls),
             staging,
             batches,
+            metrics,
         });
         let weak: Weak<dyn ControlHandler> = Arc::downgrade(&shared) as Weak<dyn ControlHandler>;
         let control = ControlServer::start(listener, weak, &shared.node.link)?;
@@ -324,7 +329,15 @@ impl Engine {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        Ok(Engine { control, shared })
+        let metrics_server = match &metrics_listen {
+            Some(listen) => Some(super::observe::serve_metrics(&shared, listen)?),
+            None => None,
+        };
+        Ok(Engine {
+            metrics_server,
+            control,
+            shared,
+        })
     }
 }
 

@@ -13,7 +13,10 @@ impl Shared {
         if requests.is_empty() {
             return Ok(());
         }
-        let plan = self.planner().plan(requests, None)?;
+        let plan = self
+            .planner()
+            .plan(requests, None)
+            .inspect_err(|e| self.metrics.refused(e.code, requests.len()))?;
         let staged = self.dispatch(&batch, plan)?;
         if staged.is_empty() {
             return Ok(());

@@ -25,6 +25,7 @@ mod boundary;
 pub mod deadline;
 mod device;
 mod host;
+pub mod local;
 pub mod net;
 mod transport;
 pub use boundary::*;

@@ -741,6 +741,15 @@ pub fn on_completion(inner: &Inner, nic: usize, wc: Wc) {
     }
 }
 
+/// Counts a NIC pause in the engine's metrics (`nic_pauses` per local NIC,
+/// `peer_nic_pauses` per peer NIC). Pauses are rare: the name is built only
+/// then.
+fn count_pause(inner: &Inner, counter: &std::ffi::CStr, nic: &str) {
+    if let Ok(name) = std::ffi::CString::new(nic) {
+        inner.host.count(counter, Some(&name), 1);
+    }
+}
+
 /// A failure on a NIC pair: the local NIC when its port is down (or it
 /// keeps failing), else the peer's NIC, paused after failing repeatedly.
 fn record_failure(inner: &Inner, peer: &Arc<Peer>, pair: Pair, why: &str, data: bool) {
@@ -750,6 +759,7 @@ fn record_failure(inner: &Inner, peer: &Arc<Peer>, pair: Pair, why: &str, data: 
 
     if port_down {
         if let Verdict::Paused(d) = nic.health.failure(why, 1, base, MAX_PAUSE) {
+            count_pause(inner, c"nic_pauses", &nic.name);
             inner.host.warn(&format!(
                 "rdma: {} port {} is down ({why}); pausing {} for {:.1} s (back-off doubles while \
                  it keeps failing, up to 60 s); its slices move to the other NICs",
@@ -763,6 +773,11 @@ fn record_failure(inner: &Inner, peer: &Arc<Peer>, pair: Pair, why: &str, data: 
     }
     if let Some(h) = peer.remote_health.get(pair.1 as usize) {
         if let Verdict::Paused(d) = h.failure(why, REMOTE_PAUSE_AFTER, base, MAX_PAUSE) {
+            count_pause(
+                inner,
+                c"peer_nic_pauses",
+                &peer.remote[pair.1 as usize].name,
+            );
             inner.host.warn(&format!(
                 "rdma: {}'s NIC {} failed {REMOTE_PAUSE_AFTER} times in a row from here (last: \
                  {why}); not using it for {:.1} s (back-off doubles while it keeps failing)",
@@ -773,6 +788,7 @@ fn record_failure(inner: &Inner, peer: &Arc<Peer>, pair: Pair, why: &str, data: 
         }
     }
     if let Verdict::Paused(d) = nic.health.failure(why, LOCAL_PAUSE_AFTER, base, MAX_PAUSE) {
+        count_pause(inner, c"nic_pauses", &nic.name);
         inner.host.warn(&format!(
             "rdma: {} failed {LOCAL_PAUSE_AFTER} times in a row (last: {why}); pausing it for \
              {:.1} s (back-off doubles while it keeps failing); its slices move to the other NICs",
@@ -787,6 +803,9 @@ fn record_failure(inner: &Inner, peer: &Arc<Peer>, pair: Pair, why: &str, data: 
 pub fn run_retries(inner: &Inner) -> usize {
     let batch: Vec<Slice> = inner.retries.lock().drain(..).collect();
     let n = batch.len();
+    if n > 0 {
+        inner.host.count(c"slice_retries", None, n as u64);
+    }
     for s in batch {
         retry(inner, s);
     }

@@ -165,6 +165,7 @@ pub(crate) fn descriptor(
                     .collect(),
             })
             .collect(),
+        metrics: None,
     }
 }
 

@@ -1,4 +1,4 @@
-//! The CUDA driver API as this plugin uses it: libcuda is opened at run time
+//! The CUDA driver API as Ferry's CUDA plugins use it: libcuda is opened at run time
 //! (never linked) and every function comes from a small table resolved one
 //! symbol at a time, so an old driver that lacks an optional function loses
 //! only that feature and a missing driver is a clean "unavailable".
@@ -26,6 +26,39 @@ pub type CUdevice = c_int;
 pub type CUdeviceptr = u64;
 pub type CUcontext = *mut c_void;
 pub type CUstream = *mut c_void;
+pub type CUevent = *mut c_void;
+/// `CUmemGenericAllocationHandle`: a VMM physical allocation.
+pub type CUmemGenericAllocationHandle = u64;
+
+/// `CUipcMemHandle`: 64 opaque bytes naming a cuMemAlloc allocation to
+/// another process of the host.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CUipcMemHandle {
+    pub reserved: [u8; 64],
+}
+
+impl Default for CUipcMemHandle {
+    fn default() -> Self {
+        CUipcMemHandle { reserved: [0; 64] }
+    }
+}
+
+/// `CUmemLocation`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CUmemLocation {
+    pub kind: c_int,
+    pub id: c_int,
+}
+
+/// `CUmemAccessDesc`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CUmemAccessDesc {
+    pub location: CUmemLocation,
+    pub flags: c_int,
+}
 
 /// `CUuuid`: 16 bytes.
 #[repr(C)]
@@ -50,6 +83,9 @@ pub const CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_uint = 9;
 pub const CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: c_uint = 11;
 pub const CU_POINTER_ATTRIBUTE_RANGE_SIZE: c_uint = 12;
 
+/// Whether cuIpcGetMemHandle can export the allocation (cuMemAlloc memory).
+pub const CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: c_uint = 19;
+
 pub const CU_MEMORYTYPE_HOST: u32 = 1;
 pub const CU_MEMORYTYPE_DEVICE: u32 = 2;
 pub const CU_MEMORYTYPE_ARRAY: u32 = 3;
@@ -60,6 +96,14 @@ pub const CU_MEMHOSTALLOC_PORTABLE: c_uint = 0x01;
 pub const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 0x01;
 pub const CU_STREAM_NON_BLOCKING: c_uint = 0x01;
 pub const CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD: c_int = 1;
+/// cuIpcOpenMemHandle: enable peer access to the exporter's GPU on demand.
+pub const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 0x1;
+/// VMM shareable handle type: a POSIX file descriptor.
+pub const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: c_int = 1;
+pub const CU_MEM_LOCATION_TYPE_DEVICE: c_int = 1;
+pub const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: c_int = 3;
+pub const CU_EVENT_DISABLE_TIMING: c_uint = 0x2;
+pub const CUDA_ERROR_NOT_READY: CUresult = 600;
 
 const CU_GET_PROC_ADDRESS_DEFAULT: u64 = 0;
 const CU_GET_PROC_ADDRESS_SUCCESS: c_int = 0;
@@ -190,6 +234,40 @@ driver_api! {
         fn(*mut c_void);
     cu_mem_get_handle_for_address_range: Optional c"cuMemGetHandleForAddressRange"
         ["cuMemGetHandleForAddressRange"] fn(*mut c_void, CUdeviceptr, usize, c_int, u64);
+    // Same-host sharing (the cuda-ipc transport): optional for the device
+    // plugin; the transport checks for its own set.
+    cu_mem_get_address_range: Optional c"cuMemGetAddressRange" ["cuMemGetAddressRange_v2"]
+        fn(*mut CUdeviceptr, *mut usize, CUdeviceptr);
+    cu_ipc_get_mem_handle: Optional c"cuIpcGetMemHandle" ["cuIpcGetMemHandle"]
+        fn(*mut CUipcMemHandle, CUdeviceptr);
+    cu_ipc_open_mem_handle: Optional c"cuIpcOpenMemHandle" ["cuIpcOpenMemHandle_v2"]
+        fn(*mut CUdeviceptr, CUipcMemHandle, c_uint);
+    cu_ipc_close_mem_handle: Optional c"cuIpcCloseMemHandle" ["cuIpcCloseMemHandle"]
+        fn(CUdeviceptr);
+    cu_mem_retain_allocation_handle: Optional c"cuMemRetainAllocationHandle"
+        ["cuMemRetainAllocationHandle"] fn(*mut CUmemGenericAllocationHandle, *mut c_void);
+    cu_mem_release: Optional c"cuMemRelease" ["cuMemRelease"] fn(CUmemGenericAllocationHandle);
+    cu_mem_export_to_shareable_handle: Optional c"cuMemExportToShareableHandle"
+        ["cuMemExportToShareableHandle"] fn(*mut c_void, CUmemGenericAllocationHandle, c_int, u64);
+    cu_mem_import_from_shareable_handle: Optional c"cuMemImportFromShareableHandle"
+        ["cuMemImportFromShareableHandle"]
+        fn(*mut CUmemGenericAllocationHandle, *mut c_void, c_int);
+    cu_mem_address_reserve: Optional c"cuMemAddressReserve" ["cuMemAddressReserve"]
+        fn(*mut CUdeviceptr, usize, usize, CUdeviceptr, u64);
+    cu_mem_address_free: Optional c"cuMemAddressFree" ["cuMemAddressFree"]
+        fn(CUdeviceptr, usize);
+    cu_mem_map: Optional c"cuMemMap" ["cuMemMap"]
+        fn(CUdeviceptr, usize, usize, CUmemGenericAllocationHandle, u64);
+    cu_mem_unmap: Optional c"cuMemUnmap" ["cuMemUnmap"] fn(CUdeviceptr, usize);
+    cu_mem_set_access: Optional c"cuMemSetAccess" ["cuMemSetAccess"]
+        fn(CUdeviceptr, usize, *const CUmemAccessDesc, usize);
+    cu_event_create: Optional c"cuEventCreate" ["cuEventCreate"] fn(*mut CUevent, c_uint);
+    cu_event_record: Optional c"cuEventRecord" ["cuEventRecord"] fn(CUevent, CUstream);
+    cu_event_query: Optional c"cuEventQuery" ["cuEventQuery"] fn(CUevent);
+    cu_event_synchronize: Optional c"cuEventSynchronize" ["cuEventSynchronize"] fn(CUevent);
+    cu_event_destroy: Optional c"cuEventDestroy" ["cuEventDestroy_v2"] fn(CUevent);
+    cu_device_can_access_peer: Optional c"cuDeviceCanAccessPeer" ["cuDeviceCanAccessPeer"]
+        fn(*mut c_int, CUdevice, CUdevice);
 }
 
 type GetProcAddressV2 = unsafe extern "C" fn(
@@ -734,7 +812,7 @@ mod tests {
             .map(Symbol::name)
             .collect();
         assert_eq!(
-            optional,
+            &optional[..4],
             [
                 "cuDeviceGetUuid_v2",
                 "cuMemHostRegister_v2",
@@ -742,5 +820,8 @@ mod tests {
                 "cuMemGetHandleForAddressRange"
             ]
         );
+        // What only the cuda-ipc transport needs is optional too.
+        assert!(optional.contains(&"cuIpcOpenMemHandle_v2"));
+        assert!(optional.contains(&"cuMemExportToShareableHandle"));
     }
 }

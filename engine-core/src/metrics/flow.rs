@@ -1,0 +1,218 @@
+//! Flows: requests of one transport, local device, peer, op and memory
+//! kind. Each keeps relaxed atomic counters, found once per submission and
+//! updated once per completion, and shares a latency histogram per
+//! (transport, op) and size class.
+
+use super::histogram::Histogram;
+use super::snapshot::{FlowCounts, LatencyCounts};
+use ferry_plugins_abi::ErrorCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Size classes of one submission: (largest length, label).
+pub const SIZE_CLASSES: [(u64, &str); 5] = [
+    (4 << 10, "0-4KiB"),
+    (64 << 10, "4-64KiB"),
+    (1 << 20, "64KiB-1MiB"),
+    (16 << 20, "1-16MiB"),
+    (u64::MAX, "16MiB+"),
+];
+
+pub fn size_class(len: u64) -> usize {
+    SIZE_CLASSES
+        .iter()
+        .position(|(max, _)| len <= *max)
+        .unwrap_or(SIZE_CLASSES.len() - 1)
+}
+
+const CODES: usize = ErrorCode::ALL.len();
+
+fn code_index(code: ErrorCode) -> usize {
+    ErrorCode::ALL
+        .iter()
+        .position(|c| *c == code)
+        .unwrap_or(CODES - 1)
+}
+
+/// What a flow's series are labelled with.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct FlowLabels {
+    pub transport: String,
+    pub device: String,
+    pub peer: String,
+    pub op: &'static str,
+    pub memory: &'static str,
+}
+
+/// Latency histograms of one (transport, op), one per size class.
+#[derive(Debug)]
+pub struct Latencies {
+    pub transport: String,
+    pub op: &'static str,
+    by_size: [Histogram; SIZE_CLASSES.len()],
+}
+
+impl Latencies {
+    pub fn new(transport: &str, op: &'static str) -> Latencies {
+        Latencies {
+            transport: transport.to_string(),
+            op,
+            by_size: Default::default(),
+        }
+    }
+
+    /// The histograms that hold samples.
+    pub fn snapshot(&self) -> Vec<LatencyCounts> {
+        self.by_size
+            .iter()
+            .zip(SIZE_CLASSES)
+            .map(|(h, (_, size))| (h.snapshot(), size))
+            .filter(|(h, _)| h.count > 0)
+            .map(|(histogram, size)| LatencyCounts {
+                transport: self.transport.clone(),
+                op: self.op.to_string(),
+                size: size.to_string(),
+                histogram,
+            })
+            .collect()
+    }
+}
+
+#[derive(Debug)]
+pub struct Flow {
+    pub labels: FlowLabels,
+    requests: AtomicU64,
+    bytes: AtomicU64,
+    submissions: AtomicU64,
+    failures: [AtomicU64; CODES],
+    failed_bytes: AtomicU64,
+    latency: Arc<Latencies>,
+}
+
+impl Flow {
+    pub fn new(labels: FlowLabels, latency: Arc<Latencies>) -> Flow {
+        Flow {
+            labels,
+            requests: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            submissions: AtomicU64::new(0),
+            failures: Default::default(),
+            failed_bytes: AtomicU64::new(0),
+            latency,
+        }
+    }
+
+    /// One submission of `requests` user requests and `bytes` finished.
+    pub fn finish(&self, requests: usize, bytes: u64, ns: u64, failed: Option<ErrorCode>) {
+        let requests = requests as u64;
+        self.submissions.fetch_add(1, Ordering::Relaxed);
+        match failed {
+            None => {
+                self.requests.fetch_add(requests, Ordering::Relaxed);
+                self.bytes.fetch_add(bytes, Ordering::Relaxed);
+                self.latency.by_size[size_class(bytes)].record(ns);
+            }
+            Some(code) => {
+                self.failures[code_index(code)].fetch_add(requests, Ordering::Relaxed);
+                self.failed_bytes.fetch_add(bytes, Ordering::Relaxed);
+            }
+        }
+    }
+
+    pub fn snapshot(&self) -> FlowCounts {
+        let l = &self.labels;
+        FlowCounts {
+            transport: l.transport.clone(),
+            device: l.device.clone(),
+            peer: l.peer.clone(),
+            op: l.op.to_string(),
+            memory: l.memory.to_string(),
+            requests: self.requests.load(Ordering::Relaxed),
+            bytes: self.bytes.load(Ordering::Relaxed),
+            submissions: self.submissions.load(Ordering::Relaxed),
+            failures: ErrorCode::ALL
+                .iter()
+                .zip(&self.failures)
+                .map(|(c, n)| (c.name().to_string(), n.load(Ordering::Relaxed)))
+                .filter(|(_, n)| *n > 0)
+                .collect(),
+            failed_bytes: self.failed_bytes.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// One submission in flight: which flow it counts in, how many bytes,
+/// since when. Carried by the batch's completion group.
+#[derive(Debug)]
+pub struct Tally {
+    pub flow: Arc<Flow>,
+    pub bytes: u64,
+    pub started: Instant,
+}
+
+impl Tally {
+    /// A submission of `bytes` counted in `flow`, submitted at `started`
+    /// (read once per batch: a clock read per request would cost more than
+    /// the counting).
+    pub fn new(flow: Arc<Flow>, bytes: u64, started: Instant) -> Tally {
+        Tally {
+            flow,
+            bytes,
+            started,
+        }
+    }
+
+    pub fn finish(self, requests: usize, failed: Option<ErrorCode>) {
+        let ns = self.started.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+        self.flow.finish(requests, self.bytes, ns, failed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flow() -> Flow {
+        Flow::new(
+            FlowLabels {
+                transport: "tcp".into(),
+                device: "cpu:0".into(),
+                peer: "p".into(),
+                op: "write",
+                memory: "host",
+            },
+            Arc::new(Latencies::new("tcp", "write")),
+        )
+    }
+
+    #[test]
+    fn successes_and_failures_count_apart() {
+        let f = flow();
+        f.finish(3, 3 << 12, 1000, None);
+        f.finish(1, 1 << 20, 1000, None);
+        f.finish(2, 100, 0, Some(ErrorCode::OutOfBounds));
+        let s = f.snapshot();
+        assert_eq!(
+            (s.requests, s.bytes, s.submissions),
+            (4, (3 << 12) + (1 << 20), 3)
+        );
+        assert_eq!(s.failures.get("OUT_OF_BOUNDS"), Some(&2));
+        assert_eq!(s.failed_bytes, 100);
+        let l = f.latency.snapshot();
+        let sizes: Vec<_> = l
+            .iter()
+            .map(|l| (l.size.as_str(), l.histogram.count))
+            .collect();
+        assert_eq!(sizes, [("4-64KiB", 1), ("64KiB-1MiB", 1)]);
+    }
+
+    #[test]
+    fn size_classes_include_their_upper_bound() {
+        assert_eq!(size_class(1), 0);
+        assert_eq!(size_class(4096), 0);
+        assert_eq!(size_class(4097), 1);
+        assert_eq!(size_class(1 << 20), 2);
+        assert_eq!(size_class(u64::MAX), 4);
+    }
+}

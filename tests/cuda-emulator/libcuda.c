@@ -1,0 +1,767 @@
+/*
+ * Ferry's CUDA emulator: a test-only libcuda.so.1 that runs the cuda device
+ * plugin and the cuda-ipc transport's real code on a machine without a GPU
+ * (as tests/verbs-emulator does for RDMA). Never shipped. Pointed at with
+ * FERRY_CUDA_LIBRARY.
+ *
+ * "Device memory" is host memory in memfds, so that another process can
+ * open it as a real driver lets it open GPU memory:
+ *   - cuMemAlloc memory: one memfd per allocation. cuIpcGetMemHandle puts
+ *     (pid, fd, size, nonce) in the 64-byte handle; cuIpcOpenMemHandle maps
+ *     /proc/<pid>/fd/<fd> after checking that the file is that allocation
+ *     (its name carries the nonce), so a forged or stale handle fails with
+ *     CUDA_ERROR_INVALID_HANDLE. Opening a handle twice in one process fails
+ *     with CUDA_ERROR_ALREADY_MAPPED, and in the exporting process with
+ *     CUDA_ERROR_INVALID_CONTEXT, as the driver does.
+ *   - with FERRY_CUDA_EMU_VMM_CHUNK=<bytes>, cuMemAlloc builds the
+ *     allocation as PyTorch's expandable segments do: one reserved range
+ *     with a VMM chunk (its own memfd) mapped every <bytes>. Such memory has
+ *     no IPC handle; cuMemRetainAllocationHandle + cuMemExportToShareableHandle
+ *     give an fd per chunk (unless FERRY_CUDA_EMU_NO_POSIX_FD is set), and
+ *     cuMemImportFromShareableHandle + cuMemAddressReserve + cuMemMap open it.
+ *
+ * Strict where the real driver is: calls that need a context fail without a
+ * current one; streams are used in their own context. Copies happen when
+ * queued; events report done FERRY_CUDA_EMU_COPY_DELAY_US after they are
+ * recorded (default 0), so completion polling is exercised.
+ *
+ * Other settings: FERRY_CUDA_EMU_DEVICES (default 1), FERRY_CUDA_EMU_PEER=0
+ * (no peer access between devices).
+ *
+ * Test hooks: ferry_cuda_emu_open_imports() counts what this process has
+ * open of other processes' memory (IPC handles, mapped VMM chunks) and
+ * ferry_cuda_emu_host_registrations() its cuMemHostRegister ranges.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+
+#define SUCCESS 0
+#define INVALID_VALUE 1
+#define OUT_OF_MEMORY 2
+#define NOT_INITIALIZED 3
+#define INVALID_DEVICE 101
+#define INVALID_CONTEXT 201
+#define ALREADY_MAPPED 208
+#define INVALID_HANDLE 400
+#define NOT_READY 600
+#define NOT_SUPPORTED 801
+
+#define MAX_DEVICES 8
+#define MAX_ALLOCS 4096
+
+struct ctx {
+    int device;
+    int retains;
+};
+static struct ctx contexts[MAX_DEVICES];
+static __thread struct ctx *current;
+static int initialised;
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+
+enum kind {
+    FREE = 0,
+    HOST_PINNED = 1,   /* cuMemHostAlloc */
+    DEVICE = 2,        /* cuMemAlloc: one memfd */
+    DEVICE_CHUNK = 3,  /* one VMM chunk of a cuMemAlloc in VMM mode */
+    IMPORT_IPC = 4,    /* another process's cuMemAlloc, opened */
+    IMPORT_CHUNK = 5,  /* a VMM chunk mapped by cuMemMap */
+    RESERVED = 6,      /* cuMemAddressReserve, or a VMM-mode allocation's whole range */
+    HOST_REGISTERED = 7,
+};
+
+struct alloc {
+    uint64_t base, size;
+    enum kind kind;
+    int device;
+    int fd;           /* DEVICE, DEVICE_CHUNK: the memfd */
+    uint64_t nonce;   /* DEVICE: names the memfd; IMPORT_IPC: the handle's */
+    uint64_t group;   /* DEVICE_CHUNK: the allocation's base */
+    int posix_fd;     /* DEVICE_CHUNK: exportable */
+};
+static struct alloc allocs[MAX_ALLOCS];
+
+/* VMM physical allocation handles: index + 1. */
+struct handle {
+    int fd; /* -1: free slot */
+    uint64_t size;
+    int device;
+    int posix_fd;
+    int refs;
+};
+static struct handle handles[MAX_ALLOCS];
+
+struct ipc_handle {
+    char magic[8]; /* "FERRYEMU" */
+    int32_t pid;
+    int32_t fd;
+    uint64_t size;
+    uint64_t nonce;
+    int32_t device;
+    char pad[64 - 8 - 4 - 4 - 8 - 8 - 4];
+};
+_Static_assert(sizeof(struct ipc_handle) == 64, "CUipcMemHandle is 64 bytes");
+
+typedef struct {
+    char reserved[64];
+} CUipcMemHandle;
+
+struct stream {
+    struct ctx *ctx;
+};
+struct event {
+    struct ctx *ctx;
+    uint64_t ready_at;
+};
+
+static long env_long(const char *name, long dflt) {
+    const char *v = getenv(name);
+    return v && *v ? strtol(v, NULL, 0) : dflt;
+}
+static int devices(void) {
+    long n = env_long("FERRY_CUDA_EMU_DEVICES", 1);
+    return n < 0 ? 0 : n > MAX_DEVICES ? MAX_DEVICES : (int)n;
+}
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+static uint64_t random_u64(void) {
+    uint64_t v = 0;
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        if (read(fd, &v, sizeof v) != sizeof v) v = now_ns();
+        close(fd);
+    }
+    return v | 1;
+}
+
+/* ------------------------------------------------------------- test hooks */
+
+EXPORT int ferry_cuda_emu_open_imports(void) {
+    int n = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++)
+        n += allocs[i].kind == IMPORT_IPC || allocs[i].kind == IMPORT_CHUNK;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+EXPORT int ferry_cuda_emu_host_registrations(void) {
+    int n = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) n += allocs[i].kind == HOST_REGISTERED;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+
+/* ----------------------------------------------------------------- basics */
+
+static const char *error_name(CUresult r, const char **text) {
+    switch (r) {
+    case SUCCESS: *text = "no error"; return "CUDA_SUCCESS";
+    case INVALID_VALUE: *text = "invalid argument"; return "CUDA_ERROR_INVALID_VALUE";
+    case OUT_OF_MEMORY: *text = "out of memory"; return "CUDA_ERROR_OUT_OF_MEMORY";
+    case NOT_INITIALIZED: *text = "initialization error"; return "CUDA_ERROR_NOT_INITIALIZED";
+    case INVALID_DEVICE: *text = "invalid device ordinal"; return "CUDA_ERROR_INVALID_DEVICE";
+    case INVALID_CONTEXT: *text = "invalid device context"; return "CUDA_ERROR_INVALID_CONTEXT";
+    case ALREADY_MAPPED: *text = "resource already mapped"; return "CUDA_ERROR_ALREADY_MAPPED";
+    case INVALID_HANDLE: *text = "invalid resource handle"; return "CUDA_ERROR_INVALID_HANDLE";
+    case NOT_READY: *text = "device not ready"; return "CUDA_ERROR_NOT_READY";
+    case NOT_SUPPORTED: *text = "operation not supported"; return "CUDA_ERROR_NOT_SUPPORTED";
+    default: return NULL;
+    }
+}
+EXPORT CUresult cuGetErrorName(CUresult r, const char **out) {
+    const char *text;
+    *out = error_name(r, &text);
+    return *out ? SUCCESS : INVALID_VALUE;
+}
+EXPORT CUresult cuGetErrorString(CUresult r, const char **out) {
+    const char *text = NULL;
+    if (!error_name(r, &text)) return *out = NULL, INVALID_VALUE;
+    *out = text;
+    return SUCCESS;
+}
+EXPORT CUresult cuInit(unsigned int flags) {
+    if (flags != 0) return INVALID_VALUE;
+    if (devices() == 0) return 100; /* CUDA_ERROR_NO_DEVICE */
+    initialised = 1;
+    return SUCCESS;
+}
+EXPORT CUresult cuDriverGetVersion(int *v) {
+    *v = 13000;
+    return SUCCESS;
+}
+EXPORT CUresult cuDeviceGetCount(int *n) {
+    if (!initialised) return NOT_INITIALIZED;
+    *n = devices();
+    return SUCCESS;
+}
+EXPORT CUresult cuDeviceGet(CUdevice *d, int ordinal) {
+    if (ordinal < 0 || ordinal >= devices()) return INVALID_DEVICE;
+    *d = ordinal;
+    return SUCCESS;
+}
+EXPORT CUresult cuDeviceGetName(char *buf, int len, CUdevice d) {
+    snprintf(buf, (size_t)len, "Emulated GPU %d", d);
+    return SUCCESS;
+}
+EXPORT CUresult cuDeviceGetPCIBusId(char *buf, int len, CUdevice d) {
+    snprintf(buf, (size_t)len, "00000000:%02X:00.0", 0x18 + 0x10 * d);
+    return SUCCESS;
+}
+EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d) {
+    *bytes = (size_t)(80 + d) << 30;
+    return SUCCESS;
+}
+EXPORT CUresult cuDeviceGetUuid_v2(unsigned char *uuid, CUdevice d) {
+    for (int i = 0; i < 16; i++) uuid[i] = (unsigned char)(0xe0 + i + 16 * d);
+    return SUCCESS;
+}
+EXPORT CUresult cuDeviceGetAttribute(int *v, int attribute, CUdevice d) {
+    if (d < 0 || d >= devices()) return INVALID_DEVICE;
+    switch (attribute) {
+    case 36: *v = 2619000; return SUCCESS; /* memory clock, kHz (H200-like) */
+    case 37: *v = 6144; return SUCCESS;    /* memory bus width, bits */
+    case 75: *v = 9; return SUCCESS;
+    case 76: *v = 0; return SUCCESS;
+    case 116: *v = 0; return SUCCESS;
+    case 124: *v = 0; return SUCCESS;
+    default: return INVALID_VALUE;
+    }
+}
+EXPORT CUresult cuDeviceCanAccessPeer(int *can, CUdevice a, CUdevice b) {
+    if (a < 0 || a >= devices() || b < 0 || b >= devices()) return INVALID_DEVICE;
+    *can = a != b && env_long("FERRY_CUDA_EMU_PEER", 1) != 0;
+    return SUCCESS;
+}
+EXPORT CUresult cuDevicePrimaryCtxRetain(void **ctx, CUdevice d) {
+    if (d < 0 || d >= devices()) return INVALID_DEVICE;
+    pthread_mutex_lock(&lock);
+    contexts[d].device = d;
+    contexts[d].retains++;
+    pthread_mutex_unlock(&lock);
+    *ctx = &contexts[d];
+    return SUCCESS;
+}
+EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) {
+    if (d < 0 || d >= devices()) return INVALID_DEVICE;
+    pthread_mutex_lock(&lock);
+    CUresult r = contexts[d].retains > 0 ? (contexts[d].retains--, SUCCESS) : INVALID_CONTEXT;
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+EXPORT CUresult cuCtxGetCurrent(void **ctx) {
+    *ctx = current;
+    return SUCCESS;
+}
+EXPORT CUresult cuCtxSetCurrent(void *ctx) {
+    current = ctx;
+    return SUCCESS;
+}
+
+/* ---------------------------------------------------------- allocations */
+
+/* The allocation holding p (innermost: chunks before their whole range).
+ * Call with lock held. */
+static struct alloc *find(uint64_t p) {
+    struct alloc *outer = NULL;
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        struct alloc *a = &allocs[i];
+        if (a->kind == FREE || p < a->base || p >= a->base + a->size) continue;
+        if (a->kind != RESERVED) return a;
+        outer = a;
+    }
+    return outer;
+}
+static struct alloc *slot(void) {
+    for (int i = 0; i < MAX_ALLOCS; i++)
+        if (allocs[i].kind == FREE) return &allocs[i];
+    return NULL;
+}
+static int is_device(enum kind k) {
+    return k == DEVICE || k == DEVICE_CHUNK || k == IMPORT_IPC || k == IMPORT_CHUNK;
+}
+
+/* A memfd of `size` bytes named for `nonce`, mapped shared at `at` (or
+ * anywhere when at is 0). */
+static CUresult memfd_map(uint64_t size, uint64_t nonce, uint64_t at, int *fd_out, uint64_t *addr) {
+    char name[64];
+    snprintf(name, sizeof name, "ferry-cuda-emu-%016llx", (unsigned long long)nonce);
+    int fd = memfd_create(name, MFD_CLOEXEC);
+    if (fd < 0) return OUT_OF_MEMORY;
+    if (ftruncate(fd, (off_t)size) != 0) {
+        close(fd);
+        return OUT_OF_MEMORY;
+    }
+    void *m = mmap((void *)(uintptr_t)at, size, PROT_READ | PROT_WRITE,
+                   MAP_SHARED | (at ? MAP_FIXED : 0), fd, 0);
+    if (m == MAP_FAILED) {
+        close(fd);
+        return OUT_OF_MEMORY;
+    }
+    *fd_out = fd;
+    *addr = (uint64_t)(uintptr_t)m;
+    return SUCCESS;
+}
+
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size) {
+    if (!current) return INVALID_CONTEXT;
+    if (size == 0) return INVALID_VALUE;
+    if (size > ((size_t)1 << 40)) return OUT_OF_MEMORY;
+    long chunk = env_long("FERRY_CUDA_EMU_VMM_CHUNK", 0);
+    long page = sysconf(_SC_PAGESIZE);
+    uint64_t total = (size + (uint64_t)page - 1) / (uint64_t)page * (uint64_t)page;
+    pthread_mutex_lock(&lock);
+    if (chunk <= 0) {
+        struct alloc *a = slot();
+        uint64_t nonce = random_u64(), addr;
+        int fd;
+        CUresult r = a ? memfd_map(total, nonce, 0, &fd, &addr) : OUT_OF_MEMORY;
+        if (r == SUCCESS) {
+            *a = (struct alloc){addr, total, DEVICE, current->device, fd, nonce, 0, 0};
+            *p = addr;
+        }
+        pthread_mutex_unlock(&lock);
+        return r;
+    }
+    /* VMM mode: reserve, then a chunk (its own memfd) every `chunk` bytes. */
+    uint64_t c = ((uint64_t)chunk + (uint64_t)page - 1) / (uint64_t)page * (uint64_t)page;
+    total = (total + c - 1) / c * c;
+    void *range = mmap(NULL, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    struct alloc *whole = slot();
+    if (range == MAP_FAILED || !whole) {
+        pthread_mutex_unlock(&lock);
+        return OUT_OF_MEMORY;
+    }
+    uint64_t base = (uint64_t)(uintptr_t)range;
+    *whole = (struct alloc){base, total, RESERVED, current->device, -1, 0, base, 0};
+    int posix = getenv("FERRY_CUDA_EMU_NO_POSIX_FD") == NULL;
+    for (uint64_t off = 0; off < total; off += c) {
+        struct alloc *a = slot();
+        uint64_t addr;
+        int fd;
+        if (!a || memfd_map(c, random_u64(), base + off, &fd, &addr) != SUCCESS) {
+            pthread_mutex_unlock(&lock);
+            return OUT_OF_MEMORY; /* a test machine out of memory: the test fails */
+        }
+        *a = (struct alloc){addr, c, DEVICE_CHUNK, current->device, fd, 0, base, posix};
+    }
+    pthread_mutex_unlock(&lock);
+    *p = base;
+    return SUCCESS;
+}
+
+EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
+    if (!current) return INVALID_CONTEXT;
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find(p);
+    CUresult r = INVALID_VALUE;
+    if (a && a->base == p && a->kind == DEVICE) {
+        munmap((void *)(uintptr_t)a->base, a->size);
+        close(a->fd);
+        a->kind = FREE;
+        r = SUCCESS;
+    } else if (a && a->kind == DEVICE_CHUNK && a->group == p) {
+        for (int i = 0; i < MAX_ALLOCS; i++) {
+            struct alloc *b = &allocs[i];
+            if (b->group != p || (b->kind != DEVICE_CHUNK && b->kind != RESERVED)) continue;
+            if (b->kind == DEVICE_CHUNK) close(b->fd);
+            else munmap((void *)(uintptr_t)b->base, b->size);
+            b->kind = FREE;
+        }
+        r = SUCCESS;
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+
+EXPORT CUresult cuMemHostAlloc(void **p, size_t size, unsigned int flags) {
+    if (!current) return INVALID_CONTEXT;
+    (void)flags;
+    void *m = NULL;
+    if (size == 0 || posix_memalign(&m, 4096, size) != 0) return OUT_OF_MEMORY;
+    pthread_mutex_lock(&lock);
+    struct alloc *a = slot();
+    if (a) *a = (struct alloc){(uint64_t)(uintptr_t)m, size, HOST_PINNED, current->device, -1, 0, 0, 0};
+    pthread_mutex_unlock(&lock);
+    if (!a) return free(m), OUT_OF_MEMORY;
+    *p = m;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemFreeHost(void *p) {
+    if (!current) return INVALID_CONTEXT;
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find((uint64_t)(uintptr_t)p);
+    int ok = a && a->kind == HOST_PINNED && a->base == (uint64_t)(uintptr_t)p;
+    if (ok) a->kind = FREE;
+    pthread_mutex_unlock(&lock);
+    if (!ok) return INVALID_VALUE;
+    free(p);
+    return SUCCESS;
+}
+EXPORT CUresult cuMemHostRegister_v2(void *p, size_t size, unsigned int flags) {
+    if (!current) return INVALID_CONTEXT;
+    if (!(flags & 1) || size == 0) return INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    struct alloc *a = slot();
+    if (a) *a = (struct alloc){(uint64_t)(uintptr_t)p, size, HOST_REGISTERED, current->device, -1, 0, 0, 0};
+    pthread_mutex_unlock(&lock);
+    return a ? SUCCESS : OUT_OF_MEMORY;
+}
+EXPORT CUresult cuMemHostUnregister(void *p) {
+    if (!current) return INVALID_CONTEXT;
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find((uint64_t)(uintptr_t)p);
+    int ok = a && a->kind == HOST_REGISTERED && a->base == (uint64_t)(uintptr_t)p;
+    if (ok) a->kind = FREE;
+    pthread_mutex_unlock(&lock);
+    return ok ? SUCCESS : INVALID_VALUE;
+}
+
+EXPORT CUresult cuPointerGetAttributes(unsigned int n, int *attributes, void **data,
+                                       CUdeviceptr p) {
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find(p);
+    struct alloc copy = a ? *a : (struct alloc){0};
+    pthread_mutex_unlock(&lock);
+    if (!a || copy.kind == RESERVED) return INVALID_VALUE;
+    for (unsigned int i = 0; i < n; i++) {
+        switch (attributes[i]) {
+        case 2: /* MEMORY_TYPE */
+            *(unsigned int *)data[i] = is_device(copy.kind) ? 2 : 1;
+            break;
+        case 8: /* IS_MANAGED */
+            *(unsigned int *)data[i] = 0;
+            break;
+        case 9: /* DEVICE_ORDINAL */
+            *(int *)data[i] = copy.device;
+            break;
+        case 11: /* RANGE_START_ADDR */
+            *(CUdeviceptr *)data[i] = copy.base;
+            break;
+        case 12: /* RANGE_SIZE */
+            *(size_t *)data[i] = copy.size;
+            break;
+        case 19: /* IS_LEGACY_CUDA_IPC_CAPABLE */
+            *(unsigned int *)data[i] = copy.kind == DEVICE;
+            break;
+        default:
+            return INVALID_VALUE;
+        }
+    }
+    return SUCCESS;
+}
+EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find(p);
+    int ok = a && is_device(a->kind);
+    if (ok) {
+        if (base) *base = a->base;
+        if (size) *size = a->size;
+    }
+    pthread_mutex_unlock(&lock);
+    return ok ? SUCCESS : INVALID_VALUE;
+}
+
+/* ---------------------------------------------------------- legacy IPC */
+
+EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *out, CUdeviceptr p) {
+    if (!current) return INVALID_CONTEXT;
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find(p);
+    if (!a || a->kind != DEVICE) {
+        pthread_mutex_unlock(&lock);
+        return INVALID_VALUE; /* VMM memory has no legacy IPC handle */
+    }
+    struct ipc_handle h = {{'F', 'E', 'R', 'R', 'Y', 'E', 'M', 'U'}, getpid(), a->fd, a->size,
+                           a->nonce, a->device, {0}};
+    pthread_mutex_unlock(&lock);
+    memcpy(out, &h, sizeof h);
+    return SUCCESS;
+}
+
+EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle handle, unsigned int flags) {
+    if (!current) return INVALID_CONTEXT;
+    (void)flags;
+    struct ipc_handle h;
+    memcpy(&h, &handle, sizeof h);
+    if (memcmp(h.magic, "FERRYEMU", 8) != 0 || h.size == 0) return INVALID_HANDLE;
+    if (h.pid == getpid()) return INVALID_CONTEXT; /* the driver refuses the exporter itself */
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (allocs[i].kind == IMPORT_IPC && allocs[i].nonce == h.nonce) {
+            pthread_mutex_unlock(&lock);
+            return ALREADY_MAPPED;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    char path[64], link[256], want[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", h.pid, h.fd);
+    ssize_t n = readlink(path, link, sizeof link - 1);
+    if (n < 0) return INVALID_HANDLE;
+    link[n] = 0;
+    snprintf(want, sizeof want, "/memfd:ferry-cuda-emu-%016llx", (unsigned long long)h.nonce);
+    if (strncmp(link, want, strlen(want)) != 0) return INVALID_HANDLE;
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return INVALID_HANDLE;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != h.size) {
+        close(fd);
+        return INVALID_HANDLE;
+    }
+    void *m = mmap(NULL, h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED) return OUT_OF_MEMORY;
+    pthread_mutex_lock(&lock);
+    struct alloc *a = slot();
+    if (a) *a = (struct alloc){(uint64_t)(uintptr_t)m, h.size, IMPORT_IPC, h.device, -1, h.nonce, 0, 0};
+    pthread_mutex_unlock(&lock);
+    if (!a) return munmap(m, h.size), OUT_OF_MEMORY;
+    *p = (uint64_t)(uintptr_t)m;
+    return SUCCESS;
+}
+
+EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+    if (!current) return INVALID_CONTEXT;
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find(p);
+    int ok = a && a->kind == IMPORT_IPC && a->base == p;
+    if (ok) {
+        munmap((void *)(uintptr_t)a->base, a->size);
+        a->kind = FREE;
+    }
+    pthread_mutex_unlock(&lock);
+    return ok ? SUCCESS : INVALID_VALUE;
+}
+
+/* ------------------------------------------------------------------ VMM */
+
+static struct handle *handle_of(CUmemGenericAllocationHandle h) {
+    if (h == 0 || h > MAX_ALLOCS || handles[h - 1].refs <= 0) return NULL;
+    return &handles[h - 1];
+}
+static CUmemGenericAllocationHandle new_handle(int fd, uint64_t size, int device, int posix) {
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (handles[i].refs <= 0) {
+            handles[i] = (struct handle){fd, size, device, posix, 1};
+            return (CUmemGenericAllocationHandle)i + 1;
+        }
+    }
+    return 0;
+}
+
+EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *out, void *p) {
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find((uint64_t)(uintptr_t)p);
+    CUresult r = INVALID_VALUE;
+    if (a && (a->kind == DEVICE_CHUNK || a->kind == IMPORT_CHUNK)) {
+        int fd = dup(a->fd);
+        *out = fd >= 0 ? new_handle(fd, a->size, a->device, a->posix_fd) : 0;
+        r = *out ? SUCCESS : (fd >= 0 ? close(fd) : 0, OUT_OF_MEMORY);
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
+    pthread_mutex_lock(&lock);
+    struct handle *x = handle_of(h);
+    if (x && --x->refs == 0) close(x->fd);
+    pthread_mutex_unlock(&lock);
+    return x ? SUCCESS : INVALID_VALUE;
+}
+EXPORT CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, int type,
+                                             unsigned long long flags) {
+    if (type != 1 || flags != 0) return INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    struct handle *x = handle_of(h);
+    int posix = x && x->posix_fd;
+    int fd = posix ? fcntl(x->fd, F_DUPFD_CLOEXEC, 0) : -1;
+    pthread_mutex_unlock(&lock);
+    if (!x) return INVALID_VALUE;
+    if (!posix) return NOT_SUPPORTED; /* created without the POSIX fd handle type */
+    if (fd < 0) return OUT_OF_MEMORY;
+    *(int *)out = fd;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *out, void *os_handle,
+                                               int type) {
+    if (type != 1) return INVALID_VALUE;
+    int fd = fcntl((int)(intptr_t)os_handle, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return INVALID_HANDLE;
+    char path[64], link[256];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(path, link, sizeof link - 1);
+    struct stat st;
+    if (n < 0 || fstat(fd, &st) != 0) return close(fd), INVALID_HANDLE;
+    link[n] = 0;
+    if (strncmp(link, "/memfd:ferry-cuda-emu-", 22) != 0) return close(fd), INVALID_HANDLE;
+    pthread_mutex_lock(&lock);
+    *out = new_handle(fd, (uint64_t)st.st_size, 0, 1);
+    pthread_mutex_unlock(&lock);
+    return *out ? SUCCESS : (close(fd), OUT_OF_MEMORY);
+}
+EXPORT CUresult cuMemAddressReserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr,
+                                    unsigned long long flags) {
+    (void)align;
+    if (size == 0 || addr != 0 || flags != 0) return INVALID_VALUE;
+    void *m = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) return OUT_OF_MEMORY;
+    pthread_mutex_lock(&lock);
+    struct alloc *a = slot();
+    if (a) *a = (struct alloc){(uint64_t)(uintptr_t)m, size, RESERVED, -1, -1, 0, 0, 0};
+    pthread_mutex_unlock(&lock);
+    if (!a) return munmap(m, size), OUT_OF_MEMORY;
+    *p = (uint64_t)(uintptr_t)m;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemAddressFree(CUdeviceptr p, size_t size) {
+    pthread_mutex_lock(&lock);
+    struct alloc *a = NULL;
+    for (int i = 0; i < MAX_ALLOCS; i++)
+        if (allocs[i].kind == RESERVED && allocs[i].base == p && allocs[i].size == size) a = &allocs[i];
+    if (a) {
+        munmap((void *)(uintptr_t)p, size);
+        a->kind = FREE;
+    }
+    pthread_mutex_unlock(&lock);
+    return a ? SUCCESS : INVALID_VALUE;
+}
+EXPORT CUresult cuMemMap(CUdeviceptr p, size_t size, size_t offset, CUmemGenericAllocationHandle h,
+                         unsigned long long flags) {
+    if (flags != 0) return INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    struct handle *x = handle_of(h);
+    struct alloc *r = find(p);
+    CUresult res = INVALID_VALUE;
+    if (x && r && r->kind == RESERVED && p + size <= r->base + r->size && offset + size <= x->size) {
+        struct alloc *a = slot();
+        void *m = a ? mmap((void *)(uintptr_t)p, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                           x->fd, (off_t)offset)
+                    : MAP_FAILED;
+        if (m != MAP_FAILED) {
+            *a = (struct alloc){p, size, IMPORT_CHUNK, x->device, dup(x->fd), 0, r->base, 1};
+            res = SUCCESS;
+        } else {
+            res = OUT_OF_MEMORY;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return res;
+}
+EXPORT CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
+    pthread_mutex_lock(&lock);
+    int found = 0;
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        struct alloc *a = &allocs[i];
+        if (a->kind == IMPORT_CHUNK && a->base >= p && a->base + a->size <= p + size) {
+            mmap((void *)(uintptr_t)a->base, a->size, PROT_NONE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+            close(a->fd);
+            a->kind = FREE;
+            found = 1;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return found ? SUCCESS : INVALID_VALUE;
+}
+typedef struct {
+    struct {
+        int type, id;
+    } location;
+    int flags;
+} CUmemAccessDesc;
+EXPORT CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const CUmemAccessDesc *desc, size_t count) {
+    if (count == 0 || !desc) return INVALID_VALUE;
+    for (size_t i = 0; i < count; i++)
+        if (desc[i].location.type != 1 || desc[i].location.id < 0 ||
+            desc[i].location.id >= devices() || desc[i].flags != 3)
+            return INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find(p);
+    int ok = a && a->kind == IMPORT_CHUNK;
+    (void)size;
+    pthread_mutex_unlock(&lock);
+    return ok ? SUCCESS : INVALID_VALUE;
+}
+
+/* ------------------------------------------------------ streams, events */
+
+EXPORT CUresult cuStreamCreate(void **s, unsigned int flags) {
+    if (!current) return INVALID_CONTEXT;
+    if (flags != 1) return INVALID_VALUE;
+    struct stream *st = malloc(sizeof *st);
+    if (!st) return OUT_OF_MEMORY;
+    st->ctx = current;
+    *s = st;
+    return SUCCESS;
+}
+static CUresult stream_check(struct stream *st) {
+    if (!st) return INVALID_HANDLE;
+    return current == st->ctx ? SUCCESS : INVALID_CONTEXT;
+}
+EXPORT CUresult cuStreamDestroy_v2(void *s) {
+    CUresult r = stream_check(s);
+    if (r) return r;
+    free(s);
+    return SUCCESS;
+}
+/* Both ranges must be memory this process may touch: host memory or
+ * "device" memory (ours, or opened from a peer). */
+EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *s) {
+    CUresult r = stream_check(s);
+    if (r) return r;
+    memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    return SUCCESS;
+}
+EXPORT CUresult cuStreamSynchronize(void *s) { return stream_check(s); }
+EXPORT CUresult cuEventCreate(void **e, unsigned int flags) {
+    (void)flags;
+    if (!current) return INVALID_CONTEXT;
+    struct event *ev = calloc(1, sizeof *ev);
+    if (!ev) return OUT_OF_MEMORY;
+    ev->ctx = current;
+    *e = ev;
+    return SUCCESS;
+}
+EXPORT CUresult cuEventRecord(void *e, void *s) {
+    struct event *ev = e;
+    CUresult r = stream_check(s);
+    if (r) return r;
+    if (!ev || ev->ctx != current) return INVALID_HANDLE;
+    ev->ready_at = now_ns() + (uint64_t)env_long("FERRY_CUDA_EMU_COPY_DELAY_US", 0) * 1000;
+    return SUCCESS;
+}
+EXPORT CUresult cuEventQuery(void *e) {
+    struct event *ev = e;
+    if (!ev) return INVALID_HANDLE;
+    return now_ns() >= ev->ready_at ? SUCCESS : NOT_READY;
+}
+EXPORT CUresult cuEventSynchronize(void *e) {
+    struct event *ev = e;
+    if (!ev) return INVALID_HANDLE;
+    while (now_ns() < ev->ready_at) usleep(50);
+    return SUCCESS;
+}
+EXPORT CUresult cuEventDestroy_v2(void *e) {
+    if (!e) return INVALID_HANDLE;
+    free(e);
+    return SUCCESS;
+}
