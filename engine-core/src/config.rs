@@ -234,30 +234,10 @@ pub const KEYS: &[Key] = &[
         "required, or off for no token at all (by default this user's token, and a \
          non-loopback listener needs a configured one)",
     ),
-    key(
-        "auth_timeout_ms",
-        "FERRY_AUTH_TIMEOUT_MS",
-        "1000",
-        "a new connection must complete the authentication within this",
-    ),
-    key(
-        "auth_max_pending",
-        "FERRY_AUTH_MAX_PENDING",
-        "64",
-        "connections authenticating at once per listener; more are answered BUSY",
-    ),
-    key(
-        "auth_max_pending_per_host",
-        "FERRY_AUTH_MAX_PENDING_PER_HOST",
-        "8",
-        "of those, from one source address",
-    ),
-    key(
-        "integrity",
-        "FERRY_INTEGRITY",
-        "headers",
-        "headers (frame headers and descriptors tagged) or payload (payloads too)",
-    ),
+    key("auth_timeout_ms", "FERRY_AUTH_TIMEOUT_MS", "1000", "authentication deadline"),
+    key("auth_max_pending", "FERRY_AUTH_MAX_PENDING", "64", "connections authenticating"),
+    key("auth_max_pending_per_host", "FERRY_AUTH_MAX_PENDING_PER_HOST", "8", "per source"),
+    key("integrity", "FERRY_INTEGRITY", "headers", "headers, or payload too"),
 ];
 
 #[derive(Clone, Debug)]
