@@ -13,8 +13,11 @@ fn engine(transports: &str, token: Option<&str>) -> Engine {
     c.set("transports", transports).unwrap();
     c.set("timeout_ms", "3000").unwrap();
     c.set("connect_timeout_ms", "500").unwrap();
-    if let Some(t) = token {
-        c.set("auth_token", t).unwrap();
+    match token {
+        Some("off") => c.set("auth", "off").unwrap(),
+        Some(t) => c.set("auth_token", t).unwrap(),
+        // No token configured: this user's token.
+        None => {}
     }
     Engine::new(c).unwrap()
 }
@@ -72,7 +75,9 @@ fn a_peer_with_another_token_or_none_is_refused_with_a_clear_error() {
     let target = engine("tcp", Some("right-token"));
     for (token, expect) in [
         (Some("wrong-token"), "tokens differ"),
-        (None, "requires an auth token"),
+        // This user's token is not the cluster's.
+        (None, "tokens differ"),
+        (Some("off"), "requires an auth token"),
     ] {
         let initiator = engine("tcp", token);
         let e = initiator.open_segment(target.segment_name()).unwrap_err();
@@ -80,7 +85,7 @@ fn a_peer_with_another_token_or_none_is_refused_with_a_clear_error() {
         assert!(e.message.contains(expect), "{e}");
     }
     // A peer with a token refuses a target that has none.
-    let open = engine("tcp", None);
+    let open = engine("tcp", Some("off"));
     let initiator = engine("tcp", Some("right-token"));
     let e = initiator.open_segment(open.segment_name()).unwrap_err();
     assert!(e.message.contains("does not authenticate"), "{e}");
@@ -176,7 +181,9 @@ fn unauthenticated_connections_are_refused_before_any_request_is_parsed() {
     }
     eprintln!("unauthenticated connections: {tried} tried, {refused} refused");
     assert_eq!(tried, refused);
-    assert!(ferry_core::control::AUTH_REFUSED.load(std::sync::atomic::Ordering::SeqCst) >= 5);
+    assert!(
+        ferry_core::control_server::AUTH_REFUSED.load(std::sync::atomic::Ordering::SeqCst) >= 5
+    );
     // The target still serves its peers.
     let peer = engine("tcp", Some("right-token"));
     let seg = peer.open_segment(&control).unwrap();

@@ -588,12 +588,21 @@ fn scenario_forged() {
     let first = d.buffers.iter().find(|b| b.addr == t.first).unwrap();
     let key = first.key("cuda-ipc").unwrap();
 
-    let host = ferry_core::host::CoreHost::new(Default::default(), None).for_engine(
+    // The forger is this user's process: it knows this user's token.
+    let token = ferry_tests::user_token();
+    let settings = token
+        .iter()
+        .map(|t| ("auth.token".to_string(), t.expose()))
+        .collect();
+    let host = ferry_core::host::CoreHost::new(settings, None).for_engine(
         "forger:1",
-        ferry_core::control::Link::new(Duration::from_secs(5), Duration::from_secs(10), None),
+        ferry_core::control::Link::new(Duration::from_secs(5), Duration::from_secs(10), token),
         Default::default(),
     );
-    let set = ferry_core::load_plugins(&ferry_core::loader::LoaderConfig::from_env().expect("loader settings"), host);
+    let set = ferry_core::load_plugins(
+        &ferry_core::loader::LoaderConfig::from_env().expect("loader settings"),
+        host,
+    );
     let plugin = set
         .enabled(ferry_core::loader::PluginKind::Transport)
         .find(|p| p.report.name == "cuda-ipc")

@@ -635,14 +635,22 @@ fn fake_control(
             }
             let Ok(mut conn) = conn else { continue };
             let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
-            if ferry_plugins_abi::sdk::auth::accept(&mut conn, None, "control").is_err() {
+            let token = ferry_tests::user_token();
+            let Ok(mut session) =
+                ferry_plugins_abi::sdk::auth::accept(&mut conn, token.as_ref(), "control")
+            else {
                 continue;
-            }
-            if ferry_core::control::read_frame(&mut conn, "test").is_ok() {
-                let _ = conn.write_all(&ferry_core::control::encode_frame(
+            };
+            let t = Duration::from_secs(5);
+            if ferry_core::control::read_frame_sealed(&conn, "test", t, &mut session.recv).is_ok() {
+                let _ = ferry_core::control::write_sealed(
+                    &conn,
+                    "test",
+                    t,
+                    &mut session.send,
                     ferry_core::control::MsgType::Descriptor,
                     &body,
-                ));
+                );
             }
         }
     });

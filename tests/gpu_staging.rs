@@ -179,7 +179,7 @@ fn hostile_staging_requests_are_refused_and_the_target_keeps_serving() {
     let unregistered = target.allocate_device(Location::Cuda(0), 1 << 20).unwrap();
     let name = target.segment_name().to_string();
     let t = Duration::from_secs(5);
-    let link = ferry_core::control::Link::new(t, t, None);
+    let link = ferry_core::control::Link::new(t, t, ferry_tests::user_token());
     let mut c = ControlClient::connect(&name, &link).unwrap();
     let refused = |c: &mut ControlClient, kind, body: &str| -> String {
         match c.call(kind, body.as_bytes()) {

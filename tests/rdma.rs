@@ -519,7 +519,11 @@ fn child_forged_keys() {
     let host = ferry_core::host::CoreHost::new(config.plugin_settings(None), Some(topology))
         .for_engine(
             "forger:1",
-            ferry_core::control::Link::new(Duration::from_secs(5), Duration::from_secs(10), None),
+            ferry_core::control::Link::new(
+                Duration::from_secs(5),
+                Duration::from_secs(10),
+                ferry_tests::user_token(),
+            ),
             Default::default(),
         );
     let set = ferry_core::load_plugins(&config.loader, host);
@@ -937,7 +941,11 @@ fn child_hostile_messages() {
             "rdma",
             "evil:1",
             body,
-            &ferry_core::control::Link::new(Duration::from_secs(5), Duration::from_secs(10), None),
+            &ferry_core::control::Link::new(
+                Duration::from_secs(5),
+                Duration::from_secs(10),
+                ferry_tests::user_token(),
+            ),
         )
     };
     let gid = "fe80000000000000b83fd20300a10000";
@@ -994,7 +1002,11 @@ fn child_hostile_messages() {
         "nope",
         "evil:1",
         b"{}",
-        &ferry_core::control::Link::new(Duration::from_secs(5), Duration::from_secs(10), None),
+        &ferry_core::control::Link::new(
+            Duration::from_secs(5),
+            Duration::from_secs(10),
+            ferry_tests::user_token(),
+        ),
     )
     .unwrap_err();
     assert_eq!(e.code, ErrorCode::NotFound, "{e}");

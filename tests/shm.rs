@@ -212,14 +212,27 @@ fn a_refused_cross_memory_attach_falls_back_to_tcp_and_says_why() {
             "--regid=65534",
             "--clear-groups",
         ];
+        // Two users share a cluster token (a per-user one would differ),
+        // and the targets let the other user's processes reach their shm
+        // socket (shm.allowed_uids): only one user is let in by default
+        // (tests/security.rs), and here the kernel's refusal is the point.
+        let token = ("FERRY_AUTH_TOKEN", "shm-test-cluster-token");
         let plain = TargetProcess::start(
             &["--buffer-size", "16M"],
-            &[("FERRY_TRANSPORTS", "shm,tcp")],
+            &[
+                ("FERRY_TRANSPORTS", "shm,tcp"),
+                token,
+                ("FERRY_SHM_ALLOWED_UIDS", "65533"),
+            ],
             &target_as,
         );
         let mapped = TargetProcess::start(
             &["--buffer-size", "16M", "--allocate"],
-            &[("FERRY_TRANSPORTS", "shm,tcp")],
+            &[
+                ("FERRY_TRANSPORTS", "shm,tcp"),
+                token,
+                ("FERRY_SHM_ALLOWED_UIDS", "65533"),
+            ],
             &target_as,
         );
         for (target, want, why) in [(&plain, "tcp", "uid 65534"), (&mapped, "shm", "using shm")] {
@@ -237,6 +250,7 @@ fn a_refused_cross_memory_attach_falls_back_to_tcp_and_says_why() {
                     "--json",
                 ])
                 .env("FERRY_TRANSPORTS", "shm,tcp")
+                .env(token.0, token.1)
                 .env("FERRY_LOG", "info")
                 .output()
                 .unwrap();

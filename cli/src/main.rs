@@ -41,6 +41,10 @@ shows the settings in effect):
   FERRY_AUTH_TOKEN               the cluster's shared secret
   FERRY_AUTH_TOKEN_FILE          read the token from this file's first line
   FERRY_AUTH                     required (default) or off
+  FERRY_AUTH_TIMEOUT_MS          a new connection must authenticate within this (1000)
+  FERRY_AUTH_MAX_PENDING         connections authenticating at once per listener (64)
+  FERRY_AUTH_MAX_PENDING_PER_HOST  of those, from one address (8)
+  FERRY_INTEGRITY                headers (default) or payload: tag TCP payloads too
   FERRY_METADATA                 p2p (default) or etcd://host:port[,host:port...]
   FERRY_METADATA_PREFIX          etcd key prefix (/ferry)
   FERRY_METADATA_TTL_S           etcd lease of an engine's entry (10)
@@ -63,10 +67,12 @@ shows the settings in effect):
   FERRY_TCP_PORT                 TCP data listener port (0: any)
   FERRY_TCP_MAX_CONNECTIONS      TCP data connections a target serves (1024)
   FERRY_TCP_MAX_CONNECTIONS_PER_HOST  of those, from one host (256)
+  FERRY_TCP_ADVERTISE            host:port peers connect to for data (behind a NAT or proxy)
   FERRY_SHM_CMA                  on, or off: no cross-memory attach
   FERRY_SHM_HUGEPAGES            on, or off: engine allocations use normal pages
   FERRY_SHM_COPY_THREADS         threads per large shm copy (auto: the NUMA node's CPUs)
   FERRY_SHM_NONTEMPORAL          on, off, or bytes from which streaming stores are used
+  FERRY_SHM_ALLOWED_UIDS         other users whose processes may use this engine's shm socket
   FERRY_RDMA_SLICE_BYTES         RDMA slice size (1048576)
   FERRY_RDMA_RAILS               NIC pairs per request (0: all equally close)
   FERRY_RDMA_GID_INDEX           GID index on RoCE ports (chosen)

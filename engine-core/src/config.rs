@@ -20,6 +20,7 @@ use crate::gpudirect::Policy;
 use crate::metadata::MetadataConfig;
 use crate::topology::{TopologyConfig, ENV_CUDA_VISIBLE_DEVICES};
 use ferry_loader::{CacheChoice, HelperChoice, LoaderConfig, NameFilter};
+use ferry_plugins_abi::sdk::admission;
 use ferry_plugins_abi::sdk::auth::Token;
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -230,8 +231,13 @@ pub const KEYS: &[Key] = &[
         "auth",
         "FERRY_AUTH",
         "required",
-        "required, or off to accept peers without a token on a non-loopback listener",
+        "required, or off for no token at all (by default this user's token, and a \
+         non-loopback listener needs a configured one)",
     ),
+    key("auth_timeout_ms", "FERRY_AUTH_TIMEOUT_MS", "1000", "authentication deadline"),
+    key("auth_max_pending", "FERRY_AUTH_MAX_PENDING", "64", "connections authenticating"),
+    key("auth_max_pending_per_host", "FERRY_AUTH_MAX_PENDING_PER_HOST", "8", "per source"),
+    key("integrity", "FERRY_INTEGRITY", "headers", "headers, or payload too"),
 ];
 
 #[derive(Clone, Debug)]
@@ -279,9 +285,19 @@ pub struct EngineConfig {
     pub auth_token: Option<Token>,
     /// The file the token was read from (FERRY_AUTH_TOKEN_FILE), if it was.
     pub auth_token_file: Option<PathBuf>,
-    /// FERRY_AUTH=off: accept peers without a token on a listener that is
-    /// not loopback (by default such a listener needs a token).
+    /// FERRY_AUTH=off: no token at all: every peer that can reach a
+    /// listener is served (by default an engine with no token configured
+    /// uses this user's token, `user_token`, and a listener other hosts can
+    /// reach needs a configured one).
     pub auth_off: bool,
+    /// A new connection must authenticate within this
+    /// (FERRY_AUTH_TIMEOUT_MS, 1000).
+    pub auth_timeout: Duration,
+    /// Connections authenticating at once per listener, in all and per
+    /// source address (FERRY_AUTH_MAX_PENDING 64,
+    /// FERRY_AUTH_MAX_PENDING_PER_HOST 8); more are answered BUSY.
+    pub auth_max_pending: usize,
+    pub auth_max_pending_per_host: usize,
     /// FERRY_METRICS=off: count nothing per request (on by default).
     pub metrics: bool,
     /// Where the metrics endpoint listens (FERRY_METRICS_LISTEN, e.g.
@@ -309,6 +325,9 @@ impl Default for EngineConfig {
             auth_token: None,
             auth_token_file: None,
             auth_off: false,
+            auth_timeout: Duration::from_millis(admission::DEFAULT_AUTH_TIMEOUT_MS),
+            auth_max_pending: admission::DEFAULT_MAX_PENDING,
+            auth_max_pending_per_host: admission::DEFAULT_MAX_PENDING_PER_SOURCE,
             metrics: true,
             metrics_listen: None,
         }
@@ -549,6 +568,23 @@ impl EngineConfig {
                 )?);
                 self.auth_token_file = Some(PathBuf::from(v));
             }
+            "auth_timeout_ms" => {
+                self.auth_timeout =
+                    Duration::from_millis(number(key, value, 1..=600_000, "milliseconds")?)
+            }
+            "auth_max_pending" => {
+                self.auth_max_pending = number(key, value, 1..=100_000, "connections")?
+            }
+            "auth_max_pending_per_host" => {
+                self.auth_max_pending_per_host = number(key, value, 1..=100_000, "connections")?
+            }
+            // Read by the transports.
+            "integrity" => {
+                if v != "headers" && v != "payload" {
+                    return Err(bad(key, value, "headers or payload"));
+                }
+                self.settings.insert("integrity".into(), v.to_string());
+            }
             "auth" => {
                 self.auth_off = match v {
                     "off" => true,
@@ -669,6 +705,14 @@ impl EngineConfig {
             }
             .to_string(),
             "auth" => if self.auth_off { "off" } else { "required" }.to_string(),
+            "auth_timeout_ms" => self.auth_timeout.as_millis().to_string(),
+            "auth_max_pending" => self.auth_max_pending.to_string(),
+            "auth_max_pending_per_host" => self.auth_max_pending_per_host.to_string(),
+            "integrity" => self
+                .settings
+                .get("integrity")
+                .cloned()
+                .unwrap_or_else(|| "headers".into()),
             k => match self.settings.get(k) {
                 Some(_) if secret_key(k) => "(set)".to_string(),
                 Some(v) => v.clone(),
@@ -717,11 +761,19 @@ impl EngineConfig {
             "connect_timeout_ms",
             "idle_timeout_s",
             "sysfs_root",
+            "auth_timeout_ms",
         ] {
             if let Ok(v) = self.get(key) {
                 settings.entry(key.to_string()).or_insert(v);
             }
         }
+        // The pre-auth pool of every plugin's listener.
+        settings
+            .entry("auth.max_pending".into())
+            .or_insert_with(|| self.auth_max_pending.to_string());
+        settings
+            .entry("auth.max_pending_per_host".into())
+            .or_insert_with(|| self.auth_max_pending_per_host.to_string());
         if let Some(host) = advertised
             .map(str::to_string)
             .or_else(|| self.hostname.clone())

@@ -37,6 +37,13 @@ fn samples(token_file: &str) -> Vec<(&'static str, String, String, Vec<&'static 
             vec!["1K", "128M", "4X", "", "lots"],
         ),
         ("staging_depth", s("8"), s("8"), vec!["0", "17", "four"]),
+        ("metrics", s("off"), s("off"), vec![]),
+        (
+            "metrics_listen",
+            s("127.0.0.1:9464"),
+            s("127.0.0.1:9464"),
+            vec![],
+        ),
         (
             "plugin_path",
             s("/opt/a:/opt/b"),
@@ -77,6 +84,10 @@ fn samples(token_file: &str) -> Vec<(&'static str, String, String, Vec<&'static 
         ),
         ("auth_token", s("s3cret"), s("(set)"), vec![]),
         ("auth", s("off"), s("off"), vec!["maybe"]),
+        ("auth_timeout_ms", s("250"), s("250"), vec!["0", "soon"]),
+        ("auth_max_pending", s("16"), s("16"), vec!["0", "many"]),
+        ("auth_max_pending_per_host", s("2"), s("2"), vec!["0", "-1"]),
+        ("integrity", s("payload"), s("payload"), vec!["full"]),
     ]
 }
 

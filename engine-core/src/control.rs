@@ -2,21 +2,29 @@
 //! your segment descriptor?", and the client side that asks.
 //!
 //! Every frame is `magic "FRYC" | version u16 | type u16 | body length u32 |
-//! reserved u32` (little endian) followed by a JSON body. Frames are bounded
-//! in size, a whole frame (not each read) must arrive or leave within the
-//! I/O deadline, a connection idle for the idle timeout is closed, and
-//! anything malformed closes the connection without touching engine state.
+//! reserved u32` (little endian) followed by a JSON body and, on an
+//! authenticated connection, the 16-byte tag of header and body under the
+//! session's key for that direction and the frame's (implicit) sequence
+//! number (`sdk::auth`): a frame injected, replayed, reordered or altered by
+//! a relay fails its tag and closes the connection. Frames are bounded in
+//! size, and the bodies being read by one listener at once are bounded in
+//! total ([`MAX_BODIES_IN_FLIGHT`]); a whole frame (not each read) must
+//! arrive or leave within the I/O deadline, a connection idle for the idle
+//! timeout is closed, and anything malformed closes the connection without
+//! touching engine state.
+//!
+//! The listener is `control_server`.
 
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{Error, ErrorCode, Result};
-use ferry_plugins_abi::sdk::auth::{self, AuthError, Token};
+use ferry_plugins_abi::sdk::admission;
+use ferry_plugins_abi::sdk::auth::{self, AuthError, Direction, Session, Token, TAG_LEN};
 use ferry_plugins_abi::sdk::deadline::{self, DeadlineStream};
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
-use std::thread::JoinHandle;
+use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 pub const CONTROL_MAGIC: [u8; 4] = *b"FRYC";
@@ -24,8 +32,11 @@ pub const CONTROL_VERSION: u16 = 1;
 pub const HEADER_LEN: usize = 16;
 /// Largest body accepted (a descriptor with ~100k buffers).
 pub const MAX_BODY: usize = 16 << 20;
-/// Control connections served at once; more are refused with BUSY.
-pub const MAX_CONNECTIONS: usize = 128;
+/// Bytes of frame bodies one listener reads at once, over all its
+/// connections (8 maximal frames); a frame that would pass it is answered
+/// BUSY and its connection closed. With MAX_BODY, this bounds what peers
+/// can make a listener hold in received frames: 128 MiB.
+pub const MAX_BODIES_IN_FLIGHT: usize = 8 * MAX_BODY;
 /// Body bytes allocated before they arrive: a frame claiming 16 MiB costs
 /// memory only as its bytes come in.
 const BODY_CHUNK: usize = 64 << 10;
@@ -42,6 +53,13 @@ pub struct Link {
     /// half of it, so it never reuses one the server is about to close.
     pub idle_timeout: Duration,
     pub token: Option<Token>,
+    /// A new connection to this listener must authenticate within this
+    /// (FERRY_AUTH_TIMEOUT_MS).
+    pub auth_timeout: Duration,
+    /// Connections authenticating at once, in all and per source address
+    /// (FERRY_AUTH_MAX_PENDING, FERRY_AUTH_MAX_PENDING_PER_HOST).
+    pub max_pending: usize,
+    pub max_pending_per_source: usize,
 }
 
 impl Link {
@@ -51,6 +69,9 @@ impl Link {
             io_timeout,
             idle_timeout: Duration::from_secs(crate::config::DEFAULT_IDLE_TIMEOUT_S),
             token,
+            auth_timeout: Duration::from_millis(admission::DEFAULT_AUTH_TIMEOUT_MS),
+            max_pending: admission::DEFAULT_MAX_PENDING,
+            max_pending_per_source: admission::DEFAULT_MAX_PENDING_PER_SOURCE,
         }
     }
 
@@ -60,30 +81,57 @@ impl Link {
     }
 }
 
-/// Refused or failed authentications on control listeners, process-wide
-/// (for tests and reports).
-pub static AUTH_REFUSED: AtomicUsize = AtomicUsize::new(0);
-
 fn auth_error(peer: &str, e: AuthError) -> Error {
     match e {
         AuthError::Refused(m) => Error::new(ErrorCode::Permission, m),
         AuthError::Protocol(m) => Error::new(ErrorCode::Protocol, format!("{peer}: {m}")),
+        AuthError::Busy(m) => Error::new(ErrorCode::Busy, m),
     }
 }
 
-/// Connects to a peer's control plane and authenticates both ways.
-fn open(name: &str, link: &Link) -> Result<TcpStream> {
-    let stream = connect(name, link.connect_timeout)?;
-    let _ = stream.set_nodelay(true);
-    // The whole exchange must finish within the connect deadline.
-    auth::connect(
-        &mut DeadlineStream::new(&stream, link.connect_timeout),
-        link.token.as_ref(),
-        "control",
-        name,
+fn integrity_error(peer: &str, e: auth::IntegrityError) -> Error {
+    Error::new(
+        ErrorCode::Protocol,
+        format!("control connection to {peer}: {e}"),
     )
-    .map_err(|e| auth_error(name, e))?;
-    Ok(stream)
+}
+
+/// Connects to a peer's control plane and authenticates both ways. A peer
+/// that answers BUSY is tried again, with backoff, until the connect
+/// deadline.
+fn open(name: &str, link: &Link) -> Result<(TcpStream, Session)> {
+    let started = std::time::Instant::now();
+    let mut pause = Duration::from_millis(10);
+    loop {
+        let stream = connect(name, link.connect_timeout)?;
+        let _ = stream.set_nodelay(true);
+        // The whole exchange must finish within the connect deadline.
+        let left = link.connect_timeout.saturating_sub(started.elapsed());
+        match auth::connect(
+            &mut DeadlineStream::new(&stream, left.max(Duration::from_millis(100))),
+            link.token.as_ref(),
+            "control",
+            name,
+        ) {
+            Ok(session) => return Ok((stream, session)),
+            Err(AuthError::Busy(m)) if started.elapsed() + pause < link.connect_timeout => {
+                log::debug!("{m}; trying again in {} ms", pause.as_millis());
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(250));
+            }
+            Err(AuthError::Busy(_)) => {
+                return Err(Error::new(
+                    ErrorCode::Busy,
+                    format!(
+                        "segment {name} is busy: it turned this engine away for {} ms (too many \
+                         connections being set up); try again later",
+                        started.elapsed().as_millis()
+                    ),
+                ))
+            }
+            Err(e) => return Err(auth_error(name, e)),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,7 +176,7 @@ impl MsgType {
         }
     }
 
-    fn is_request(self) -> bool {
+    pub(crate) fn is_request(self) -> bool {
         matches!(
             self,
             MsgType::GetDescriptor
@@ -141,9 +189,9 @@ impl MsgType {
 }
 
 #[derive(Serialize, Deserialize)]
-struct ErrorBody {
-    code: i32,
-    message: String,
+pub(crate) struct ErrorBody {
+    pub(crate) code: i32,
+    pub(crate) message: String,
 }
 
 /// Encodes one frame.
@@ -224,259 +272,114 @@ pub fn read_frame(stream: &mut impl Read, peer: &str) -> Result<(MsgType, Vec<u8
     Ok((kind, body))
 }
 
-/// Reads one frame that must arrive whole within `timeout`.
-fn read_frame_by(stream: &TcpStream, peer: &str, timeout: Duration) -> Result<(MsgType, Vec<u8>)> {
-    read_frame(&mut DeadlineStream::new(stream, timeout), peer)
+/// Body bytes a listener is reading at once; a place is given back when
+/// dropped.
+#[derive(Clone, Default)]
+pub(crate) struct BodyBudget(Arc<AtomicUsize>);
+
+struct BodyPlace {
+    budget: BodyBudget,
+    len: usize,
 }
 
-/// Writes one frame within `timeout`.
-fn write_frame_by(
+impl BodyBudget {
+    fn take(&self, len: usize) -> Option<BodyPlace> {
+        let mut now = self.0.load(Ordering::SeqCst);
+        loop {
+            if now + len > MAX_BODIES_IN_FLIGHT {
+                return None;
+            }
+            match self
+                .0
+                .compare_exchange(now, now + len, Ordering::SeqCst, Ordering::SeqCst)
+            {
+                Ok(_) => {
+                    return Some(BodyPlace {
+                        budget: self.clone(),
+                        len,
+                    })
+                }
+                Err(v) => now = v,
+            }
+        }
+    }
+}
+
+impl Drop for BodyPlace {
+    fn drop(&mut self) {
+        self.budget.0.fetch_sub(self.len, Ordering::SeqCst);
+    }
+}
+
+/// Reads one tagged frame that must arrive whole within `timeout` and
+/// checks its tag; a listener passes its body budget.
+pub(crate) fn read_sealed(
     stream: &TcpStream,
     peer: &str,
     timeout: Duration,
+    rx: &mut Direction,
+    budget: Option<&BodyBudget>,
+) -> Result<(MsgType, Vec<u8>)> {
+    let mut s = DeadlineStream::new(stream, timeout);
+    let mut header = [0u8; HEADER_LEN];
+    s.read_exact(&mut header)
+        .map_err(|e| io_error("reading from", peer, &e))?;
+    let (kind, len) = decode_header(&header)?;
+    let _place = match budget {
+        None => None,
+        Some(b) => Some(b.take(len).ok_or_else(|| {
+            Error::new(
+                ErrorCode::Busy,
+                format!(
+                    "control frames being received take {MAX_BODIES_IN_FLIGHT} bytes already; \
+                     try again"
+                ),
+            )
+        })?),
+    };
+    let mut body = Vec::with_capacity(len.min(BODY_CHUNK));
+    (&mut s)
+        .take(len as u64)
+        .read_to_end(&mut body)
+        .map_err(|e| io_error("reading from", peer, &e))?;
+    let mut tag = [0u8; TAG_LEN];
+    if body.len() != len || s.read_exact(&mut tag).is_err() {
+        return Err(Error::new(
+            ErrorCode::Connection,
+            format!("reading from {peer}: the connection closed in the middle of a frame"),
+        ));
+    }
+    rx.open(&[&header, &body], &tag)
+        .map_err(|e| integrity_error(peer, e))?;
+    Ok((kind, body))
+}
+
+/// Reads one tagged frame (for tools and tests that speak the protocol
+/// themselves).
+pub fn read_frame_sealed(
+    stream: &TcpStream,
+    peer: &str,
+    timeout: Duration,
+    rx: &mut Direction,
+) -> Result<(MsgType, Vec<u8>)> {
+    read_sealed(stream, peer, timeout, rx, None)
+}
+
+/// Writes one tagged frame within `timeout`.
+pub fn write_sealed(
+    stream: &TcpStream,
+    peer: &str,
+    timeout: Duration,
+    tx: &mut Direction,
     kind: MsgType,
     body: &[u8],
 ) -> Result<()> {
+    let mut frame = encode_frame(kind, body);
+    let tag = tx.seal(&[&frame]);
+    frame.extend_from_slice(&tag);
     DeadlineStream::new(stream, timeout)
-        .write_all(&encode_frame(kind, body))
+        .write_all(&frame)
         .map_err(|e| io_error("writing to", peer, &e))
-}
-
-/// What the control server serves; the engine implements it.
-pub trait ControlHandler: Send + Sync + 'static {
-    fn descriptor(&self) -> SegmentDescriptor;
-    /// Any other request on connection `conn`: the reply's type and body.
-    fn request(&self, conn: u64, kind: MsgType, body: &[u8]) -> Result<(MsgType, Vec<u8>)>;
-    /// Connection `conn` is gone: drop what belonged to it.
-    fn connection_closed(&self, conn: u64);
-}
-
-/// The engine's control listener. Dropping it stops the listener and waits
-/// for its accept thread.
-pub struct ControlServer {
-    addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl ControlServer {
-    /// Binds the control listener ("127.0.0.1:0", "0.0.0.0:7000") without
-    /// serving yet, so the engine knows its port before it starts plugins.
-    pub fn bind(listen: &str) -> Result<TcpListener> {
-        TcpListener::bind(listen).map_err(|e| {
-            let code = if e.kind() == io::ErrorKind::AddrInUse {
-                ErrorCode::Busy
-            } else {
-                ErrorCode::Io
-            };
-            Error::new(
-                code,
-                format!("cannot listen on {listen} for control connections: {e}"),
-            )
-        })
-    }
-
-    /// Serves `listener` until dropped.
-    pub fn start(
-        listener: TcpListener,
-        handler: Weak<dyn ControlHandler>,
-        link: &Link,
-    ) -> Result<ControlServer> {
-        let link = link.clone();
-        let addr = listener.local_addr().map_err(|e| {
-            Error::new(ErrorCode::Io, format!("cannot read the bound address: {e}"))
-        })?;
-        listener.set_nonblocking(true).map_err(|e| {
-            Error::new(
-                ErrorCode::Io,
-                format!("cannot make the listener non-blocking: {e}"),
-            )
-        })?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop2 = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("ferry-control".into())
-            .spawn(move || accept_loop(listener, handler, stop2, link))
-            .map_err(|e| Error::new(ErrorCode::NoMemory, format!("cannot start a thread: {e}")))?;
-        Ok(ControlServer {
-            addr,
-            stop,
-            thread: Some(thread),
-        })
-    }
-
-    pub fn local_addr(&self) -> SocketAddr {
-        self.addr
-    }
-}
-
-impl Drop for ControlServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-fn accept_loop(
-    listener: TcpListener,
-    handler: Weak<dyn ControlHandler>,
-    stop: Arc<AtomicBool>,
-    link: Link,
-) {
-    let active = Arc::new(AtomicUsize::new(0));
-    let mut next_conn: u64 = 0;
-    let fd = std::os::fd::AsRawFd::as_raw_fd(&listener);
-    while !stop.load(Ordering::SeqCst) {
-        // Wait for a connection or 100 ms, then look at the stop flag again.
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for the duration of the call.
-        unsafe { libc::poll(&mut pfd, 1, 100) };
-        let (stream, peer) = match listener.accept() {
-            Ok(s) => s,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => {
-                log::debug!("control accept failed: {e}");
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-        };
-        let _ = stream.set_nonblocking(false);
-        let _ = stream.set_nodelay(true);
-        if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
-            let _ = reply_error(
-                &stream,
-                link.connect_timeout,
-                ErrorCode::Busy,
-                "too many control connections; try again",
-            );
-            continue;
-        }
-        active.fetch_add(1, Ordering::SeqCst);
-        next_conn += 1;
-        let conn = next_conn;
-        let handler = handler.clone();
-        let active2 = active.clone();
-        let stop2 = stop.clone();
-        let link = link.clone();
-        let spawned = std::thread::Builder::new()
-            .name("ferry-control-conn".into())
-            .spawn(move || {
-                // Nothing the peer sends is parsed before it proved itself,
-                // and the whole exchange has the connect deadline.
-                let mut proving = DeadlineStream::new(&stream, link.connect_timeout);
-                match auth::accept(&mut proving, link.token.as_ref(), "control") {
-                    Ok(()) => {
-                        serve_connection(stream, peer, conn, &handler, stop2, &link);
-                    }
-                    Err(e) => {
-                        AUTH_REFUSED.fetch_add(1, Ordering::SeqCst);
-                        log::warn!("control connection from {peer}: {e}");
-                        let _ = stream.shutdown(Shutdown::Both);
-                    }
-                }
-                if let Some(h) = handler.upgrade() {
-                    h.connection_closed(conn);
-                }
-                active2.fetch_sub(1, Ordering::SeqCst);
-            });
-        if spawned.is_err() {
-            active.fetch_sub(1, Ordering::SeqCst);
-        }
-    }
-}
-
-fn reply_error(
-    stream: &TcpStream,
-    timeout: Duration,
-    code: ErrorCode,
-    message: &str,
-) -> io::Result<()> {
-    let body = serde_json::to_vec(&ErrorBody {
-        code: code.as_raw(),
-        message: message.to_string(),
-    })
-    .unwrap_or_default();
-    DeadlineStream::new(stream, timeout).write_all(&encode_frame(MsgType::Error, &body))
-}
-
-/// Serves requests until the peer leaves, breaks the protocol, stays
-/// silent for the idle timeout, or takes longer than the I/O deadline to
-/// send a frame or to read a reply.
-fn serve_connection(
-    stream: TcpStream,
-    peer: SocketAddr,
-    conn: u64,
-    handler: &Weak<dyn ControlHandler>,
-    stop: Arc<AtomicBool>,
-    link: &Link,
-) {
-    use std::os::fd::AsRawFd;
-    let peer_s = peer.to_string();
-    let io_timeout = link.io_timeout;
-    let mut idle_since = std::time::Instant::now();
-    while !stop.load(Ordering::SeqCst) {
-        // Wait for the next request a tick at a time (to see `stop`).
-        if !deadline::wait_readable(stream.as_raw_fd(), Duration::from_millis(100)) {
-            if idle_since.elapsed() >= link.idle_timeout {
-                log::debug!(
-                    "control connection from {peer}: idle for {} s; closing it",
-                    link.idle_timeout.as_secs()
-                );
-                break;
-            }
-            continue;
-        }
-        let (kind, body) = match read_frame_by(&stream, &peer_s, io_timeout) {
-            Ok(f) => f,
-            Err(e) => {
-                if e.code == ErrorCode::Protocol {
-                    log::debug!("control connection from {peer}: {}", e.message);
-                    let _ = reply_error(&stream, io_timeout, ErrorCode::Protocol, &e.message);
-                }
-                break;
-            }
-        };
-        let Some(handler) = handler.upgrade() else {
-            break;
-        };
-        let result = match kind {
-            MsgType::GetDescriptor => {
-                let d = handler.descriptor();
-                write_frame_by(
-                    &stream,
-                    &peer_s,
-                    io_timeout,
-                    MsgType::Descriptor,
-                    &d.to_json(),
-                )
-                .map_err(|_| ())
-            }
-            k if k.is_request() => match handler.request(conn, k, &body) {
-                Ok((reply, body)) => {
-                    write_frame_by(&stream, &peer_s, io_timeout, reply, &body).map_err(|_| ())
-                }
-                Err(e) => reply_error(&stream, io_timeout, e.code, &e.message).map_err(|_| ()),
-            },
-            _ => reply_error(
-                &stream,
-                io_timeout,
-                ErrorCode::Protocol,
-                "unexpected message type for a request",
-            )
-            .map_err(|_| ()),
-        };
-        if result.is_err() {
-            break;
-        }
-        idle_since = std::time::Instant::now();
-    }
-    let _ = stream.shutdown(Shutdown::Both);
 }
 
 /// Resolves "host:port" and connects within `timeout`, trying each address.
@@ -518,6 +421,7 @@ pub fn connect(name: &str, timeout: Duration) -> Result<TcpStream> {
 pub struct ControlClient {
     name: String,
     stream: TcpStream,
+    session: Session,
     io_timeout: Duration,
     idle_timeout: Duration,
     /// When the last reply arrived (or the connection was made).
@@ -526,10 +430,11 @@ pub struct ControlClient {
 
 impl ControlClient {
     pub fn connect(name: &str, link: &Link) -> Result<ControlClient> {
-        let stream = open(name, link)?;
+        let (stream, session) = open(name, link)?;
         Ok(ControlClient {
             name: name.to_string(),
             stream,
+            session,
             io_timeout: link.io_timeout,
             idle_timeout: link.idle_timeout,
             last_used: std::time::Instant::now(),
@@ -552,7 +457,14 @@ impl ControlClient {
 
     /// Sends a request without waiting; replies come back in order.
     pub fn send(&mut self, kind: MsgType, body: &[u8]) -> Result<()> {
-        write_frame_by(&self.stream, &self.name, self.io_timeout, kind, body)
+        write_sealed(
+            &self.stream,
+            &self.name,
+            self.io_timeout,
+            &mut self.session.send,
+            kind,
+            body,
+        )
     }
 
     /// Whether a reply (or the end of the connection) is waiting to be read.
@@ -576,7 +488,13 @@ impl ControlClient {
     /// the connection failed (and is out of step); the inner one is the
     /// peer refusing the request, after which the connection is still good.
     pub fn recv_reply(&mut self) -> Result<Result<(MsgType, Vec<u8>)>> {
-        let (reply, body) = read_frame_by(&self.stream, &self.name, self.io_timeout)?;
+        let (reply, body) = read_sealed(
+            &self.stream,
+            &self.name,
+            self.io_timeout,
+            &mut self.session.recv,
+            None,
+        )?;
         self.last_used = std::time::Instant::now();
         if reply == MsgType::Error {
             return Ok(Err(decode_error(&self.name, &body)));
@@ -603,15 +521,16 @@ pub fn decode_error(name: &str, body: &[u8]) -> Error {
 
 /// Fetches a peer's segment descriptor.
 pub fn fetch_descriptor(name: &str, link: &Link) -> Result<SegmentDescriptor> {
-    let stream = open(name, link)?;
-    write_frame_by(
+    let (stream, mut session) = open(name, link)?;
+    write_sealed(
         &stream,
         name,
         link.io_timeout,
+        &mut session.send,
         MsgType::GetDescriptor,
         b"{}",
     )?;
-    let (kind, body) = read_frame_by(&stream, name, link.io_timeout)?;
+    let (kind, body) = read_sealed(&stream, name, link.io_timeout, &mut session.recv, None)?;
     let _ = stream.shutdown(Shutdown::Both);
     match kind {
         MsgType::Descriptor => SegmentDescriptor::from_json(&body),

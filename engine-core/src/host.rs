@@ -15,8 +15,9 @@ use std::sync::Arc;
 pub type PeerControls = Arc<RwLock<HashMap<String, String>>>;
 
 /// Host services backed by explicit settings, then the environment, and by
-/// the topology when one was discovered.
-#[derive(Clone, Debug, Default)]
+/// the topology when one was discovered. Its `Debug` prints setting names
+/// only: values may be secrets (`auth.token`).
+#[derive(Clone, Default)]
 pub struct CoreHost {
     settings: BTreeMap<String, String>,
     topology: Option<Arc<Topology>>,
@@ -28,6 +29,16 @@ pub struct CoreHost {
     engine: Option<EngineLink>,
     /// What plugins count through the `count` service.
     counters: Arc<PluginCounters>,
+}
+
+impl std::fmt::Debug for CoreHost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CoreHost")
+            .field("settings", &self.settings.keys().collect::<Vec<_>>())
+            .field("topology", &self.topology.is_some())
+            .field("engine", &self.engine.as_ref().map(|e| &e.name))
+            .finish_non_exhaustive()
+    }
 }
 
 /// What plugin messaging needs to know about its engine.
@@ -187,4 +198,19 @@ pub fn load_plugins(
     host: CoreHost,
 ) -> ferry_loader::PluginSet {
     ferry_loader::PluginSet::load(config, Arc::new(host))
+}
+
+#[cfg(test)]
+mod debug_tests {
+    use super::*;
+
+    #[test]
+    fn debug_never_prints_setting_values() {
+        let mut s = BTreeMap::new();
+        s.insert("auth.token".to_string(), "s3cret-token-value".to_string());
+        let h = CoreHost::new(s, None);
+        let text = format!("{h:?}");
+        assert!(text.contains("auth.token"), "{text}");
+        assert!(!text.contains("s3cret"), "{text}");
+    }
 }

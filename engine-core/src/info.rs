@@ -99,6 +99,11 @@ fn security_warnings(config: &EngineConfig) -> Vec<String> {
              engines will refuse to start until one is (or FERRY_AUTH=off)",
             config.listen
         )],
+        (true, false, true) => vec![
+            "FERRY_AUTH=off: every local user's processes can read and write the memory \
+             engines register (unset it to use this user's token)"
+                .to_string(),
+        ],
         _ => Vec::new(),
     }
 }

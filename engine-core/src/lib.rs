@@ -22,6 +22,7 @@
 pub mod batch;
 pub mod config;
 pub mod control;
+pub mod control_server;
 pub mod counters;
 pub mod descriptor;
 pub mod device;
@@ -34,11 +35,12 @@ pub mod info;
 pub mod location;
 pub mod memory;
 pub mod metadata;
-mod shared_memory;
 pub mod metrics;
 pub mod notify;
+mod shared_memory;
 pub mod topology;
 pub mod transport;
+pub mod user_token;
 
 pub use batch::{BatchId, BatchStatus, NotifyStatus, RequestStatus};
 pub use config::EngineConfig;

@@ -478,6 +478,7 @@ fn staging_bodies() -> Vec<Vec<u8>> {
 fn tcp_frames() -> Vec<Vec<u8>> {
     let mut write = tcp::Header {
         kind: tcp::Kind::Write,
+        flags: 0,
         count: 2,
         seq: 7,
         payload_len: 24,
@@ -500,6 +501,7 @@ fn tcp_frames() -> Vec<Vec<u8>> {
     write.extend_from_slice(&[0xab; 24]);
     let mut read = tcp::Header {
         kind: tcp::Kind::Read,
+        flags: 0,
         count: 1,
         seq: 8,
         payload_len: 0,
@@ -515,6 +517,7 @@ fn tcp_frames() -> Vec<Vec<u8>> {
     );
     let mut response = tcp::Header {
         kind: tcp::Kind::Response,
+        flags: 0,
         count: 2,
         seq: 8,
         payload_len: 0,

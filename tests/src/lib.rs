@@ -312,3 +312,11 @@ pub fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// This user's token, as an engine with no token configured uses it (for
+/// tests that speak the control protocol themselves).
+pub fn user_token() -> Option<ferry_plugins_abi::sdk::auth::Token> {
+    ferry_core::user_token::load_or_create()
+        .ok()
+        .map(|(t, _)| t)
+}

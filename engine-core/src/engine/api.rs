@@ -8,7 +8,7 @@ use super::request::{Request, Route, SegmentId};
 use super::shared::Shared;
 use crate::batch::{BatchId, BatchStatus, NotifyStatus, RequestStatus};
 use crate::config::EngineConfig;
-use crate::control::ControlServer;
+use crate::control_server::ControlServer;
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{Error, ErrorCode, Result};
 use crate::location::Location;

@@ -14,7 +14,8 @@ use super::shared::Shared;
 use super::staging::Staging;
 use crate::batch::BatchTable;
 use crate::config::EngineConfig;
-use crate::control::{self, ControlHandler, ControlServer};
+use crate::control;
+use crate::control_server::{ControlHandler, ControlServer};
 use crate::descriptor::SegmentDescriptor;
 use crate::device::Device;
 use crate::error::{Error, ErrorCode, Result};
@@ -120,12 +121,32 @@ impl Engine {
                  reach this port can read and write registered memory"
             );
         }
-        let link = control::Link::new(
-            config.connect_timeout,
-            config.timeout,
-            config.auth_token.clone(),
-        )
-        .with_idle_timeout(config.idle_timeout);
+        // No token configured and auth not turned off: this user's token,
+        // so other users of the host are refused.
+        let token = match (&config.auth_token, config.auth_off) {
+            (Some(t), _) => Some(t.clone()),
+            (None, true) => {
+                log::warn!(
+                    "FERRY_AUTH=off: no auth token; every process that can reach this engine's \
+                     listeners, of any user, can read and write its registered memory"
+                );
+                None
+            }
+            (None, false) => {
+                let (t, path) = crate::user_token::load_or_create()?;
+                log::info!(
+                    "auth: no token configured; using this user's token {} (other users are \
+                     refused)",
+                    path.display()
+                );
+                Some(t)
+            }
+        };
+        let mut link = control::Link::new(config.connect_timeout, config.timeout, token.clone())
+            .with_idle_timeout(config.idle_timeout);
+        link.auth_timeout = config.auth_timeout;
+        link.max_pending = config.auth_max_pending;
+        link.max_pending_per_source = config.auth_max_pending_per_host;
         let metadata = match &config.metadata {
             crate::metadata::MetadataConfig::P2p => {
                 if let Some(n) = &config.name {
@@ -148,7 +169,13 @@ impl Engine {
 
         // The host peers reach this engine at is what a plugin listening on
         // every interface advertises (its engine's name may be an etcd name).
-        let settings = config.plugin_settings(Some(&host_name));
+        let mut settings = config.plugin_settings(Some(&host_name));
+        // Plugins authenticate their own connections with the same token:
+        // the configured one, or this user's.
+        match &token {
+            Some(t) => settings.insert("auth.token".into(), t.expose()),
+            None => settings.remove("auth.token"),
+        };
         let topology = Arc::new(
             Topology::discover(&config.topology)
                 .map_err(|e| Error::new(ErrorCode::InvalidArgument, format!("topology: {e}")))?,

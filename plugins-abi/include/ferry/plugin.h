@@ -263,9 +263,18 @@ typedef struct ferry_host_services {
      *   "hostname"            the host peers reach this engine at; advertise it
      *                         when listening on every interface (unset while
      *                         `ferry info` probes)
-     *   "auth.token"          the cluster's shared secret; unset when none is
-     *                         configured. Prove it on every connection you
-     *                         accept or open; never log or send it.
+     *   "auth.token"          the cluster's shared secret (or this user's
+     *                         token when none is configured); unset with
+     *                         FERRY_AUTH=off. Prove it on every connection you
+     *                         accept or open, and tag what follows with the
+     *                         session keys; never log or send it.
+     *   "auth_timeout_ms"     a connection you accept must authenticate
+     *                         within this, ms (1000)
+     *   "auth.max_pending"    connections authenticating at once on your
+     *                         listener (64), and per source address:
+     *   "auth.max_pending_per_host"  (8); answer more with BUSY
+     *   "integrity"           "payload" when payloads are to be tagged too
+     *                         (unset: headers only)
      * docs/configuration.md lists the engine's own settings. */
     int64_t (*config_get)(void *ctx, const char *key, char *buf, size_t cap);
 

@@ -18,13 +18,38 @@
 //!
 //! Policy: a server with a token refuses a client without the right one; a
 //! client with a token refuses a server that has none or proves the wrong
-//! one; two sides without a token proceed (loopback, or FERRY_AUTH=off).
+//! one; two sides without a token proceed (FERRY_AUTH=off).
 //! Every read has the caller's deadline (socket timeouts).
+//!
+//! A server too busy to take the connection answers a HELLO with flag 2
+//! (busy) and a zero nonce, then closes: the client reports BUSY (and may
+//! retry) instead of "not a Ferry peer".
+//!
+//! **The session.** The exchange alone proves who opened the connection,
+//! not who sends what follows: an on-path relay could pass it through and
+//! then speak for either side. So both sides derive per-connection keys
+//! (HKDF-SHA256, RFC 5869) from the token and both nonces, and every
+//! message after the exchange carries a tag:
+//!
+//! ```text
+//! keys = HKDF-SHA256(ikm = token, salt = nonce_s || nonce_c,
+//!                    info = "ferry-session-v1/" kind)  -> 128 bytes:
+//!        client->server frames | server->client frames |
+//!        client->server payload | server->client payload     (32 bytes each)
+//! tag  = HMAC-SHA256(direction's frame key, seq u64 LE || message)[..16]
+//! ```
+//!
+//! `seq` counts the messages of one direction from 0 and is never sent: a
+//! message injected, replayed, reordered, dropped or altered fails its tag,
+//! and the receiver closes the connection. Without a token (FERRY_AUTH=off)
+//! the keys come from the nonces alone, which anyone on the path saw: tags
+//! then catch corruption, not an attacker.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use std::fmt;
 use std::io::{Read, Write};
+use subtle::ConstantTimeEq;
 
 const VERSION: u8 = 1;
 const NONCE: usize = 32;
@@ -34,13 +59,30 @@ pub const HELLO_LEN: usize = 8 + NONCE;
 /// Bytes of PROOF.
 pub const PROOF_LEN: usize = 8 + NONCE + MAC;
 
-/// The shared secret. Its bytes are never logged or sent.
+/// Bytes of a message tag.
+pub const TAG_LEN: usize = 16;
+/// A message tag (a truncated HMAC-SHA256).
+pub type Tag = [u8; TAG_LEN];
+/// HELLO flag: the server requires a token.
+const FLAG_TOKEN: u8 = 1;
+/// HELLO flag: the server is too busy to take this connection.
+const FLAG_BUSY: u8 = 2;
+
+/// The shared secret. Its bytes are never logged or sent: `Debug` and
+/// `Display` print a placeholder, so a struct holding one can derive
+/// `Debug` safely.
 #[derive(Clone)]
 pub struct Token(Vec<u8>);
 
 impl fmt::Debug for Token {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Token(..)")
+        f.write_str("Token(<redacted>)")
+    }
+}
+
+impl fmt::Display for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
     }
 }
 
@@ -66,12 +108,169 @@ pub enum AuthError {
     Refused(String),
     /// The peer sent something that is not this exchange, or I/O failed.
     Protocol(String),
+    /// The server is too busy to take another connection now; try again.
+    Busy(String),
 }
 
 impl fmt::Display for AuthError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            AuthError::Refused(s) | AuthError::Protocol(s) => f.write_str(s),
+            AuthError::Refused(s) | AuthError::Protocol(s) | AuthError::Busy(s) => f.write_str(s),
+        }
+    }
+}
+
+/// A message after the exchange failed its tag: injected, replayed,
+/// reordered or altered on the way. The connection must be closed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IntegrityError;
+
+impl fmt::Display for IntegrityError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(
+            "integrity check failed: a message was altered, injected, replayed or reordered on \
+             the way (a relay between the engines?); the connection is closed",
+        )
+    }
+}
+
+impl std::error::Error for IntegrityError {}
+
+/// One direction of an authenticated connection: its keys and the number
+/// of the next message.
+#[derive(Clone)]
+pub struct Direction {
+    frame: Hmac<Sha256>,
+    payload: Hmac<Sha256>,
+    seq: u64,
+}
+
+impl fmt::Debug for Direction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Direction {{ seq: {}, keys: <redacted> }}", self.seq)
+    }
+}
+
+fn truncate(full: &[u8]) -> Tag {
+    let mut t = [0u8; TAG_LEN];
+    t.copy_from_slice(&full[..TAG_LEN]);
+    t
+}
+
+impl Direction {
+    fn new(frame_key: &[u8], payload_key: &[u8]) -> Direction {
+        let key = |k: &[u8]| {
+            <Hmac<Sha256> as Mac>::new_from_slice(k)
+                .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"))
+        };
+        Direction {
+            frame: key(frame_key),
+            payload: key(payload_key),
+            seq: 0,
+        }
+    }
+
+    /// The number the next message will carry.
+    pub fn next_seq(&self) -> u64 {
+        self.seq
+    }
+
+    fn tag_at(&self, seq: u64, parts: &[&[u8]]) -> Tag {
+        // The keyed state is cloned, not re-keyed: two compressions saved
+        // per message.
+        let mut m = self.frame.clone();
+        m.update(&seq.to_le_bytes());
+        for p in parts {
+            m.update(p);
+        }
+        truncate(&m.finalize().into_bytes())
+    }
+
+    /// The tag of the next message sent (the concatenation of `parts`).
+    pub fn seal(&mut self, parts: &[&[u8]]) -> Tag {
+        let t = self.tag_at(self.seq, parts);
+        self.seq += 1;
+        t
+    }
+
+    /// Checks the tag of the next message received, in constant time.
+    pub fn open(&mut self, parts: &[&[u8]], tag: &[u8]) -> Result<(), IntegrityError> {
+        let want = self.tag_at(self.seq, parts);
+        if tag.len() != TAG_LEN || !bool::from(want.ct_eq(tag)) {
+            return Err(IntegrityError);
+        }
+        self.seq += 1;
+        Ok(())
+    }
+
+    /// A running tag over the payload of message `seq` (FERRY_INTEGRITY=
+    /// payload), under this direction's payload key.
+    pub fn payload(&self, seq: u64) -> PayloadTag {
+        let mut m = self.payload.clone();
+        m.update(&seq.to_le_bytes());
+        PayloadTag(m)
+    }
+}
+
+/// A payload's tag, fed as its bytes go by.
+pub struct PayloadTag(Hmac<Sha256>);
+
+impl PayloadTag {
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    pub fn finish(self) -> Tag {
+        truncate(&self.0.finalize().into_bytes())
+    }
+
+    /// Checks the tag the peer sent, in constant time.
+    pub fn verify(self, tag: &[u8]) -> Result<(), IntegrityError> {
+        let want = self.finish();
+        if tag.len() == TAG_LEN && bool::from(want.ct_eq(tag)) {
+            Ok(())
+        } else {
+            Err(IntegrityError)
+        }
+    }
+}
+
+/// The keys of an authenticated connection, one [`Direction`] each way.
+#[derive(Clone, Debug)]
+pub struct Session {
+    pub send: Direction,
+    pub recv: Direction,
+}
+
+impl Session {
+    fn derive(
+        token: Option<&Token>,
+        kind: &str,
+        nonce_s: &[u8],
+        nonce_c: &[u8],
+        is_server: bool,
+    ) -> Session {
+        let mut salt = Vec::with_capacity(2 * NONCE);
+        salt.extend_from_slice(nonce_s);
+        salt.extend_from_slice(nonce_c);
+        let ikm = token.map(|t| t.0.as_slice()).unwrap_or(&[]);
+        let hk = hkdf::Hkdf::<Sha256>::new(Some(&salt), ikm);
+        let mut okm = [0u8; 128];
+        let info = format!("ferry-session-v1/{kind}");
+        hk.expand(info.as_bytes(), &mut okm)
+            .unwrap_or_else(|_| unreachable!("128 bytes is within HKDF-SHA256's output limit"));
+        let c2s = Direction::new(&okm[0..32], &okm[64..96]);
+        let s2c = Direction::new(&okm[32..64], &okm[96..128]);
+        if is_server {
+            Session {
+                send: s2c,
+                recv: c2s,
+            }
+        } else {
+            Session {
+                send: c2s,
+                recv: s2c,
+            }
         }
     }
 }
@@ -126,10 +325,13 @@ pub fn accept<S: Read + Write>(
     stream: &mut S,
     token: Option<&Token>,
     kind: &str,
-) -> Result<(), AuthError> {
+) -> Result<Session, AuthError> {
     let nonce_s = nonce()?;
     let mut hello = [0u8; HELLO_LEN];
-    hello[..8].copy_from_slice(&header(b"FRYA", u8::from(token.is_some())));
+    hello[..8].copy_from_slice(&header(
+        b"FRYA",
+        if token.is_some() { FLAG_TOKEN } else { 0 },
+    ));
     hello[8..].copy_from_slice(&nonce_s);
     stream.write_all(&hello).map_err(|e| io("sending", e))?;
     let mut proof = [0u8; PROOF_LEN];
@@ -176,8 +378,18 @@ pub fn accept<S: Read + Write>(
     done[..8].copy_from_slice(&header(b"FRYD", result));
     done[8..].copy_from_slice(&mac_s);
     // A refused peer learns it was refused; nothing else.
-    let _ = stream.write_all(&done);
-    verdict
+    let sent = stream.write_all(&done);
+    verdict?;
+    sent.map_err(|e| io("sending the verdict", e))?;
+    Ok(Session::derive(token, kind, &nonce_s, nonce_c, true))
+}
+
+/// Tells a client this server is too busy to take its connection (sent
+/// instead of the greeting; the caller then closes).
+pub fn refuse_busy<S: Write>(stream: &mut S) {
+    let mut hello = [0u8; HELLO_LEN];
+    hello[..8].copy_from_slice(&header(b"FRYA", FLAG_BUSY));
+    let _ = stream.write_all(&hello);
 }
 
 /// The client side: runs the exchange on a fresh connection to `peer`.
@@ -186,14 +398,19 @@ pub fn connect<S: Read + Write>(
     token: Option<&Token>,
     kind: &str,
     peer: &str,
-) -> Result<(), AuthError> {
+) -> Result<Session, AuthError> {
     let mut hello = [0u8; HELLO_LEN];
     stream
         .read_exact(&mut hello)
         .map_err(|e| io(&format!("reading {peer}'s greeting"), e))?;
     let flags = check_header(&hello, b"FRYA", "greeting")?;
+    if flags & FLAG_BUSY != 0 {
+        return Err(AuthError::Busy(format!(
+            "{peer} is busy (too many connections being set up); try again"
+        )));
+    }
     let nonce_s = &hello[8..];
-    let requires = flags & 1 != 0;
+    let requires = flags & FLAG_TOKEN != 0;
     match (requires, token) {
         (true, None) => {
             return Err(AuthError::Refused(format!(
@@ -241,7 +458,7 @@ pub fn connect<S: Read + Write>(
             )));
         }
     }
-    Ok(())
+    Ok(Session::derive(token, kind, nonce_s, &nonce_c, false))
 }
 
 #[cfg(test)]
@@ -256,10 +473,75 @@ mod tests {
         let (mut a, mut b) = UnixStream::pair().unwrap();
         let st = server.and_then(Token::new);
         let ct = client.and_then(Token::new);
-        let t = std::thread::spawn(move || accept(&mut a, st.as_ref(), "test"));
-        let c = connect(&mut b, ct.as_ref(), "test", "peer");
+        let t = std::thread::spawn(move || accept(&mut a, st.as_ref(), "test").map(|_| ()));
+        let c = connect(&mut b, ct.as_ref(), "test", "peer").map(|_| ());
         drop(b);
         (t.join().unwrap(), c)
+    }
+
+    fn sessions(server: Option<&str>, client: Option<&str>) -> (Session, Session) {
+        let (mut a, mut b) = UnixStream::pair().unwrap();
+        let st = server.and_then(Token::new);
+        let ct = client.and_then(Token::new);
+        let t = std::thread::spawn(move || accept(&mut a, st.as_ref(), "test").unwrap());
+        let c = connect(&mut b, ct.as_ref(), "test", "peer").unwrap();
+        (t.join().unwrap(), c)
+    }
+
+    #[test]
+    fn both_ends_derive_the_same_keys_and_catch_tampering_replay_and_reordering() {
+        let (mut s, mut c) = sessions(Some("secret"), Some("secret"));
+        let t0 = c.send.seal(&[b"hello", b" world"]);
+        let t1 = c.send.seal(&[b"second"]);
+        // Split differently, same bytes: the same message.
+        assert_eq!(s.recv.open(&[b"hello world"], &t0), Ok(()));
+        // Reordered: message 1's tag does not pass as message 2's, and a
+        // replay of message 0 fails where message 1 is expected.
+        let mut s2 = s.clone();
+        assert_eq!(s2.recv.open(&[b"hello world"], &t0), Err(IntegrityError));
+        assert_eq!(s.recv.open(&[b"secont"], &t1), Err(IntegrityError));
+        assert_eq!(s.recv.open(&[b"second"], &t1), Ok(()));
+        // The directions have different keys: a client's tag reflected back
+        // fails.
+        let t = s.send.seal(&[b"x"]);
+        let mut c2 = c.clone();
+        assert_eq!(c.recv.open(&[b"x"], &t), Ok(()));
+        let reflected = c2.send.seal(&[b"x"]);
+        assert_ne!(reflected, t);
+        // Payload tags bind the message number.
+        let mut p = c.send.payload(5);
+        p.update(b"data");
+        let tag = p.finish();
+        let mut q = s.recv.payload(5);
+        q.update(b"da");
+        q.update(b"ta");
+        assert_eq!(q.verify(&tag), Ok(()));
+        let mut q = s.recv.payload(6);
+        q.update(b"data");
+        assert_eq!(q.verify(&tag), Err(IntegrityError));
+        // Another connection with the same token has other keys.
+        let (mut s3, _) = sessions(Some("secret"), Some("secret"));
+        let mut c4 = sessions(Some("secret"), Some("secret")).1;
+        let t = c4.send.seal(&[b"m"]);
+        assert_eq!(s3.recv.open(&[b"m"], &t), Err(IntegrityError));
+    }
+
+    #[test]
+    fn a_busy_server_is_reported_as_busy() {
+        let (mut a, mut b) = UnixStream::pair().unwrap();
+        refuse_busy(&mut a);
+        drop(a);
+        let e = connect(&mut b, None, "test", "peer").unwrap_err();
+        assert!(matches!(e, AuthError::Busy(_)), "{e:?}");
+        assert!(e.to_string().contains("busy"));
+    }
+
+    #[test]
+    fn the_token_never_prints() {
+        let t = Token::new("s3cret-value").unwrap();
+        assert!(!format!("{t:?} {t}").contains("s3cret"));
+        let (s, _) = sessions(Some("s3cret-value"), Some("s3cret-value"));
+        assert!(!format!("{s:?}").contains("s3cret"));
     }
 
     #[test]
@@ -313,5 +595,43 @@ mod tests {
             .unwrap();
         let r = connect(&mut b, None, "test", "peer");
         assert!(matches!(r, Err(AuthError::Protocol(_))), "{r:?}");
+    }
+}
+
+/// What a tag costs, for docs/security.md (run in release:
+/// `cargo test --release -p ferry-plugins-abi --lib tag_cost -- --ignored --nocapture`).
+/// Prints; asserts nothing about time.
+#[cfg(test)]
+mod cost {
+    use super::*;
+
+    #[test]
+    #[ignore]
+    fn tag_cost() {
+        let t = Token::new("cost").unwrap();
+        let mut d = Session::derive(Some(&t), "tcp", &[1; 32], &[2; 32], false).send;
+        // A 4 KiB x 256 request's header and descriptors, its response's
+        // header and statuses, and payloads.
+        for (what, len, reps) in [
+            ("request header + 256 descriptors", 32 + 256 * 16, 20_000u32),
+            ("response header + 256 statuses", 32 + 256 * 4, 20_000),
+            ("request header + 1 descriptor", 48, 200_000),
+            ("1 MiB payload", 1 << 20, 200),
+        ] {
+            let buf = vec![7u8; len];
+            let mut best = f64::MAX;
+            for _ in 0..5 {
+                let start = std::time::Instant::now();
+                for _ in 0..reps {
+                    std::hint::black_box(d.seal(&[&buf]));
+                }
+                best = best.min(start.elapsed().as_secs_f64() / f64::from(reps));
+            }
+            println!(
+                "TAGCOST {what}: {:.2} us per tag, {:.2} GB/s",
+                best * 1e6,
+                len as f64 / best / 1e9
+            );
+        }
     }
 }

@@ -19,6 +19,7 @@
 //! ferry_plugins_abi::export_transport_plugin!(Tcp);
 //! ```
 
+pub mod admission;
 pub mod auth;
 mod boundary;
 pub mod deadline;

@@ -8,10 +8,20 @@
 //! knows the owner is gone.
 //!
 //! Every message is 32 bytes (`wire::Msg`).
+//!
+//! Who may connect: the kernel names the process at the other end
+//! (SO_PEERCRED), and before anything else is read or sent the owner
+//! refuses every user but its own (and those in `shm.allowed_uids`); then
+//! the token exchange (`sdk::auth`) runs under the short auth deadline,
+//! checked on every packet, in a pool of its own (`sdk::admission`) apart
+//! from the served connections. A peer may confirm only revocations it was
+//! sent and has not confirmed yet: anything else hangs up, so nothing a peer
+//! sends grows the owner's memory.
 
 use crate::wire::{Msg, MAP, MAP_ERR, MAP_OK, MSG_LEN, REVOKE, REVOKE_ACK};
+use ferry_plugins_abi::sdk::admission::{PreAuthPool, Refusal, Refusals, Source};
 use ferry_plugins_abi::sdk::auth::{self, Token};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,6 +34,8 @@ const TICK: Duration = Duration::from_millis(100);
 /// Peers connected to one instance's socket at once; more are closed at
 /// accept. Every peer process needs one (it carries revocations).
 pub const MAX_CONNECTIONS: usize = 1024;
+/// Connections authenticating at once (their own pool).
+pub const MAX_PENDING: usize = 64;
 
 fn abstract_addr(name: &[u8]) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
     // SAFETY: a zeroed sockaddr_un is a valid value.
@@ -87,11 +99,22 @@ impl Handshake {
             io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
         ) && std::time::Instant::now() < self.deadline
     }
+
+    /// Checked before every packet, so a peer trickling its proof a byte
+    /// per packet cannot stretch the deadline (at most one socket tick past
+    /// it).
+    fn in_time(&self) -> io::Result<()> {
+        if std::time::Instant::now() >= self.deadline {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
+        }
+        Ok(())
+    }
 }
 
 impl io::Read for Handshake {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         loop {
+            self.in_time()?;
             // SAFETY: recv into a buffer of buf.len() bytes we own.
             let n = unsafe { libc::recv(self.fd, buf.as_mut_ptr().cast(), buf.len(), 0) };
             if n >= 0 {
@@ -108,6 +131,7 @@ impl io::Read for Handshake {
 impl io::Write for Handshake {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         loop {
+            self.in_time()?;
             // SAFETY: send from a buffer of buf.len() bytes; MSG_NOSIGNAL: a
             // closed peer is an error, not a signal.
             let n =
@@ -136,6 +160,12 @@ fn handshake(fd: RawFd, timeout: Duration) -> Handshake {
 
 /// The pid of the process at the other end of a Unix socket.
 pub fn peer_pid(fd: RawFd) -> Option<i32> {
+    peer_cred(fd).map(|c| c.pid)
+}
+
+/// The credentials of the process at the other end of a Unix socket (as
+/// the kernel recorded them when it connected).
+pub fn peer_cred(fd: RawFd) -> Option<libc::ucred> {
     // SAFETY: a zeroed ucred is valid storage.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -149,7 +179,7 @@ pub fn peer_pid(fd: RawFd) -> Option<i32> {
             &mut len,
         )
     };
-    (rc == 0).then_some(cred.pid)
+    (rc == 0).then_some(cred)
 }
 
 /// Sends one message, with an fd attached when given.
@@ -270,6 +300,9 @@ pub type Lookup = dyn Fn(u64) -> Option<(OwnedFd, u64)> + Send + Sync;
 /// One connected peer, as the owner sees it.
 struct ServerConn {
     fd: OwnedFd,
+    /// Revocations sent to this peer and not confirmed yet; only those
+    /// may be confirmed.
+    outstanding: Mutex<HashSet<u64>>,
     acked: Mutex<Vec<u64>>,
     cond: Condvar,
     dead: AtomicBool,
@@ -286,13 +319,29 @@ pub struct Server {
     next_id: AtomicU64,
 }
 
+/// Who may connect to the owner's socket, and how refusals are logged.
+pub struct Admission {
+    pub token: Option<Token>,
+    /// The exchange's deadline (auth_timeout_ms).
+    pub auth_timeout: Duration,
+    /// Users besides the owner's own whose processes may connect
+    /// (shm.allowed_uids).
+    pub allowed_uids: Vec<u32>,
+    pub log: Arc<dyn Fn(&str) + Send + Sync>,
+}
+
 impl Server {
-    pub fn start(
-        name: Vec<u8>,
-        lookup: Arc<Lookup>,
-        token: Option<Token>,
-        auth_timeout: Duration,
-    ) -> io::Result<Server> {
+    pub fn start(name: Vec<u8>, lookup: Arc<Lookup>, admission: Admission) -> io::Result<Server> {
+        let Admission {
+            token,
+            auth_timeout,
+            allowed_uids,
+            log,
+        } = admission;
+        // SAFETY: geteuid has no preconditions.
+        let own_uid = unsafe { libc::geteuid() };
+        let refusals2 = Arc::new(Refusals::new("shm"));
+        let pending = PreAuthPool::new(MAX_PENDING, MAX_PENDING);
         let listener = seqpacket()?;
         let (addr, len) = abstract_addr(&name)?;
         // SAFETY: bind/listen with a valid address of `len` bytes.
@@ -339,31 +388,83 @@ impl Server {
                     }
                     // SAFETY: a fresh descriptor we own.
                     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+                    let record = |kind: Refusal, detail: String| {
+                        refusals2.record(kind, || detail, |l| log(l));
+                    };
+                    // Before anything is read or sent: which user is it?
+                    let uid = match peer_cred(fd.as_raw_fd()) {
+                        Some(c) if c.uid == own_uid || allowed_uids.contains(&c.uid) => c.uid,
+                        Some(c) => {
+                            record(
+                                Refusal::PeerUser,
+                                format!(
+                                    "pid {} of uid {} (only uid {own_uid} and shm.allowed_uids \
+                                     may connect)",
+                                    c.pid, c.uid
+                                ),
+                            );
+                            continue;
+                        }
+                        None => {
+                            record(Refusal::PeerUser, "a process the kernel cannot name".into());
+                            continue;
+                        }
+                    };
+                    set_timeouts(fd.as_raw_fd());
                     {
                         let mut list = conns2.lock().unwrap_or_else(|p| p.into_inner());
                         list.retain(|(c, _)| !c.dead.load(Ordering::SeqCst));
                         if list.len() >= MAX_CONNECTIONS {
-                            // Dropping the socket closes it: the peer fails
-                            // to authenticate and says so.
+                            auth::refuse_busy(&mut handshake(fd.as_raw_fd(), TICK));
+                            record(Refusal::Full, format!("{MAX_CONNECTIONS} peers connected"));
                             continue;
                         }
                     }
-                    set_timeouts(fd.as_raw_fd());
+                    let slot = match pending.enter(Source::Other(u64::from(uid))) {
+                        Ok(slot) => slot,
+                        Err(why) => {
+                            auth::refuse_busy(&mut handshake(fd.as_raw_fd(), TICK));
+                            record(
+                                why,
+                                format!("{} connections are being set up", pending.pending()),
+                            );
+                            continue;
+                        }
+                    };
                     let conn = Arc::new(ServerConn {
                         fd,
+                        outstanding: Mutex::new(HashSet::new()),
                         acked: Mutex::new(Vec::new()),
                         cond: Condvar::new(),
                         dead: AtomicBool::new(false),
                     });
                     let (c, lookup, stop3) = (conn.clone(), lookup.clone(), stop2.clone());
-                    let token = token.clone();
+                    let (token, refusals3, log3) = (token.clone(), refusals2.clone(), log.clone());
                     let t = std::thread::Builder::new()
                         .name("ferry-shm-serve".into())
                         .spawn(move || {
                             // Nothing is served before the peer proved itself.
                             let mut h = handshake(c.fd.as_raw_fd(), auth_timeout);
-                            if auth::accept(&mut h, token.as_ref(), "shm").is_ok() {
-                                serve(&c, &*lookup, &stop3);
+                            let proved = auth::accept(&mut h, token.as_ref(), "shm");
+                            drop(slot);
+                            match proved {
+                                Ok(_) => {
+                                    if let Err(why) = serve(&c, &*lookup, &stop3) {
+                                        refusals3.record(Refusal::Protocol, || why, |l| log3(l));
+                                    }
+                                }
+                                Err(e) => {
+                                    let kind = match &e {
+                                        auth::AuthError::Refused(_) => Refusal::Auth,
+                                        _ if e.to_string().contains("deadline") => Refusal::Timeout,
+                                        _ => Refusal::Protocol,
+                                    };
+                                    refusals3.record(
+                                        kind,
+                                        || format!("uid {uid}: {e}"),
+                                        |l| log3(l),
+                                    );
+                                }
                             }
                             c.dead.store(true, Ordering::SeqCst);
                         });
@@ -403,7 +504,14 @@ impl Server {
         };
         let sent: Vec<Arc<ServerConn>> = conns
             .into_iter()
-            .filter(|c| send(c.fd.as_raw_fd(), msg, None).is_ok())
+            .filter(|c| {
+                // Outstanding before it is sent: the answer may be quick.
+                c.outstanding
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(id);
+                send(c.fd.as_raw_fd(), msg, None).is_ok()
+            })
             .collect();
         let deadline = Instant::now() + timeout;
         let mut missing = 0;
@@ -419,6 +527,11 @@ impl Server {
                     break;
                 }
                 if now >= deadline {
+                    // A late answer is no longer expected: it hangs up.
+                    c.outstanding
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&id);
                     missing += 1;
                     break;
                 }
@@ -450,12 +563,18 @@ impl Drop for Server {
     }
 }
 
-fn serve(conn: &ServerConn, lookup: &Lookup, stop: &AtomicBool) {
+/// Serves a peer until it leaves; Err says how it broke the protocol.
+fn serve(conn: &ServerConn, lookup: &Lookup, stop: &AtomicBool) -> Result<(), String> {
     let fd = conn.fd.as_raw_fd();
+    let mut broke = Ok(());
     while !stop.load(Ordering::SeqCst) {
         let msg = match recv(fd) {
             Ok(Some((m, _ignored_fd))) => m,
             Ok(None) => continue,
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                broke = Err(format!("a peer sent a malformed message: {e}"));
+                break;
+            }
             Err(_) => break,
         };
         match msg.kind {
@@ -487,6 +606,18 @@ fn serve(conn: &ServerConn, lookup: &Lookup, stop: &AtomicBool) {
                 }
             }
             REVOKE_ACK => {
+                let expected = conn
+                    .outstanding
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&msg.id);
+                if !expected {
+                    broke = Err(format!(
+                        "a peer confirmed revocation {} that is not outstanding; hung up",
+                        msg.id
+                    ));
+                    break;
+                }
                 conn.acked
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
@@ -494,11 +625,17 @@ fn serve(conn: &ServerConn, lookup: &Lookup, stop: &AtomicBool) {
                 conn.cond.notify_all();
             }
             // Anything else from a peer is a protocol error: hang up.
-            _ => break,
+            k => {
+                broke = Err(format!(
+                    "a peer sent message kind {k}, which only owners send"
+                ));
+                break;
+            }
         }
     }
     conn.dead.store(true, Ordering::SeqCst);
     conn.cond.notify_all();
+    broke
 }
 
 /// What a peer's reader does with the owner's announcements.
@@ -561,13 +698,25 @@ impl Client {
             None => return Err("cannot identify the process behind its shm socket".into()),
         }
         set_timeouts(fd.as_raw_fd());
+        let owner_uid = peer_cred(fd.as_raw_fd()).map(|c| c.uid);
         auth::connect(
             &mut handshake(fd.as_raw_fd(), auth_timeout),
             token,
             "shm",
             &format!("pid {pid}"),
         )
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| {
+            // SAFETY: geteuid has no preconditions.
+            let me = unsafe { libc::geteuid() };
+            match owner_uid {
+                // Closed before the greeting: the owner's user check.
+                Some(owner) if owner != me && e.to_string().contains("greeting") => format!(
+                    "its shm socket refused this process: it belongs to uid {owner} and lets in \
+                     only that user and shm.allowed_uids (this process is uid {me})"
+                ),
+                _ => e.to_string(),
+            }
+        })?;
         let fd = Arc::new(fd);
         let replies: Arc<(Mutex<HashMap<u64, Reply>>, Condvar)> = Arc::default();
         let dead = Arc::new(AtomicBool::new(false));

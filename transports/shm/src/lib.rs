@@ -26,9 +26,11 @@
 //! and only copies into ranges the engine checked against the target's
 //! descriptor (and this plugin against the buffer's key). Unregistering tells every peer (REVOKE) and waits
 //! until each confirms it has stopped touching the buffer; a revoked
-//! registration is never served again. Cross-memory attach needs ptrace-level
-//! permission, with which a process could write to the target anyway; Ferry
-//! adds no access the kernel does not already grant.
+//! registration is never served again. Only processes of this user (and of
+//! `shm.allowed_uids`) may connect to the socket (SO_PEERCRED, checked
+//! before anything is read), and they must prove the token. Cross-memory
+//! attach needs ptrace-level permission, with which a process could write to
+//! the target anyway.
 
 mod channel;
 mod cma;
@@ -80,6 +82,26 @@ fn pid_namespace() -> u64 {
             s.split('[').nth(1)?.trim_end_matches(']').parse().ok()
         })
         .unwrap_or(0)
+}
+
+/// shm.allowed_uids (FERRY_SHM_ALLOWED_UIDS): users besides this one whose
+/// processes may connect to this engine's shm socket, comma-separated.
+fn allowed_uids(host: &Host<'_>) -> PluginResult<Vec<u32>> {
+    let Some(list) = host.config("shm.allowed_uids") else {
+        return Ok(Vec::new());
+    };
+    list.split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .map(|u| {
+            u.parse::<u32>().map_err(|_| {
+                PluginError::new(
+                    ErrorCode::InvalidArgument,
+                    format!("shm.allowed_uids: {u:?} is not a numeric uid"),
+                )
+            })
+        })
+        .collect()
 }
 
 /// 64 random bits from the kernel, for names and tokens others must not guess.
@@ -260,13 +282,27 @@ impl ShmInstance {
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(5_000),
         );
-        let server =
-            Server::start(name.clone(), lookup, token.clone(), auth_timeout).map_err(|e| {
-                PluginError::new(
-                    ErrorCode::Io,
-                    format!("shm: cannot open its Unix socket: {e}"),
-                )
-            })?;
+        let log_host = host;
+        let server = Server::start(
+            name.clone(),
+            lookup,
+            channel::Admission {
+                token: token.clone(),
+                auth_timeout: Duration::from_millis(
+                    host.config("auth_timeout_ms")
+                        .and_then(|v| v.trim().parse().ok())
+                        .unwrap_or(ferry_plugins_abi::sdk::admission::DEFAULT_AUTH_TIMEOUT_MS),
+                ),
+                allowed_uids: allowed_uids(&host)?,
+                log: Arc::new(move |m: &str| log_host.warn(m)),
+            },
+        )
+        .map_err(|e| {
+            PluginError::new(
+                ErrorCode::Io,
+                format!("shm: cannot open its Unix socket: {e}"),
+            )
+        })?;
         let endpoint = Endpoint {
             pid,
             pidns: pid_namespace(),

@@ -16,7 +16,8 @@
 //! every request is completed exactly once.
 
 use crate::sockio::{self, Deadline, IoSlices};
-use crate::wire::{self, Desc, Header, Kind};
+use crate::wire::{self, Desc, Header, Kind, TAG_LEN};
+use ferry_plugins_abi::sdk::auth::{AuthError, Direction};
 use ferry_plugins_abi::sdk::deadline::DeadlineStream;
 use ferry_plugins_abi::sdk::{Completer, Op, PluginError, TransferRequest};
 use ferry_plugins_abi::sys;
@@ -47,6 +48,8 @@ pub struct Settings {
     pub idle_timeout: Duration,
     /// The cluster's token (`auth.token`), proven on every connection.
     pub token: Option<ferry_plugins_abi::sdk::auth::Token>,
+    /// FERRY_INTEGRITY=payload: payloads are tagged too.
+    pub payload_integrity: bool,
 }
 
 /// Completion of one request split into parts: the last part reports.
@@ -110,14 +113,19 @@ const STALE_CHECK_AFTER: Duration = Duration::from_millis(500);
 /// How often a submit retries a connection that was retired under it.
 const RETIRED_RETRIES: usize = 4;
 
-/// A frame on its way into the socket.
+/// A frame on its way into the socket (the slices point into `_head`
+/// and `_tail`, whose heap buffers do not move with the struct).
 struct OutFrame {
     _head: Vec<u8>,
+    _tail: Vec<u8>,
     io: IoSlices,
 }
 
 struct ConnState {
     next_seq: u64,
+    /// This side's session keys: frames are tagged in the order they are
+    /// queued, which is the order they go out.
+    tx: Direction,
     inflight: VecDeque<Inflight>,
     queue: VecDeque<OutFrame>,
     sending: bool,
@@ -134,10 +142,11 @@ struct ConnState {
     receiver_nudged: bool,
 }
 
-impl Default for ConnState {
-    fn default() -> Self {
+impl ConnState {
+    fn new(tx: Direction) -> Self {
         ConnState {
             next_seq: 0,
+            tx,
             inflight: VecDeque::new(),
             queue: VecDeque::new(),
             sending: false,
@@ -158,8 +167,9 @@ pub(crate) struct Conn {
     state: Mutex<ConnState>,
     wake_sender: Condvar,
     wake_receiver: Condvar,
-    /// Held by whoever reads a response frame, for the whole frame.
-    reader: Mutex<()>,
+    /// Held by whoever reads a response frame, for the whole frame; it
+    /// holds the keys that check responses, in order.
+    reader: Mutex<Direction>,
     /// Frames in flight, readable without the state lock.
     inflight_count: AtomicUsize,
     threads: Mutex<Vec<JoinHandle<()>>>,
@@ -282,21 +292,41 @@ impl Conn {
         }
         let seq = st.next_seq;
         st.next_seq += 1;
+        let tagged = self.settings.payload_integrity;
         let header = Header {
             kind,
+            flags: if tagged { wire::FLAG_PAYLOAD_TAG } else { 0 },
             count: descs.len() as u32,
             seq,
             payload_len,
         };
-        let mut head = Vec::with_capacity(wire::HEADER_LEN + descs.len() * wire::DESC_LEN);
+        let mut head =
+            Vec::with_capacity(wire::HEADER_LEN + descs.len() * wire::DESC_LEN + TAG_LEN);
         head.extend_from_slice(&header.encode());
         wire::encode_descs(descs, &mut head);
+        let tag = st.tx.seal(&[&head]);
+        head.extend_from_slice(&tag);
         let mut io = IoSlices::new();
         io.push(head.as_ptr(), head.len());
+        // A request carries a payload tag only with a payload (a WRITE).
+        let mut mac = (tagged && kind == Kind::Write).then(|| st.tx.payload(seq));
         for (addr, len) in payload {
             io.push(*addr as *const u8, *len as usize);
+            if let Some(m) = &mut mac {
+                // SAFETY: a registered local buffer the engine keeps valid
+                // while its request is in flight (the same bytes are sent).
+                m.update(unsafe { std::slice::from_raw_parts(*addr as *const u8, *len as usize) });
+            }
         }
-        let mut frame = OutFrame { _head: head, io };
+        let tail: Vec<u8> = mac.map(|m| m.finish().to_vec()).unwrap_or_default();
+        if !tail.is_empty() {
+            io.push(tail.as_ptr(), tail.len());
+        }
+        let mut frame = OutFrame {
+            _head: head,
+            _tail: tail,
+            io,
+        };
         st.inflight.push_back(Inflight {
             seq,
             kind,
@@ -407,9 +437,10 @@ impl Conn {
         hb: &[u8; wire::HEADER_LEN],
         statuses_buf: &mut Vec<u8>,
         statuses_read: bool,
+        rx: &mut Direction,
     ) -> Result<usize, PluginError> {
         let (header, frame) = self.accept_response(hb)?;
-        match self.finish_response(&header, &frame, statuses_buf, statuses_read) {
+        match self.finish_response(&header, &frame, statuses_buf, statuses_read, rx) {
             Ok(statuses) => {
                 let n = frame.entries.len();
                 self.lock().last_progress = Instant::now();
@@ -439,7 +470,7 @@ impl Conn {
             return 0;
         }
         self.nudge_receiver_if_slow();
-        let Ok(_reader) = self.reader.try_lock() else {
+        let Ok(mut rx) = self.reader.try_lock() else {
             return 0;
         };
         let mut done = 0;
@@ -462,9 +493,7 @@ impl Conn {
             let Ok(header) = Header::decode(&hb) else {
                 break;
             };
-            let frame_len = wire::HEADER_LEN as u64
-                + u64::from(header.count) * wire::STATUS_LEN as u64
-                + header.payload_len;
+            let frame_len = wire::HEADER_LEN as u64 + header.response_rest();
             let mut avail: libc::c_int = 0;
             // SAFETY: FIONREAD writes one int.
             if unsafe { libc::ioctl(self.fd, libc::FIONREAD, &mut avail) } != 0 {
@@ -477,20 +506,22 @@ impl Conn {
                 break;
             }
             // The whole frame is in the socket: none of these reads block.
-            // Header and statuses come in one call.
+            // Header, statuses and tag come in one call (the tag is kept
+            // after the statuses in the buffer).
             let status_len = header.count as usize * wire::STATUS_LEN;
             statuses_buf.clear();
-            statuses_buf.resize(status_len, 0);
+            statuses_buf.resize(status_len + TAG_LEN, 0);
             let mut s = IoSlices::new();
             s.push(hb.as_mut_ptr(), hb.len());
-            s.push(statuses_buf.as_mut_ptr(), status_len);
-            if sockio::recv_some(self.fd, &mut s, true).ok() != Some(wire::HEADER_LEN + status_len)
+            s.push(statuses_buf.as_mut_ptr(), status_len + TAG_LEN);
+            if sockio::recv_some(self.fd, &mut s, true).ok()
+                != Some(wire::HEADER_LEN + status_len + TAG_LEN)
             {
                 // Not what FIONREAD promised: let the receiver thread sort it out.
                 self.fail(protocol(&self.peer, "short read of a response"));
                 break;
             }
-            match self.process_response(&hb, statuses_buf, true) {
+            match self.process_response(&hb, statuses_buf, true, &mut rx) {
                 Ok(n) => done += n,
                 Err(e) => {
                     self.fail(e);
@@ -596,7 +627,7 @@ impl Conn {
                 }
                 continue;
             }
-            let reader = self.reader.lock().unwrap_or_else(|p| p.into_inner());
+            let mut reader = self.reader.lock().unwrap_or_else(|p| p.into_inner());
             let mut hb = [0u8; wire::HEADER_LEN];
             let mut s = IoSlices::new();
             s.push(hb.as_mut_ptr(), hb.len());
@@ -615,7 +646,7 @@ impl Conn {
             });
             let result = match rest {
                 Ok(()) => self
-                    .process_response(&hb, &mut statuses_buf, false)
+                    .process_response(&hb, &mut statuses_buf, false, &mut reader)
                     .map(|_| ()),
                 Err(e) => Err(connection_error(&self.peer, "receiving", &e.describe())),
             };
@@ -666,18 +697,30 @@ impl Conn {
         frame: &Inflight,
         buf: &mut Vec<u8>,
         statuses_read: bool,
+        rx: &mut Direction,
     ) -> Result<Vec<i32>, PluginError> {
         let deadline = Instant::now() + self.settings.timeout;
         let keep_going = || !self.lock().closing;
+        let status_len = frame.entries.len() * wire::STATUS_LEN;
         if !statuses_read {
             buf.clear();
-            buf.resize(frame.entries.len() * wire::STATUS_LEN, 0);
+            buf.resize(status_len + TAG_LEN, 0);
             let mut s = IoSlices::new();
             s.push(buf.as_mut_ptr(), buf.len());
             sockio::recv_all(self.fd, &mut s, Deadline::At(deadline), keep_going)
                 .map_err(|e| connection_error(&self.peer, "receiving statuses", &e.describe()))?;
         }
-        let statuses = wire::decode_statuses(buf);
+        // Nothing in the response is believed before its tag passed.
+        let (status_bytes, tag) = buf.split_at(status_len);
+        rx.open(&[&header.encode(), status_bytes], tag)
+            .map_err(|e| integrity(&self.peer, &e))?;
+        if header.payload_tagged() != self.settings.payload_integrity {
+            return Err(protocol(
+                &self.peer,
+                "the response's payload tagging differs from the request's",
+            ));
+        }
+        let statuses = wire::decode_statuses(status_bytes);
         let expected: u64 = match frame.kind {
             Kind::Read => frame
                 .entries
@@ -708,6 +751,25 @@ impl Conn {
             sockio::recv_all(self.fd, &mut s, Deadline::At(deadline), keep_going)
                 .map_err(|e| connection_error(&self.peer, "receiving data", &e.describe()))?;
         }
+        if header.payload_tagged() {
+            let mut tag = [0u8; TAG_LEN];
+            let mut s = IoSlices::new();
+            s.push(tag.as_mut_ptr(), TAG_LEN);
+            sockio::recv_all(self.fd, &mut s, Deadline::At(deadline), keep_going)
+                .map_err(|e| connection_error(&self.peer, "receiving a tag", &e.describe()))?;
+            let mut mac = rx.payload(header.seq);
+            for (e, st) in frame.entries.iter().zip(&statuses) {
+                if *st == sys::FERRY_OK && frame.kind == Kind::Read {
+                    // SAFETY: a registered local buffer the engine keeps
+                    // valid while its request is in flight; its bytes were
+                    // just received.
+                    mac.update(unsafe {
+                        std::slice::from_raw_parts(e.local as *const u8, e.len as usize)
+                    });
+                }
+            }
+            mac.verify(&tag).map_err(|e| integrity(&self.peer, &e))?;
+        }
         Ok(statuses)
     }
 }
@@ -724,6 +786,10 @@ fn connection_error(peer: &str, what: &str, detail: &str) -> PluginError {
         ErrorCode::Connection,
         format!("tcp: {what} {peer}: {detail} (the peer died or dropped the connection?)"),
     )
+}
+
+fn integrity(peer: &str, e: &ferry_plugins_abi::sdk::auth::IntegrityError) -> PluginError {
+    PluginError::new(ErrorCode::Protocol, format!("tcp: {peer}: {e}"))
 }
 
 fn protocol(peer: &str, detail: &str) -> PluginError {
@@ -819,37 +885,16 @@ impl TcpPeer {
         if let Some(old) = slot.take() {
             old.close();
         }
-        let stream = TcpStream::connect_timeout(&self.addr, self.settings.connect_timeout)
-            .map_err(|e| {
-                let code = if e.kind() == std::io::ErrorKind::TimedOut {
-                    ErrorCode::Timeout
-                } else {
-                    ErrorCode::Connection
-                };
-                PluginError::new(
-                    code,
-                    format!("tcp: cannot connect to {} at {}: {e}", self.name, self.addr),
-                )
-            })?;
-        // Authentication and the target's hello: all within the deadline.
-        let mut greeting = DeadlineStream::new(&stream, self.settings.connect_timeout);
-        ferry_plugins_abi::sdk::auth::connect(
-            &mut greeting,
-            self.settings.token.as_ref(),
-            "tcp",
-            &format!("{} at {}", self.name, self.addr),
-        )
-        .map_err(|e| {
-            let code = match e {
-                ferry_plugins_abi::sdk::auth::AuthError::Refused(_) => ErrorCode::Permission,
-                ferry_plugins_abi::sdk::auth::AuthError::Protocol(_) => ErrorCode::Connection,
-            };
-            PluginError::new(code, format!("tcp: {e}"))
-        })?;
-        let mut hello = [0u8; wire::HELLO_LEN];
-        greeting
+        let (stream, session) = self.open()?;
+        let (tx, mut rx) = (session.send, session.recv);
+        let mut hello = [0u8; wire::HELLO_LEN + TAG_LEN];
+        DeadlineStream::new(&stream, self.settings.connect_timeout)
             .read_exact(&mut hello)
             .map_err(|e| connection_error(&self.name, "reading the hello of", &e.to_string()))?;
+        let (hello, tag) = hello.split_at(wire::HELLO_LEN);
+        rx.open(&[hello], tag)
+            .map_err(|e| integrity(&self.name, &e))?;
+        let hello: [u8; wire::HELLO_LEN] = hello.try_into().unwrap_or([0; wire::HELLO_LEN]);
         let instance = wire::decode_hello(&hello).map_err(|e| protocol(&self.name, &e.0))?;
         if self.instance.is_some_and(|want| want != instance) {
             return Err(PluginError::new(
@@ -875,10 +920,10 @@ impl TcpPeer {
             fd: stream.as_raw_fd(),
             stream,
             peer: self.name.clone(),
-            state: Mutex::new(ConnState::default()),
+            state: Mutex::new(ConnState::new(tx)),
             wake_sender: Condvar::new(),
             wake_receiver: Condvar::new(),
-            reader: Mutex::new(()),
+            reader: Mutex::new(rx),
             inflight_count: AtomicUsize::new(0),
             threads: Mutex::new(Vec::new()),
             completer: self.completer,
@@ -912,6 +957,53 @@ impl TcpPeer {
         self.registry.add(&conn);
         *slot = Some(conn.clone());
         Ok(conn)
+    }
+
+    /// Connects and authenticates, trying again with backoff (until the
+    /// connect deadline) while the target answers BUSY.
+    fn open(&self) -> Result<(TcpStream, ferry_plugins_abi::sdk::auth::Session), PluginError> {
+        let started = Instant::now();
+        let limit = self.settings.connect_timeout;
+        let mut pause = Duration::from_millis(10);
+        loop {
+            let left = limit
+                .saturating_sub(started.elapsed())
+                .max(Duration::from_millis(100));
+            let stream = TcpStream::connect_timeout(&self.addr, left).map_err(|e| {
+                let code = if e.kind() == std::io::ErrorKind::TimedOut {
+                    ErrorCode::Timeout
+                } else {
+                    ErrorCode::Connection
+                };
+                PluginError::new(
+                    code,
+                    format!("tcp: cannot connect to {} at {}: {e}", self.name, self.addr),
+                )
+            })?;
+            let left = limit
+                .saturating_sub(started.elapsed())
+                .max(Duration::from_millis(100));
+            match ferry_plugins_abi::sdk::auth::connect(
+                &mut DeadlineStream::new(&stream, left),
+                self.settings.token.as_ref(),
+                "tcp",
+                &format!("{} at {}", self.name, self.addr),
+            ) {
+                Ok(session) => return Ok((stream, session)),
+                Err(AuthError::Busy(_)) if started.elapsed() + pause < limit => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(250));
+                }
+                Err(e) => {
+                    let code = match e {
+                        AuthError::Refused(_) => ErrorCode::Permission,
+                        AuthError::Busy(_) => ErrorCode::Busy,
+                        AuthError::Protocol(_) => ErrorCode::Connection,
+                    };
+                    return Err(PluginError::new(code, format!("tcp: {e}")));
+                }
+            }
+        }
     }
 
     /// The first slot whose connection has nothing in flight (or is not yet

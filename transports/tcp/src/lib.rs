@@ -10,6 +10,7 @@ mod sockio;
 mod target;
 pub mod wire;
 
+use ferry_plugins_abi::sdk::admission;
 use ferry_plugins_abi::sdk::{
     Completer, Host, InitParams, MemRegion, PeerInfo, PluginError, PluginResult, ProbeDevice,
     ProbeReport, Registration, TransferRequest, TransportInstance,
@@ -191,7 +192,14 @@ impl TcpInstance {
             token: host
                 .config("auth.token")
                 .and_then(|t| ferry_plugins_abi::sdk::auth::Token::new(&t)),
+            payload_integrity: payload_integrity(&host)?,
         });
+        if settings.payload_integrity {
+            host.info(
+                "tcp: FERRY_INTEGRITY=payload: every frame's payload is tagged too (costs \
+                 throughput; see docs/security.md)",
+            );
+        }
         let regions = Arc::new(Regions::default());
         let bind_ip: IpAddr = params
             .listen_host
@@ -220,7 +228,14 @@ impl TcpInstance {
                 )?
                 .max(1),
                 instance,
-                connect_timeout: settings.connect_timeout,
+                auth_timeout: ms("auth_timeout_ms", admission::DEFAULT_AUTH_TIMEOUT_MS)?,
+                max_pending: setting(&host, "auth.max_pending", admission::DEFAULT_MAX_PENDING)?,
+                max_pending_per_source: setting(
+                    &host,
+                    "auth.max_pending_per_host",
+                    admission::DEFAULT_MAX_PENDING_PER_SOURCE,
+                )?,
+                require_payload_tag: settings.payload_integrity,
                 token: settings.token.clone(),
                 spin: Duration::from_micros(setting(&host, "tcp.spin_us", DEFAULT_SPIN_US)?),
             },
@@ -255,7 +270,25 @@ impl TcpInstance {
                  cannot connect (set FERRY_HOSTNAME)"
             ));
         }
-        let advertised = SocketAddr::new(advertised_ip, target.local_addr().port()).to_string();
+        // tcp.advertise (FERRY_TCP_ADVERTISE): the "host:port" peers are to
+        // connect to instead, when a NAT, port forward or proxy stands in
+        // front of this listener.
+        let advertised = match host
+            .config("tcp.advertise")
+            .filter(|a| !a.trim().is_empty())
+        {
+            Some(a) => {
+                let a = a.trim().to_string();
+                if a.len() > wire::MAX_ENDPOINT_LEN - 17 || a.contains(' ') || !a.contains(':') {
+                    return Err(PluginError::new(
+                        ErrorCode::InvalidArgument,
+                        format!("tcp.advertise {a:?}: expected host:port"),
+                    ));
+                }
+                a
+            }
+            None => SocketAddr::new(advertised_ip, target.local_addr().port()).to_string(),
+        };
         let endpoint = wire::encode_endpoint(&advertised, instance);
         host.info(&format!(
             "tcp: serving data on {} for engine {} ({} connections per peer)",
@@ -360,6 +393,20 @@ impl Drop for TcpInstance {
             "tcp: stopping the data listener {}",
             self.target.local_addr()
         ));
+    }
+}
+
+/// FERRY_INTEGRITY (setting `integrity`): `headers` (the default: every
+/// frame's header and descriptors are tagged) or `payload` (the payload
+/// too).
+fn payload_integrity(host: &Host<'_>) -> PluginResult<bool> {
+    match host.config("integrity").as_deref().map(str::trim) {
+        None | Some("" | "headers") => Ok(false),
+        Some("payload") => Ok(true),
+        Some(other) => Err(PluginError::new(
+            ErrorCode::InvalidArgument,
+            format!("FERRY_INTEGRITY={other:?}: expected headers or payload"),
+        )),
     }
 }
 

@@ -13,19 +13,27 @@
 //! next is not read before this one's response is sent, so a peer that
 //! sends faster than it reads is held back by TCP flow control, and one
 //! that stops reading is dropped once a response cannot be sent within the
-//! timeout. Connections are capped per target and per peer host, and one
-//! that carries no frame for the idle timeout is closed.
+//! timeout. Authenticated connections are capped per target and per peer
+//! host, and one that carries no frame for the idle timeout is closed.
+//! Connections still authenticating have a pool of their own (per source and
+//! in total, `sdk::admission`) and the short auth deadline, so they never
+//! take the places of authenticated peers; one that finds the pool full is
+//! told BUSY.
+//!
+//! Every frame's header and descriptors must pass their session tag
+//! (`wire`) before anything in them is acted on.
 
 use crate::regions::{Pin, Regions};
 use crate::sockio::{self, Deadline, IoSlices, IoStop};
 use crate::wire::{self, Desc, Header, Kind};
-use ferry_plugins_abi::sdk::auth::{self, Token};
+use ferry_plugins_abi::sdk::admission::{PreAuthPool, Refusal, Refusals, Source};
+use ferry_plugins_abi::sdk::auth::{self, AuthError, Direction, Session, Token, TAG_LEN};
 use ferry_plugins_abi::sdk::deadline::DeadlineStream;
 use ferry_plugins_abi::sys;
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -45,8 +53,14 @@ pub struct TargetConfig {
     pub max_connections_per_host: usize,
     /// Sent in the hello after authentication (and in the endpoint).
     pub instance: u64,
-    /// Deadline of a new connection's authentication.
-    pub connect_timeout: Duration,
+    /// Deadline of a new connection's authentication (auth_timeout_ms).
+    pub auth_timeout: Duration,
+    /// Connections authenticating at once: in all, and per source.
+    pub max_pending: usize,
+    pub max_pending_per_source: usize,
+    /// FERRY_INTEGRITY=payload: frames whose payload is not tagged are
+    /// refused (and responses to tagged requests are tagged either way).
+    pub require_payload_tag: bool,
     /// The cluster's token (`auth.token`): a connection that does not prove
     /// it knows it is closed before any frame is read.
     pub token: Option<Token>,
@@ -54,9 +68,21 @@ pub struct TargetConfig {
     pub spin: Duration,
 }
 
-/// The target's connections: the peer's address, a clone of each socket
-/// (to shut it down) and the thread serving it.
-type ConnList = Arc<Mutex<Vec<(IpAddr, TcpStream, JoinHandle<()>)>>>;
+/// One connection as the accept loop tracks it.
+struct Tracked {
+    ip: IpAddr,
+    /// A clone of its socket, to shut it down.
+    stream: TcpStream,
+    thread: JoinHandle<()>,
+    /// It passed authentication (only those count against the caps).
+    authed: Arc<AtomicBool>,
+}
+
+/// The target's connections.
+type ConnList = Arc<Mutex<Vec<Tracked>>>;
+
+/// Frames that failed their tag, process-wide (for tests and reports).
+pub static INTEGRITY_FAILURES: AtomicU64 = AtomicU64::new(0);
 
 pub struct Target {
     addr: SocketAddr,
@@ -77,10 +103,11 @@ impl Target {
         listener.set_nonblocking(true)?;
         let stop = Arc::new(AtomicBool::new(false));
         let conns: ConnList = Arc::default();
-        let (stop2, conns2) = (stop.clone(), conns.clone());
+        let refusals = Arc::new(Refusals::new("tcp"));
+        let (stop2, conns2, refusals2) = (stop.clone(), conns.clone(), refusals);
         let accept_thread = std::thread::Builder::new()
             .name("ferry-tcp-accept".into())
-            .spawn(move || accept_loop(listener, regions, stop2, conns2, config, log))?;
+            .spawn(move || accept_loop(listener, regions, stop2, conns2, config, log, refusals2))?;
         Ok(Target {
             addr,
             stop,
@@ -101,11 +128,11 @@ impl Drop for Target {
             let _ = t.join();
         }
         let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
-        for (_, stream, _) in &conns {
-            let _ = stream.shutdown(std::net::Shutdown::Both);
+        for c in &conns {
+            let _ = c.stream.shutdown(std::net::Shutdown::Both);
         }
-        for (_, _, t) in conns {
-            let _ = t.join();
+        for c in conns {
+            let _ = c.thread.join();
         }
     }
 }
@@ -117,8 +144,10 @@ fn accept_loop(
     conns: ConnList,
     config: TargetConfig,
     log: Arc<dyn Fn(&str) + Send + Sync>,
+    refusals: Arc<Refusals>,
 ) {
     let config = Arc::new(config);
+    let pending = PreAuthPool::new(config.max_pending, config.max_pending_per_source);
     let fd = listener.as_raw_fd();
     while !stop.load(Ordering::SeqCst) {
         let mut pfd = libc::pollfd {
@@ -136,50 +165,88 @@ fn accept_loop(
         conns
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .retain(|(_, _, t)| !t.is_finished());
+            .retain(|c| !c.thread.is_finished());
         let (stream, peer) = match listener.accept() {
             Ok(s) => s,
             Err(_) => continue,
         };
-        let mut list = conns.lock().unwrap_or_else(|e| e.into_inner());
-        list.retain(|(_, _, t)| !t.is_finished());
-        if list.len() >= config.max_connections {
-            log(&format!(
-                "refusing a data connection from {peer}: {} are open (tcp.max_connections)",
-                config.max_connections
-            ));
-            continue;
-        }
-        let from_host = list.iter().filter(|(ip, _, _)| *ip == peer.ip()).count();
-        if from_host >= config.max_connections_per_host {
-            log(&format!(
-                "refusing a data connection from {peer}: {from_host} are open from that host \
-                 (tcp.max_connections_per_host)"
-            ));
-            continue;
-        }
         if stream.set_nonblocking(false).is_err() {
             continue;
         }
+        let slot = match pending.enter(Source::ip(peer.ip())) {
+            Ok(slot) => slot,
+            Err(why) => {
+                auth::refuse_busy(&mut DeadlineStream::new(
+                    &stream,
+                    Duration::from_millis(100),
+                ));
+                refusals.record(
+                    why,
+                    || format!("{peer}: {} connections are being set up", pending.pending()),
+                    |l| log(l),
+                );
+                continue;
+            }
+        };
         let Ok(clone) = stream.try_clone() else {
             continue;
         };
-        let (regions, stop, log, config) =
-            (regions.clone(), stop.clone(), log.clone(), config.clone());
+        let authed = Arc::new(AtomicBool::new(false));
+        let (regions, stop, log, config, conns2, authed2, refusals) = (
+            regions.clone(),
+            stop.clone(),
+            log.clone(),
+            config.clone(),
+            conns.clone(),
+            authed.clone(),
+            refusals.clone(),
+        );
         let spawned = std::thread::Builder::new()
             .name("ferry-tcp-target".into())
             .spawn(move || {
                 let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     // Nothing the peer sends is parsed before it proved
-                    // itself; the whole exchange has the connect deadline.
-                    let mut proving = DeadlineStream::new(&stream, config.connect_timeout);
-                    auth::accept(&mut proving, config.token.as_ref(), "tcp")
-                        .map_err(|e| e.to_string())?;
+                    // itself; the whole exchange has the auth deadline.
+                    let mut proving = DeadlineStream::new(&stream, config.auth_timeout);
+                    let proved = auth::accept(&mut proving, config.token.as_ref(), "tcp");
+                    drop(slot);
+                    let mut session = match proved {
+                        Ok(s) => s,
+                        Err(e) => {
+                            let kind = match &e {
+                                AuthError::Refused(_) => Refusal::Auth,
+                                AuthError::Protocol(m) if m.contains("deadline") => {
+                                    Refusal::Timeout
+                                }
+                                _ => Refusal::Protocol,
+                            };
+                            refusals.record(kind, || format!("{peer}: {e}"), |l| log(l));
+                            return Ok(());
+                        }
+                    };
+                    admit(&conns2, peer, &authed2, &config).map_err(|(kind, why)| {
+                        refusals.record(kind, || format!("{peer}: {why}"), |l| log(l));
+                        why
+                    })?;
+                    let hello = wire::encode_hello(config.instance);
+                    let tag = session.send.seal(&[&hello]);
+                    proving.restart(config.timeout);
                     proving
-                        .write_all(&wire::encode_hello(config.instance))
+                        .write_all(&hello)
+                        .and_then(|()| proving.write_all(&tag))
                         .map_err(|e| format!("sending the hello: {e}"))?;
                     sockio::configure(&stream).map_err(|e| e.to_string())?;
-                    serve(&stream, &regions, &stop, &config)
+                    serve(&stream, &regions, &stop, &config, &mut session).map_err(|e| {
+                        if e.contains("integrity check failed") {
+                            INTEGRITY_FAILURES.fetch_add(1, Ordering::SeqCst);
+                            refusals.record(
+                                Refusal::Integrity,
+                                || format!("{peer}: {e}"),
+                                |l| log(l),
+                            );
+                        }
+                        e
+                    })
                 }));
                 match served {
                     Ok(Ok(())) => {}
@@ -192,10 +259,54 @@ fn accept_loop(
                 // The peer sees the connection close and fails its requests.
                 let _ = stream.shutdown(std::net::Shutdown::Both);
             });
-        if let Ok(t) = spawned {
-            list.push((peer.ip(), clone, t));
+        if let Ok(thread) = spawned {
+            conns
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(Tracked {
+                    ip: peer.ip(),
+                    stream: clone,
+                    thread,
+                    authed,
+                });
         }
     }
+}
+
+/// Counts an authenticated connection against the caps on served ones
+/// (in all and per peer host), or says which cap it would pass.
+fn admit(
+    conns: &ConnList,
+    peer: SocketAddr,
+    authed: &AtomicBool,
+    config: &TargetConfig,
+) -> Result<(), (Refusal, String)> {
+    let list = conns.lock().unwrap_or_else(|e| e.into_inner());
+    let served: Vec<&Tracked> = list
+        .iter()
+        .filter(|c| c.authed.load(Ordering::SeqCst) && !c.thread.is_finished())
+        .collect();
+    if served.len() >= config.max_connections {
+        return Err((
+            Refusal::Full,
+            format!(
+                "{} data connections are served (tcp.max_connections)",
+                config.max_connections
+            ),
+        ));
+    }
+    let from_host = served.iter().filter(|c| c.ip == peer.ip()).count();
+    if from_host >= config.max_connections_per_host {
+        return Err((
+            Refusal::PerSource,
+            format!(
+                "{from_host} data connections from that host are served \
+                 (tcp.max_connections_per_host)"
+            ),
+        ));
+    }
+    authed.store(true, Ordering::SeqCst);
+    Ok(())
 }
 
 /// A fixed buffer that swallows WRITE bytes aimed outside registered memory.
@@ -206,6 +317,7 @@ fn serve(
     regions: &Regions,
     stop: &AtomicBool,
     config: &TargetConfig,
+    session: &mut Session,
 ) -> Result<(), String> {
     let (timeout, spin) = (config.timeout, config.spin);
     let fd = stream.as_raw_fd();
@@ -247,13 +359,27 @@ fn serve(
         desc_bytes.clear();
         desc_bytes.extend_from_slice(&first_desc);
         desc_bytes.resize(header.count as usize * wire::DESC_LEN, 0);
+        let mut tag = [0u8; TAG_LEN];
         let mut s = IoSlices::new();
         s.push(
             desc_bytes[wire::DESC_LEN..].as_mut_ptr(),
             desc_bytes.len() - wire::DESC_LEN,
         );
+        s.push(tag.as_mut_ptr(), TAG_LEN);
         sockio::recv_all(fd, &mut s, Deadline::At(deadline), keep_going)
             .map_err(|e| format!("reading descriptors: {}", e.describe()))?;
+        // Nothing in the frame is acted on before its tag passed.
+        session
+            .recv
+            .open(&[&hb, &desc_bytes], &tag)
+            .map_err(|e| e.to_string())?;
+        if config.require_payload_tag && !header.payload_tagged() {
+            return Err(
+                "the peer sent a frame without a payload tag, and this target requires \
+                 them (FERRY_INTEGRITY=payload); set it on the peer too"
+                    .into(),
+            );
+        }
         let descs = wire::decode_descs(&header, &desc_bytes).map_err(|e| e.0)?;
 
         // Check every range; keep the pins until the payload has moved.
@@ -273,6 +399,29 @@ fn serve(
         }
 
         match header.kind {
+            Kind::Write if header.payload_tagged() => {
+                receive_tagged_payload(
+                    fd,
+                    &descs,
+                    &pins,
+                    &mut scratch,
+                    &header,
+                    &session.recv,
+                    deadline,
+                    keep_going,
+                )?;
+                drop(pins);
+                respond(
+                    fd,
+                    &mut out,
+                    &header,
+                    &statuses,
+                    &[],
+                    timeout,
+                    keep_going,
+                    &mut session.send,
+                )?;
+            }
             Kind::Write => {
                 let mut s = IoSlices::new();
                 for (d, pin) in descs.iter().zip(&pins) {
@@ -285,11 +434,27 @@ fn serve(
                 sockio::recv_all(fd, &mut s, Deadline::At(deadline), keep_going)
                     .map_err(|e| format!("reading a WRITE payload: {}", e.describe()))?;
                 drop(pins);
-                respond(fd, &mut out, &header, &statuses, &[], timeout, keep_going)?;
+                respond(
+                    fd,
+                    &mut out,
+                    &header,
+                    &statuses,
+                    &[],
+                    timeout,
+                    keep_going,
+                    &mut session.send,
+                )?;
             }
             Kind::Read => {
                 respond(
-                    fd, &mut out, &header, &statuses, &descs, timeout, keep_going,
+                    fd,
+                    &mut out,
+                    &header,
+                    &statuses,
+                    &descs,
+                    timeout,
+                    keep_going,
+                    &mut session.send,
                 )?;
                 drop(pins);
             }
@@ -326,6 +491,64 @@ fn push_scratch(s: &mut IoSlices, scratch: &mut [u8], mut len: u64) {
     }
 }
 
+/// Receives a WRITE payload whose tag follows it: a run of pinned ranges at
+/// a time straight into memory, refused ranges through the scratch buffer,
+/// each hashed once it arrived, then the tag. A payload that fails it has
+/// landed already: the connection is closed and the peer's requests fail.
+#[allow(clippy::too_many_arguments)]
+fn receive_tagged_payload(
+    fd: i32,
+    descs: &[Desc],
+    pins: &[Option<Pin>],
+    scratch: &mut [u8],
+    header: &Header,
+    rx: &Direction,
+    deadline: Instant,
+    mut keep_going: impl FnMut() -> bool,
+) -> Result<(), String> {
+    let mut mac = rx.payload(header.seq);
+    let mut i = 0;
+    while i < descs.len() {
+        if pins[i].is_some() {
+            let mut j = i;
+            let mut s = IoSlices::new();
+            while j < descs.len() && pins[j].is_some() {
+                s.push(descs[j].addr as *const u8, descs[j].len as usize);
+                j += 1;
+            }
+            sockio::recv_all(fd, &mut s, Deadline::At(deadline), &mut keep_going)
+                .map_err(|e| format!("reading a WRITE payload: {}", e.describe()))?;
+            for d in &descs[i..j] {
+                // SAFETY: the range lies inside a registered region that the
+                // pin keeps registered; the bytes were just received there.
+                mac.update(unsafe {
+                    std::slice::from_raw_parts(d.addr as *const u8, d.len as usize)
+                });
+            }
+            i = j;
+        } else {
+            let mut left = descs[i].len;
+            while left > 0 {
+                let n = left.min(scratch.len() as u64) as usize;
+                let mut s = IoSlices::new();
+                s.push(scratch.as_mut_ptr(), n);
+                sockio::recv_all(fd, &mut s, Deadline::At(deadline), &mut keep_going)
+                    .map_err(|e| format!("reading a WRITE payload: {}", e.describe()))?;
+                mac.update(&scratch[..n]);
+                left -= n as u64;
+            }
+            i += 1;
+        }
+    }
+    let mut tag = [0u8; TAG_LEN];
+    let mut s = IoSlices::new();
+    s.push(tag.as_mut_ptr(), TAG_LEN);
+    sockio::recv_all(fd, &mut s, Deadline::At(deadline), keep_going)
+        .map_err(|e| format!("reading a payload tag: {}", e.describe()))?;
+    mac.verify(&tag).map_err(|e| format!("WRITE payload: {e}"))
+}
+
+#[allow(clippy::too_many_arguments)]
 fn respond(
     fd: i32,
     out: &mut Vec<u8>,
@@ -334,6 +557,7 @@ fn respond(
     read_descs: &[Desc],
     timeout: Duration,
     keep_going: impl FnMut() -> bool,
+    tx: &mut Direction,
 ) -> Result<(), String> {
     let payload_len: u64 = read_descs
         .iter()
@@ -343,6 +567,7 @@ fn respond(
         .sum();
     let header = Header {
         kind: Kind::Response,
+        flags: request.flags,
         count: request.count,
         seq: request.seq,
         payload_len,
@@ -350,12 +575,26 @@ fn respond(
     out.clear();
     out.extend_from_slice(&header.encode());
     wire::encode_statuses(statuses, out);
+    let tag = tx.seal(&[out]);
+    out.extend_from_slice(&tag);
     let mut s = IoSlices::new();
     s.push(out.as_ptr(), out.len());
+    let mut mac = request.payload_tagged().then(|| tx.payload(request.seq));
     for (d, st) in read_descs.iter().zip(statuses) {
         if *st == sys::FERRY_OK {
             s.push(d.addr as *const u8, d.len as usize);
+            if let Some(m) = &mut mac {
+                // SAFETY: the range was pinned inside a registered region by
+                // the caller, which holds the pins until this returns.
+                m.update(unsafe {
+                    std::slice::from_raw_parts(d.addr as *const u8, d.len as usize)
+                });
+            }
         }
+    }
+    let ptag = mac.map(|m| m.finish());
+    if let Some(t) = &ptag {
+        s.push(t.as_ptr(), TAG_LEN);
     }
     sockio::send_all(fd, &mut s, Instant::now() + timeout, keep_going)
         .map_err(|e| format!("sending a response: {}", e.describe()))

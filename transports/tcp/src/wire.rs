@@ -1,23 +1,36 @@
 //! The TCP transport's wire format. Every integer is little endian.
 //!
 //! ```text
-//! request  = header(kind WRITE|READ) descriptor{count} payload(WRITE only)
-//! response = header(kind RESPONSE)   status{count}     payload(READ only)
+//! request  = header(kind WRITE|READ) descriptor{count} tag payload(WRITE only) [ptag]
+//! response = header(kind RESPONSE)   status{count}     tag payload(READ only)  [ptag]
 //!
 //! header     = magic u32 "FERY" | version u8 | kind u8 | flags u16 |
 //!              count u32 | reserved u32 | seq u64 | payload_len u64   (32 bytes)
 //! descriptor = remote_addr u64 | len u64                              (16 bytes)
 //! status     = i32 (FERRY_OK or a FERRY_ERR_* code)                   (4 bytes)
+//! tag        = the session tag of header and descriptors (or statuses) (16 bytes)
+//! ptag       = the payload's tag, when flags has FLAG_PAYLOAD_TAG: on a
+//!              WRITE request, and on every response to a tagged request
+//!              (over its payload, empty for a WRITE's)              (16 bytes)
 //! ```
 //!
+//! Tags are `sdk::auth`'s: under the session keys of this connection and
+//! the direction's message number, so a relay that passed the
+//! authentication through can neither inject, replay, reorder nor alter a
+//! frame's header or descriptors: the receiver closes the connection. The
+//! payload is covered only with FERRY_INTEGRITY=payload (the flag is inside
+//! the tagged header, so it cannot be stripped); it is checked after it
+//! landed, so a tampered WRITE is detected and reported, not prevented.
+//!
 //! Before any frame, right after authentication, the target says which
-//! instance it is, and the endpoint peers find in the segment descriptor
-//! names that instance, so a client whose segment was opened on an earlier
-//! instance (the peer restarted on the same port) is refused instead of
-//! reading or writing the new instance's memory:
+//! instance it is (tagged, as message 0 of its direction), and the
+//! endpoint peers find in the segment descriptor names that instance, so a
+//! client whose segment was opened on an earlier instance (the peer
+//! restarted on the same port) is refused instead of reading or writing
+//! the new instance's memory:
 //!
 //! ```text
-//! hello    = magic "FERH" | version u8 | 0 u8 | 0 u16 | instance u64     (16 bytes)
+//! hello    = magic "FERH" | version u8 | 0 u8 | 0 u16 | instance u64 | tag (32 bytes)
 //! endpoint = "host:port instance-in-16-hex-digits"
 //! ```
 //!
@@ -30,8 +43,12 @@
 use ferry_plugins_abi::sys;
 
 pub const MAGIC: u32 = u32::from_le_bytes(*b"FERY");
-pub const VERSION: u8 = 1;
+/// 2: frames carry session tags.
+pub const VERSION: u8 = 2;
 pub const HEADER_LEN: usize = 32;
+pub use ferry_plugins_abi::sdk::auth::TAG_LEN;
+/// Header flag: a payload tag follows the payload.
+pub const FLAG_PAYLOAD_TAG: u16 = 1;
 pub const DESC_LEN: usize = 16;
 pub const STATUS_LEN: usize = 4;
 /// Most descriptors in one frame (the kernel's IOV_MAX).
@@ -57,6 +74,8 @@ pub enum Kind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
     pub kind: Kind,
+    /// FLAG_PAYLOAD_TAG or 0.
+    pub flags: u16,
     pub count: u32,
     pub seq: u64,
     pub payload_len: u64,
@@ -78,6 +97,7 @@ impl Header {
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         b[4] = VERSION;
         b[5] = self.kind as u8;
+        b[6..8].copy_from_slice(&self.flags.to_le_bytes());
         b[8..12].copy_from_slice(&self.count.to_le_bytes());
         b[16..24].copy_from_slice(&self.seq.to_le_bytes());
         b[24..32].copy_from_slice(&self.payload_len.to_le_bytes());
@@ -105,6 +125,10 @@ impl Header {
             3 => Kind::Response,
             k => return Err(WireError(format!("unknown TCP frame kind {k}"))),
         };
+        let flags = u16::from_le_bytes([b[6], b[7]]);
+        if flags & !FLAG_PAYLOAD_TAG != 0 {
+            return Err(WireError(format!("unknown TCP frame flags {flags:#x}")));
+        }
         let count = u32::from_le_bytes([b[8], b[9], b[10], b[11]]);
         if count == 0 || count as usize > MAX_DESCS {
             return Err(WireError(format!(
@@ -123,10 +147,27 @@ impl Header {
         }
         Ok(Header {
             kind,
+            flags,
             count,
             seq,
             payload_len,
         })
+    }
+
+    pub fn payload_tagged(&self) -> bool {
+        self.flags & FLAG_PAYLOAD_TAG != 0
+    }
+
+    /// Bytes of a response to this header that follow the header itself.
+    pub fn response_rest(&self) -> u64 {
+        u64::from(self.count) * STATUS_LEN as u64
+            + TAG_LEN as u64
+            + self.payload_len
+            + if self.payload_tagged() {
+                TAG_LEN as u64
+            } else {
+                0
+            }
     }
 }
 
@@ -255,6 +296,7 @@ mod tests {
     fn header(kind: Kind, count: u32, payload_len: u64) -> Header {
         Header {
             kind,
+            flags: 0,
             count,
             seq: 7,
             payload_len,
@@ -265,6 +307,11 @@ mod tests {
     fn headers_round_trip() {
         let h = header(Kind::Write, 3, 300);
         assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+        let t = Header {
+            flags: FLAG_PAYLOAD_TAG,
+            ..h
+        };
+        assert!(Header::decode(&t.encode()).unwrap().payload_tagged());
     }
 
     #[test]
@@ -274,8 +321,11 @@ mod tests {
         b[0] ^= 1;
         assert!(Header::decode(&b).unwrap_err().0.contains("magic"));
         let mut b = good;
-        b[4] = 2;
-        assert!(Header::decode(&b).unwrap_err().0.contains("version 2"));
+        b[4] = 1;
+        assert!(Header::decode(&b).unwrap_err().0.contains("version 1"));
+        let mut b = good;
+        b[6] = 0x80;
+        assert!(Header::decode(&b).unwrap_err().0.contains("flags"));
         let mut b = good;
         b[5] = 9;
         assert!(Header::decode(&b).is_err());
