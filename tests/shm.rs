@@ -257,8 +257,12 @@ fn a_refused_cross_memory_attach_falls_back_to_tcp_and_says_why() {
             let stdout = String::from_utf8_lossy(&out.stdout);
             let stderr = String::from_utf8_lossy(&out.stderr);
             assert!(out.status.success(), "{stdout}\n{stderr}");
+            // The mapped target starts on shm; measurement may then move a
+            // short run to tcp when tcp proves faster on a loaded host,
+            // which the engine logs as a switch (never silently).
+            let moved = want == "shm" && stderr.contains("now go by tcp");
             assert!(
-                stdout.contains(&format!("\"transport\":\"{want}\"")),
+                stdout.contains(&format!("\"transport\":\"{want}\"")) || moved,
                 "{stdout}\n{stderr}"
             );
             assert!(stderr.contains(why), "{stderr}");

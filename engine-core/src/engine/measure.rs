@@ -4,7 +4,9 @@
 //! `submit` call) is one sample, taken when its last request completes:
 //! small ones (at most [`LATENCY_MAX_BYTES`]) time the latency, large ones
 //! (at least [`BANDWIDTH_MIN_BYTES`]) the throughput, net of that latency.
-//! Failed hand-overs are not samples.
+//! Failed hand-overs are not samples, nor is the first hand-over to a
+//! transport for a peer: it pays once for what later ones reuse
+//! (connections, the peer's memory mapped, handles opened).
 
 use super::request::SegmentId;
 use crate::batch::GroupObserver;
@@ -30,6 +32,8 @@ pub(crate) struct Measured {
     pub(crate) bandwidth_samples: u32,
     pub(crate) latency_ns: f64,
     pub(crate) latency_samples: u32,
+    /// The first hand-over finished (and was left out).
+    warmed: bool,
 }
 
 impl Measured {
@@ -44,6 +48,10 @@ impl Measured {
     }
 
     fn add(&mut self, bytes: u64, elapsed: Duration) {
+        if !self.warmed {
+            self.warmed = true;
+            return;
+        }
         let ns = elapsed.as_nanos().max(1) as f64;
         if bytes <= LATENCY_MAX_BYTES {
             self.latency_ns = ewma(self.latency_ns, ns, self.latency_samples);
@@ -154,6 +162,9 @@ mod tests {
     #[test]
     fn large_hand_overs_time_throughput_and_small_ones_latency() {
         let m = Meter::default();
+        // The first hand-over pays for set-up: left out.
+        m.record(1, 0, 1_000_000, 100 * MS);
+        assert_eq!(m.get(1, 0).bandwidth_samples, 0);
         // 1 MB in a millisecond: 8 Gbit/s; not trusted before three samples.
         m.record(1, 0, 1_000_000, MS);
         m.record(1, 0, 1_000_000, MS);
@@ -185,6 +196,7 @@ mod tests {
     #[test]
     fn a_flight_records_once_when_its_last_group_finishes_and_not_after_a_failure() {
         let meter = Arc::new(Meter::default());
+        meter.record(7, 2, 1 << 20, MS); // the left-out first hand-over
         let f = Flight::start(meter.clone(), 7, 2, 3, 1 << 20);
         f.finished(true);
         f.finished(true);
