@@ -100,6 +100,7 @@ fn samples(dir: &Path) -> Vec<(&'static str, String)> {
         ("auth_token_file", token.display().to_string()),
         ("auth_token", "s3cret".into()),
         ("auth", "required".into()),
+        ("select", "declared".into()),
         ("metrics", "off".into()),
         ("metrics_listen", "127.0.0.1:9464".into()),
         ("auth_timeout_ms", "750".into()),

@@ -54,10 +54,10 @@ pub fn target(args: TargetArgs) -> Result<(), String> {
     eprintln!(
         "ferry bench target: serving {} of {} memory at {}; transports: {}. Stop with Ctrl-C.",
         human_size(args.buffer_size),
-        if args.allocate {
-            "engine-allocated"
-        } else {
-            "application"
+        match (args.device, args.allocate) {
+            (Some(loc), _) => format!("{loc} device"),
+            (None, true) => "engine-allocated".into(),
+            (None, false) => "application".into(),
         },
         engine.segment_name(),
         engine.transports().join(", ")

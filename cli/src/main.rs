@@ -48,6 +48,7 @@ shows the settings in effect):
   FERRY_METADATA                 p2p (default) or etcd://host:port[,host:port...]
   FERRY_METADATA_PREFIX          etcd key prefix (/ferry)
   FERRY_METADATA_TTL_S           etcd lease of an engine's entry (10)
+  FERRY_SELECT                   measured (default) or declared: ignore what transfers measure
   FERRY_METRICS                  on (default) or off: count nothing per request
   FERRY_METRICS_LISTEN           serve Prometheus metrics at host:port (none)
  Topology and GPUs

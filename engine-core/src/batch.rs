@@ -256,6 +256,12 @@ impl Batch {
         }
         let before = self.pending.fetch_sub(count, Ordering::SeqCst);
         if before == count {
+            // A waiter reads `pending` under the state lock, then sleeps:
+            // taking the lock here means it has either not read `pending`
+            // yet (and will see zero) or is asleep (and is woken). Without
+            // it, a waiter that read a non-zero count just before the
+            // decrement sleeps through the wake-up to its deadline.
+            drop(self.state.lock());
             self.done.notify_all();
         }
         if let Some((hook, first_error)) = hook {

@@ -132,6 +132,12 @@ pub const KEYS: &[Key] = &[
         "staged chunks in flight per job, 1 to 16",
     ),
     key(
+        "select",
+        "FERRY_SELECT",
+        "measured",
+        "measured: declared figures corrected by what transfers show; declared: declared figures only (reproducible routes)",
+    ),
+    key(
         "metrics",
         "FERRY_METRICS",
         "on",
@@ -298,6 +304,9 @@ pub struct EngineConfig {
     /// FERRY_AUTH_MAX_PENDING_PER_HOST 8); more are answered BUSY.
     pub auth_max_pending: usize,
     pub auth_max_pending_per_host: usize,
+    /// FERRY_SELECT=declared: routes follow the plugins' declared figures
+    /// only, never what transfers measured (measured by default).
+    pub select_measured: bool,
     /// FERRY_METRICS=off: count nothing per request (on by default).
     pub metrics: bool,
     /// Where the metrics endpoint listens (FERRY_METRICS_LISTEN, e.g.
@@ -328,6 +337,7 @@ impl Default for EngineConfig {
             auth_timeout: Duration::from_millis(admission::DEFAULT_AUTH_TIMEOUT_MS),
             auth_max_pending: admission::DEFAULT_MAX_PENDING,
             auth_max_pending_per_host: admission::DEFAULT_MAX_PENDING_PER_SOURCE,
+            select_measured: true,
             metrics: true,
             metrics_listen: None,
         }
@@ -534,16 +544,18 @@ impl EngineConfig {
                     *ttl_s = number(key, value, 2..=3600, "seconds")?;
                 }
             }
+            "select" => {
+                self.select_measured = match value.trim() {
+                    "" | "measured" => true,
+                    "declared" => false,
+                    _ => return Err(bad(key, value, "measured or declared")),
+                }
+            }
             "metrics" => {
                 self.metrics = match value.trim() {
                     "" | "on" => true,
                     "off" => false,
-                    other => {
-                        return Err(Error::new(
-                            ErrorCode::InvalidArgument,
-                            format!("metrics {other:?}: expected on or off"),
-                        ))
-                    }
+                    _ => return Err(bad(key, value, "on or off")),
                 }
             }
             "metrics_listen" => {
@@ -668,6 +680,7 @@ impl EngineConfig {
             "gpu_direct" => self.gpu_direct.as_str().to_string(),
             "staging_chunk" => self.staging_chunk.to_string(),
             "staging_depth" => self.staging_depth.to_string(),
+            "select" => if self.select_measured { "measured" } else { "declared" }.to_string(),
             "metrics" => if self.metrics { "on" } else { "off" }.to_string(),
             "metrics_listen" => self.metrics_listen.clone().unwrap_or_default(),
             "plugin_path" => std::env::join_paths(&self.loader.plugin_path)

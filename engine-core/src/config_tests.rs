@@ -37,7 +37,8 @@ fn samples(token_file: &str) -> Vec<(&'static str, String, String, Vec<&'static 
             vec!["1K", "128M", "4X", "", "lots"],
         ),
         ("staging_depth", s("8"), s("8"), vec!["0", "17", "four"]),
-        ("metrics", s("off"), s("off"), vec![]),
+        ("select", s("declared"), s("declared"), vec!["fastest"]),
+        ("metrics", s("off"), s("off"), vec!["sometimes"]),
         (
             "metrics_listen",
             s("127.0.0.1:9464"),

@@ -85,11 +85,19 @@ pub(crate) struct Link {
     pub(crate) latency_ns: Option<u32>,
     /// (location, path class) for a device the topology knows as a NIC.
     pub(crate) classes: Vec<(String, PathClass)>,
+    /// The device is a network interface the kernel flags as loopback: it
+    /// reaches nothing outside this host, whatever it declares.
+    pub(crate) loopback: bool,
 }
 
 impl Link {
     /// A device as its plugin reported it, placed in the topology.
-    pub(crate) fn from_report(d: &DeviceReport, topology: Option<&Topology>) -> Link {
+    /// `loopback` names this host's loopback interfaces.
+    pub(crate) fn from_report(
+        d: &DeviceReport,
+        topology: Option<&Topology>,
+        loopback: &[String],
+    ) -> Link {
         let classes = topology
             .and_then(|t| {
                 let nic = t.nic(&d.name).or_else(|| t.nic_by_netdev(&d.name))?;
@@ -106,6 +114,7 @@ impl Link {
             bandwidth_mbps: d.bandwidth_mbps.filter(|b| *b > 0),
             latency_ns: d.latency_ns.filter(|l| *l > 0),
             classes,
+            loopback: loopback.contains(&d.name),
         }
     }
 
@@ -134,9 +143,10 @@ pub(crate) struct Estimate {
 /// The best route of one transport for `bytes` of `mem_kind` memory at
 /// `location`: over each device that serves that memory (every device when
 /// none says), the one with the smallest time; ties go to the first. A
-/// route to another host (`cross_host`) leaves through a NIC: when the
-/// topology places some of the devices as NICs, only those count (a
-/// loopback interface's figure is no promise for another host).
+/// route to another host (`cross_host`) leaves through a NIC: never
+/// through a loopback interface, and when the topology places some of the
+/// devices as NICs, only through those (a loopback interface's figure is
+/// no promise for another host).
 pub(crate) fn estimate(
     links: &[Link],
     scopes: u32,
@@ -154,7 +164,7 @@ pub(crate) fn estimate(
         } else {
             l.mem_kinds == 0
         };
-        kind && (!nics_only || !l.classes.is_empty())
+        kind && (!nics_only || !l.classes.is_empty()) && !(cross_host && l.loopback)
     });
     let mut best: Option<Estimate> = None;
     for (i, l) in serving {
@@ -247,6 +257,7 @@ mod tests {
             bandwidth_mbps: bw,
             latency_ns: lat,
             classes: Vec::new(),
+            loopback: false,
         }
     }
 
@@ -301,6 +312,23 @@ mod tests {
         let e = estimate(&links[..1], 4, sys::FERRY_MEM_HOST, "cpu:0", 1 << 24, true);
         assert_eq!(e.path.bandwidth_mbps, 200_000.0);
         assert_eq!(e.path.latency_ns, 3_500.0);
+    }
+
+    #[test]
+    fn a_loopback_interface_never_carries_a_route_to_another_host() {
+        // No device is placed as a NIC (a host whose topology lacks its
+        // Ethernet port): the loopback interface is still left out.
+        let mut lo = link("lo", sys::FERRY_MEM_HOST, Some(40_000), Some(20_000));
+        lo.loopback = true;
+        let eth = link("eth0", sys::FERRY_MEM_HOST, Some(10_000), Some(30_000));
+        let links = [lo, eth];
+        let e = estimate(&links, 6, sys::FERRY_MEM_HOST, "cpu:0", 1 << 22, true);
+        assert_eq!(e.device, Some(1));
+        let e = estimate(&links, 6, sys::FERRY_MEM_HOST, "cpu:0", 1 << 22, false);
+        assert_eq!(e.device, Some(0));
+        // Only loopback: the scope's default, through no device.
+        let e = estimate(&links[..1], 6, sys::FERRY_MEM_HOST, "cpu:0", 1 << 22, true);
+        assert_eq!(e.device, None);
     }
 
     #[test]

@@ -102,6 +102,10 @@ pub(crate) struct Transports<T> {
     current: Mutex<HashMap<RouteKey, usize>>,
     /// Hand-overs given to each (segment, transport) to measure it.
     tries: Mutex<HashMap<(SegmentId, usize), u32>>,
+    /// Whether measurements correct the declared figures (FERRY_SELECT);
+    /// when not, routes follow the declarations alone and nothing is
+    /// tried for the sake of measuring it.
+    measured: bool,
 }
 
 impl<T> Deref for Transports<T> {
@@ -176,7 +180,7 @@ impl<T: Candidate> Transports<T> {
             .map(|t| {
                 t.devices()
                     .iter()
-                    .map(|d| Link::from_report(d, None))
+                    .map(|d| Link::from_report(d, None, &[]))
                     .collect()
             })
             .collect();
@@ -189,19 +193,34 @@ impl<T: Candidate> Transports<T> {
             logged: Mutex::new(HashSet::new()),
             current: Mutex::new(HashMap::new()),
             tries: Mutex::new(HashMap::new()),
+            measured: true,
         }
+    }
+
+    /// Routes by the declared figures only (FERRY_SELECT=declared).
+    pub(crate) fn declared_only(mut self, declared: bool) -> Transports<T> {
+        self.measured = !declared;
+        self
     }
 
     /// Places each transport's devices in the topology (path classes from
     /// every memory location to each device that is a NIC).
     pub(crate) fn placed(mut self, topology: &Topology) -> Transports<T> {
+        // The kernel's loopback interfaces (a transport's device named so
+        // reaches only this host).
+        let loopback: Vec<String> = ferry_plugins_abi::sdk::net::list()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|i| i.loopback)
+            .map(|i| i.name)
+            .collect();
         self.links = self
             .list
             .iter()
             .map(|t| {
                 t.devices()
                     .iter()
-                    .map(|d| Link::from_report(d, Some(topology)))
+                    .map(|d| Link::from_report(d, Some(topology), &loopback))
                     .collect()
             })
             .collect();
@@ -405,7 +424,11 @@ impl<T: Candidate> Transports<T> {
             bytes,
             scope == Scope::CrossHost,
         );
-        let measured = self.meter.get(segment, i);
+        let measured = if self.measured {
+            self.meter.get(segment, i)
+        } else {
+            Measured::default()
+        };
         let mut used = estimate.path;
         if let Some(bw) = measured
             .bandwidth()
@@ -441,7 +464,7 @@ impl<T: Candidate> Transports<T> {
         let Some(fastest) = candidates.first().map(|c| c.seconds) else {
             return Basis::Fastest;
         };
-        if hinted {
+        if hinted || !self.measured {
             return Basis::Fastest;
         }
         // The fastest is measured by using it; once it is, the others

@@ -259,7 +259,9 @@ impl Engine {
         metrics.set_transport_names(transports.iter().map(|t| t.name.clone()).collect());
         let metrics_listen = config.metrics_listen.clone();
         let transports =
-            Transports::new(transports, transport_failures, endpoints).placed(&topology);
+            Transports::new(transports, transport_failures, endpoints)
+                .placed(&topology)
+                .declared_only(!config.select_measured);
         let shared = Arc::new(Shared {
             config,
             topology,

@@ -219,6 +219,30 @@ fn measurement_that_contradicts_a_declaration_reranks_without_flapping() {
 }
 
 #[test]
+fn declared_selection_ignores_what_was_measured() {
+    // As above, but FERRY_SELECT=declared: boast keeps every hand-over
+    // however slowly it delivers, and steady is never tried.
+    let t = with(vec![
+        declaring("boast", HOST, ANY_HOST, 400_000, 2_000),
+        declaring("steady", HOST, ANY_HOST, 100_000, 2_000),
+    ])
+    .declared_only(true);
+    let both = &["boast", "steady"];
+    let d = descriptor("e", both, &[(0x1000, 1 << 24, "cpu:0", both)]);
+    let seg = segment(1, Scope::CrossHost, d);
+    let local = host_buffer(0x9000, 1 << 24, &[0, 1]);
+    let slow = std::time::Duration::from_secs_f64((16 << 20) as f64 * 8.0 / 10e9);
+    for _ in 0..20 {
+        let (i, _) = pick_sized(&t, &local, &seg, None, 1 << 24, false).unwrap();
+        assert_eq!(t[i].name, "boast");
+        t.meter.record(1, i, 16 << 20, slow);
+    }
+    let (i, why) = pick_sized(&t, &local, &seg, None, 1 << 24, true).unwrap();
+    assert_eq!(t[i].name, "boast");
+    assert!(!why.contains("measured"), "{why}");
+}
+
+#[test]
 fn hysteresis_keeps_a_route_against_a_slightly_faster_one() {
     let t = with(vec![
         declaring("a", HOST, ANY_HOST, 100_000, 2_000),
