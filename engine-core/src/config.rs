@@ -75,7 +75,9 @@ const fn key(
 
 /// Every engine setting, in the order the environment is applied (a
 /// metadata store before its prefix and TTL; a token file before a token,
-/// so FERRY_AUTH_TOKEN wins when both are set).
+/// so FERRY_AUTH_TOKEN wins when both are set). A table: short rows stay
+/// on one line.
+#[rustfmt::skip]
 pub const KEYS: &[Key] = &[
     key(
         "listen",
@@ -131,24 +133,9 @@ pub const KEYS: &[Key] = &[
         "4",
         "staged chunks in flight per job, 1 to 16",
     ),
-    key(
-        "select",
-        "FERRY_SELECT",
-        "measured",
-        "measured: declared figures corrected by what transfers show; declared: declared figures only (reproducible routes)",
-    ),
-    key(
-        "metrics",
-        "FERRY_METRICS",
-        "on",
-        "count requests, bytes, failures and latencies per transport and peer: on or off",
-    ),
-    key(
-        "metrics_listen",
-        "FERRY_METRICS_LISTEN",
-        "",
-        "where the Prometheus endpoint (/metrics, /metrics.json) listens, host:port; none by default",
-    ),
+    key("select", "FERRY_SELECT", "measured", "routes: measured, or declared only"),
+    key("metrics", "FERRY_METRICS", "on", "per-request counting: on or off"),
+    key("metrics_listen", "FERRY_METRICS_LISTEN", "", "metrics endpoint, host:port"),
     key(
         "plugin_path",
         "FERRY_PLUGIN_PATH",
@@ -680,7 +667,7 @@ impl EngineConfig {
             "gpu_direct" => self.gpu_direct.as_str().to_string(),
             "staging_chunk" => self.staging_chunk.to_string(),
             "staging_depth" => self.staging_depth.to_string(),
-            "select" => if self.select_measured { "measured" } else { "declared" }.to_string(),
+            "select" => ["declared", "measured"][usize::from(self.select_measured)].into(),
             "metrics" => if self.metrics { "on" } else { "off" }.to_string(),
             "metrics_listen" => self.metrics_listen.clone().unwrap_or_default(),
             "plugin_path" => std::env::join_paths(&self.loader.plugin_path)

@@ -164,7 +164,9 @@ pub(crate) fn estimate(
         } else {
             l.mem_kinds == 0
         };
-        kind && (!nics_only || !l.classes.is_empty()) && !(cross_host && l.loopback)
+        // To another host: never over loopback, and over NICs where any is placed.
+        let reaches = !cross_host || (!l.loopback && (!nics_only || !l.classes.is_empty()));
+        kind && reaches
     });
     let mut best: Option<Estimate> = None;
     for (i, l) in serving {

@@ -258,10 +258,9 @@ impl Engine {
         let metrics = crate::metrics::Metrics::new(config.metrics, plugin_counters);
         metrics.set_transport_names(transports.iter().map(|t| t.name.clone()).collect());
         let metrics_listen = config.metrics_listen.clone();
-        let transports =
-            Transports::new(transports, transport_failures, endpoints)
-                .placed(&topology)
-                .declared_only(!config.select_measured);
+        let transports = Transports::new(transports, transport_failures, endpoints)
+            .placed(&topology)
+            .declared_only(!config.select_measured);
         let shared = Arc::new(Shared {
             config,
             topology,
