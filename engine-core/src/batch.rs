@@ -367,13 +367,19 @@ impl Batch {
     /// `progress` so that this thread picks up completions itself: a small
     /// transfer completes within microseconds, much sooner than a sleeping
     /// thread wakes up (a wake-up costs tens of microseconds on a VM).
-    pub fn wait(
+    pub fn wait(&self, timeout: Duration, spin: Duration, progress: impl FnMut()) -> BatchStatus {
+        self.wait_reporting(timeout, spin, progress).0
+    }
+
+    /// As [`Batch::wait`], and whether it slept until the deadline.
+    fn wait_reporting(
         &self,
         timeout: Duration,
         spin: Duration,
         mut progress: impl FnMut(),
-    ) -> BatchStatus {
+    ) -> (BatchStatus, bool) {
         let started = Instant::now();
+        let mut deadline_hit = false;
         let spin = spin.min(timeout);
         while self.pending.load(Ordering::SeqCst) != 0 && started.elapsed() < spin {
             progress();
@@ -383,12 +389,15 @@ impl Batch {
             let deadline = started + timeout;
             let mut st = self.state.lock();
             while self.pending.load(Ordering::SeqCst) != 0 {
+                #[cfg(test)]
+                tests::before_sleep(self);
                 if self.done.wait_until(&mut st, deadline).timed_out() {
+                    deadline_hit = true;
                     break;
                 }
             }
         }
-        self.status()
+        (self.status(), deadline_hit)
     }
 
     pub fn pending(&self) -> usize {
@@ -467,6 +476,7 @@ impl CompletionSink for BatchTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicBool;
 
     #[test]
     fn tokens_round_trip() {
@@ -516,6 +526,79 @@ mod tests {
         assert!(st.succeeded(), "{st:?}");
         assert_eq!(st.notify, Some(NotifyStatus::Delivered));
         table.free(b.id).unwrap();
+    }
+
+    thread_local! {
+        /// Set by a test on the waiting thread: the flag to raise once the
+        /// waiter is inside the window (pending read, not yet asleep).
+        static WINDOW: std::cell::RefCell<Option<Arc<AtomicBool>>> = const { std::cell::RefCell::new(None) };
+    }
+
+    /// Called by `wait` between reading a non-zero `pending` and going to
+    /// sleep, with the state lock held: the window in which a wake-up can
+    /// be lost. In the test, it lets the completer go on and holds the
+    /// window open until the count is down (at most 5 s).
+    pub(super) fn before_sleep(b: &Batch) {
+        let Some(flag) = WINDOW.with_borrow(|w| w.clone()) else {
+            return;
+        };
+        flag.store(true, Ordering::SeqCst);
+        let until = Instant::now() + Duration::from_secs(5);
+        while b.pending.load(Ordering::SeqCst) != 0 && Instant::now() < until {
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Spins until `flag` is up (at most 5 s).
+    fn await_flag(flag: &AtomicBool) {
+        let until = Instant::now() + Duration::from_secs(5);
+        while !flag.load(Ordering::SeqCst) && Instant::now() < until {
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Says the completer is past its locked part, then holds it there
+    /// until the waiter is in the window.
+    struct Gate {
+        arrived: Arc<AtomicBool>,
+        in_window: Arc<AtomicBool>,
+    }
+
+    impl GroupObserver for Gate {
+        fn finished(&self, _ok: bool) {
+            self.arrived.store(true, Ordering::SeqCst);
+            await_flag(&self.in_window);
+        }
+    }
+
+    /// The last completion is counted down exactly between the waiter
+    /// reading a non-zero count and going to sleep: the waiter must still
+    /// be woken, not sleep to its deadline (this lost wake-up hung staged
+    /// jobs on a 16-core host until their timeout).
+    #[test]
+    fn the_last_completion_wakes_a_waiter_about_to_sleep() {
+        let table = BatchTable::default();
+        let b = table.allocate(1).unwrap();
+        let start = b.reserve(1).unwrap();
+        let g = group_of(b.add_group(start, 1, local(), None));
+        let arrived = Arc::new(AtomicBool::new(false));
+        let in_window = Arc::new(AtomicBool::new(false));
+        b.observe(
+            g,
+            Arc::new(Gate {
+                arrived: arrived.clone(),
+                in_window: in_window.clone(),
+            }),
+        );
+        WINDOW.set(Some(in_window));
+        let b2 = b.clone();
+        let completer = std::thread::spawn(move || b2.complete_group(g, Ok(())));
+        await_flag(&arrived);
+        let (st, slept) = b.wait_reporting(Duration::from_secs(10), Duration::ZERO, || ());
+        WINDOW.set(None);
+        completer.join().unwrap();
+        assert!(st.succeeded(), "{st:?}");
+        assert!(!slept, "the waiter slept through the last completion");
     }
 
     #[test]

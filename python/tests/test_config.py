@@ -87,9 +87,11 @@ def ferry_cli():
 def normalized(report):
     """What does not depend on where the caller's binary lives: the wheel's
     module finds plugins in the package, the CLI in the build tree, so
-    search paths, plugin files, the helper's path and timings differ;
-    everything else (settings, each plugin's state, reason, capabilities,
-    devices, GPUs, the GPU-direct decision, warnings) must not."""
+    search paths, plugin files, the helper's path and timings differ, and
+    so does what a probe measured (shm declares a bandwidth from a memcpy
+    at probe time, stated in the device's detail); everything else
+    (settings, each plugin's state, reason, capabilities, devices, GPUs,
+    the GPU-direct decision, warnings) must not."""
     r = json.loads(json.dumps(report))
     r.pop("search_path")
     for k in ("helper", "cache"):
@@ -97,6 +99,9 @@ def normalized(report):
     for p in r["plugins"]:
         for k in ("path", "origin", "shadows", "load_us", "probe_us"):
             p.pop(k, None)
+        for d in p.get("devices", []):
+            d.pop("bandwidth_mbps", None)
+            d.pop("detail", None)
     r["plugins"].sort(key=lambda p: (p["kind"], p["name"]))
     return r
 
