@@ -320,7 +320,7 @@ pub fn metrics_overhead(args: OverheadArgs) -> Result<(), String> {
 /// per batch), the tally and its completion (a clock read, a few relaxed
 /// atomic adds).
 fn metrics_cost_ns() -> f64 {
-    use ferry_core::metrics::{FlowCache, FlowKey, FlowLabels, Metrics, Tally};
+    use ferry_core::metrics::{FlowCache, FlowKey, FlowLabels, Metrics, Stamp, Tally};
     let m = Metrics::new(true, Default::default());
     let key = FlowKey {
         transport: 0,
@@ -343,11 +343,11 @@ fn metrics_cost_ns() -> f64 {
     for _ in 0..200 {
         let started = std::time::Instant::now();
         let mut cache = FlowCache::default();
-        let mut now = started;
+        let mut now = Stamp::now();
         for i in 0..N {
             if i % 256 == 0 {
                 cache = FlowCache::default();
-                now = std::time::Instant::now();
+                now = Stamp::now();
             }
             if let Some(f) = m.cached_flow(&mut cache, key, labels) {
                 Tally::new(f, 4096, now).finish(1, None);

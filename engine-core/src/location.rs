@@ -21,6 +21,25 @@ pub fn host_location(addr: u64) -> Location {
 /// is faulted in if it was never touched. `None` when the kernel will not
 /// say (no NUMA support, seccomp).
 pub fn numa_node_of(addr: u64) -> Option<u32> {
+    node_policy(addr)
+        .ok()
+        .and_then(|node| u32::try_from(node).ok())
+}
+
+/// Whether the page holding `addr` is mapped in this process: `Some(false)`
+/// when the kernel says it is not (get_mempolicy's EFAULT), `None` when it
+/// will not say.
+pub fn is_mapped(addr: u64) -> Option<bool> {
+    match node_policy(addr) {
+        Ok(_) => Some(true),
+        Err(e) if e.raw_os_error() == Some(libc::EFAULT) => Some(false),
+        Err(_) => None,
+    }
+}
+
+/// get_mempolicy(MPOL_F_NODE | MPOL_F_ADDR) for `addr`: the node of its
+/// page, or the kernel's error (EFAULT for an unmapped address).
+fn node_policy(addr: u64) -> std::io::Result<libc::c_int> {
     const MPOL_F_NODE: libc::c_ulong = 1;
     const MPOL_F_ADDR: libc::c_ulong = 2;
     let mut node: libc::c_int = -1;
@@ -38,37 +57,9 @@ pub fn numa_node_of(addr: u64) -> Option<u32> {
         )
     };
     if rc == 0 {
-        u32::try_from(node).ok()
+        Ok(node)
     } else {
-        None
-    }
-}
-
-/// Whether the page holding `addr` is mapped in this process: `Some(false)`
-/// when the kernel says it is not (get_mempolicy's EFAULT), `None` when it
-/// will not say.
-pub fn is_mapped(addr: u64) -> Option<bool> {
-    const MPOL_F_NODE: libc::c_ulong = 1;
-    const MPOL_F_ADDR: libc::c_ulong = 2;
-    let mut node: libc::c_int = -1;
-    // SAFETY: as in numa_node_of: one int written into `node`; the kernel
-    // looks up addr itself and fails cleanly for an unmapped address.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_get_mempolicy,
-            &mut node as *mut libc::c_int,
-            std::ptr::null_mut::<libc::c_ulong>(),
-            0 as libc::c_ulong,
-            addr as libc::c_ulong,
-            MPOL_F_NODE | MPOL_F_ADDR,
-        )
-    };
-    if rc == 0 {
-        return Some(true);
-    }
-    match std::io::Error::last_os_error().raw_os_error() {
-        Some(libc::EFAULT) => Some(false),
-        _ => None,
+        Err(std::io::Error::last_os_error())
     }
 }
 

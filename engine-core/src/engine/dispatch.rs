@@ -11,11 +11,10 @@ use super::shared::Shared;
 use crate::batch::{group_of, Batch};
 use crate::error::{Error, ErrorCode, Result};
 use crate::memory::{LocalBuffer, Visibility};
-use crate::metrics::{memory_label, FlowCache, FlowKey, FlowLabels, Tally, STAGING_SLOT};
+use crate::metrics::{memory_label, FlowCache, FlowKey, FlowLabels, Stamp, Tally, STAGING_SLOT};
 use ferry_plugins_abi::sys;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
 
 /// Requests for one (segment, transport), each with its index in the
 /// plan's `routed`.
@@ -44,7 +43,7 @@ impl Shared {
         }
         let mut flows = Flows {
             cache: FlowCache::default(),
-            started: Instant::now(),
+            started: Stamp::now(),
         };
         for (i, item) in &mut staged {
             let tally = self.tally(
@@ -189,7 +188,7 @@ impl Shared {
 /// its submissions started.
 struct Flows {
     cache: FlowCache,
-    started: Instant,
+    started: Stamp,
 }
 
 impl Shared {

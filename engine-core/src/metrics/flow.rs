@@ -7,8 +7,26 @@ use super::histogram::Histogram;
 use super::snapshot::{FlowCounts, LatencyCounts};
 use ferry_plugins_abi::ErrorCode;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, LazyLock};
+
+/// The clock submissions are timed by (calibrated once per process).
+static CLOCK: LazyLock<quanta::Clock> = LazyLock::new(quanta::Clock::new);
+
+/// A moment on the metrics' clock: the CPU's time-stamp counter where it
+/// is invariant, else the OS's monotonic clock (quanta decides).
+#[derive(Clone, Copy, Debug)]
+pub struct Stamp(u64);
+
+impl Stamp {
+    pub fn now() -> Stamp {
+        Stamp(CLOCK.raw())
+    }
+
+    /// Nanoseconds from this moment to now.
+    pub fn elapsed_ns(self) -> u64 {
+        CLOCK.delta_as_nanos(self.0, CLOCK.raw())
+    }
+}
 
 /// Size classes of one submission: (largest length, label).
 pub const SIZE_CLASSES: [(u64, &str); 5] = [
@@ -148,14 +166,14 @@ impl Flow {
 pub struct Tally {
     pub flow: Arc<Flow>,
     pub bytes: u64,
-    pub started: Instant,
+    pub started: Stamp,
 }
 
 impl Tally {
     /// A submission of `bytes` counted in `flow`, submitted at `started`
     /// (read once per batch: a clock read per request would cost more than
     /// the counting).
-    pub fn new(flow: Arc<Flow>, bytes: u64, started: Instant) -> Tally {
+    pub fn new(flow: Arc<Flow>, bytes: u64, started: Stamp) -> Tally {
         Tally {
             flow,
             bytes,
@@ -164,8 +182,8 @@ impl Tally {
     }
 
     pub fn finish(self, requests: usize, failed: Option<ErrorCode>) {
-        let ns = self.started.elapsed().as_nanos().min(u64::MAX as u128) as u64;
-        self.flow.finish(requests, self.bytes, ns, failed);
+        self.flow
+            .finish(requests, self.bytes, self.started.elapsed_ns(), failed);
     }
 }
 

@@ -14,7 +14,7 @@ pub mod prometheus;
 pub mod server;
 pub mod snapshot;
 
-pub use flow::{Flow, FlowLabels, Latencies, Tally};
+pub use flow::{Flow, FlowLabels, Latencies, Stamp, Tally};
 pub use server::MetricsServer;
 pub use snapshot::MetricsSnapshot;
 
