@@ -6,11 +6,11 @@
 //! requests the engine coalesced.
 
 use crate::error::{Error, ErrorCode, Result};
+use crate::id_map::IdMap;
 use crate::memory::LocalBuffer;
 use crate::metrics::Tally;
 use crate::transport::CompletionSink;
 use parking_lot::{Condvar, Mutex, RwLock};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -408,7 +408,7 @@ impl Batch {
 /// Every batch of an engine, by id; also where plugins' completions land.
 #[derive(Default)]
 pub struct BatchTable {
-    batches: RwLock<HashMap<BatchId, Arc<Batch>>>,
+    batches: RwLock<IdMap<BatchId, Arc<Batch>>>,
     next: AtomicU64,
 }
 

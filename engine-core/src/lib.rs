@@ -30,6 +30,7 @@ pub mod engine;
 pub mod error;
 pub mod gpudirect;
 pub mod host;
+mod id_map;
 pub mod identity;
 pub mod info;
 pub mod location;

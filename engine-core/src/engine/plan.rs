@@ -8,8 +8,8 @@ use super::request::{Op, Request, SegmentId};
 use super::segments::{remote_out_of_bounds, RemoteSegment, RemoteView, Segments};
 use super::select::{Candidate, Choice, Transports, Want};
 use crate::error::{Error, ErrorCode, Result};
+use crate::id_map::IdMap;
 use crate::memory::{LocalBuffer, MemoryRegistry};
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -148,8 +148,8 @@ impl<T: Candidate> Planner<'_, T> {
         slots: Option<&Arc<RemoteView>>,
     ) -> Result<Plan> {
         let mut routed: Vec<Pending> = Vec::with_capacity(requests.len());
-        let mut segs: HashMap<SegmentId, (Arc<RemoteSegment>, Arc<RemoteView>, bool)> =
-            HashMap::new();
+        let mut segs: IdMap<SegmentId, (Arc<RemoteSegment>, Arc<RemoteView>, bool)> =
+            IdMap::default();
         let mut last_route: Option<(RouteMemo, usize, Arc<[u8]>)> = None;
         let mut staged: Vec<(usize, StagedItem)> = Vec::new();
         let mut empty: Vec<usize> = Vec::new();

@@ -9,6 +9,7 @@ use crate::control::ControlClient;
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{Error, ErrorCode, Result};
 use crate::host::PeerControls;
+use crate::id_map::IdMap;
 use crate::transport::{PeerHandle, Transport};
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
@@ -88,9 +89,9 @@ pub(crate) struct RemoteSegment {
     pub(crate) scope: Scope,
     pub(crate) view: RwLock<Arc<RemoteView>>,
     /// Connected peers, by transport index; created on first use.
-    pub(crate) peers: Mutex<HashMap<usize, Arc<PeerHandle>>>,
+    pub(crate) peers: Mutex<IdMap<usize, Arc<PeerHandle>>>,
     /// Per transport, whether it serves a remote buffer with a given key.
-    pub(crate) verdicts: Mutex<HashMap<usize, KeyVerdicts>>,
+    pub(crate) verdicts: Mutex<IdMap<usize, KeyVerdicts>>,
     /// Idle staging sessions with this peer (slots it lent us for its
     /// device memory), each used by one job at a time.
     pub(crate) staging: Mutex<Vec<Arc<RemoteStaging>>>,
@@ -111,8 +112,8 @@ impl RemoteSegment {
             name: name.to_string(),
             scope,
             view: RwLock::new(Arc::new(RemoteView::new(descriptor))),
-            peers: Mutex::new(HashMap::new()),
-            verdicts: Mutex::new(HashMap::new()),
+            peers: Mutex::default(),
+            verdicts: Mutex::default(),
             staging: Mutex::new(Vec::new()),
             stale: AtomicBool::new(false),
         }
@@ -154,7 +155,7 @@ impl RemoteSegment {
 /// The segments this engine opened, by id, and their control addresses
 /// by name (shared with host services, for plugin messages).
 pub(crate) struct Segments {
-    open: RwLock<HashMap<SegmentId, Arc<RemoteSegment>>>,
+    open: RwLock<IdMap<SegmentId, Arc<RemoteSegment>>>,
     next: AtomicU64,
     /// Open segments' names -> their control addresses, for plugin
     /// messages addressed by segment name.
@@ -164,7 +165,7 @@ pub(crate) struct Segments {
 impl Segments {
     pub(crate) fn new(controls: PeerControls) -> Segments {
         Segments {
-            open: RwLock::new(HashMap::new()),
+            open: RwLock::default(),
             next: AtomicU64::new(1),
             controls,
         }

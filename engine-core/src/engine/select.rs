@@ -18,13 +18,13 @@ use super::measure::{Measured, Meter, BANDWIDTH_MIN_BYTES, MIN_SAMPLES};
 use super::request::{Scope, SegmentId};
 use super::segments::{RemoteSegment, RemoteView};
 use crate::error::{Error, ErrorCode, Result};
+use crate::id_map::{IdMap, IdSet};
 use crate::memory::{LocalBuffer, Visibility};
 use crate::topology::Topology;
 use crate::transport::Transport;
 use ferry_loader::DeviceReport;
 use ferry_plugins_abi::sys;
 use parking_lot::Mutex;
-use std::collections::{HashMap, HashSet};
 use std::ops::Deref;
 use std::sync::Arc;
 
@@ -97,11 +97,11 @@ pub(crate) struct Transports<T> {
     /// What completions showed, per (segment, transport).
     pub(crate) meter: Arc<Meter>,
     /// (segment, transport) pairs whose route was logged.
-    logged: Mutex<HashSet<(SegmentId, usize)>>,
+    logged: Mutex<IdSet<(SegmentId, usize)>>,
     /// The transport each route uses now (for hysteresis).
-    current: Mutex<HashMap<RouteKey, usize>>,
+    current: Mutex<IdMap<RouteKey, usize>>,
     /// Hand-overs given to each (segment, transport) to measure it.
-    tries: Mutex<HashMap<(SegmentId, usize), u32>>,
+    tries: Mutex<IdMap<(SegmentId, usize), u32>>,
     /// Whether measurements correct the declared figures (FERRY_SELECT);
     /// when not, routes follow the declarations alone and nothing is
     /// tried for the sake of measuring it.
@@ -190,9 +190,9 @@ impl<T: Candidate> Transports<T> {
             failures,
             endpoints,
             meter: Arc::new(Meter::default()),
-            logged: Mutex::new(HashSet::new()),
-            current: Mutex::new(HashMap::new()),
-            tries: Mutex::new(HashMap::new()),
+            logged: Mutex::default(),
+            current: Mutex::default(),
+            tries: Mutex::default(),
             measured: true,
         }
     }

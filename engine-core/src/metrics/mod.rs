@@ -19,6 +19,7 @@ pub use server::MetricsServer;
 pub use snapshot::MetricsSnapshot;
 
 use crate::counters::PluginCounters;
+use crate::id_map::IdMap;
 use crate::topology::MemoryLocation;
 use ferry_plugins_abi::ErrorCode;
 use parking_lot::{Mutex, RwLock};
@@ -63,13 +64,13 @@ pub struct Metrics {
     /// Checked once per submission (relaxed): on/off at run time.
     enabled: AtomicBool,
     started: Instant,
-    flows: RwLock<HashMap<FlowKey, Arc<Flow>>>,
+    flows: RwLock<IdMap<FlowKey, Arc<Flow>>>,
     /// The same flows by labels: a reopened segment keeps its series.
     by_labels: Mutex<HashMap<FlowLabels, Arc<Flow>>>,
     latencies: Mutex<HashMap<(String, &'static str), Arc<Latencies>>>,
     refused: [AtomicU64; ErrorCode::ALL.len()],
     /// (segment, memory kind) -> the transport last used.
-    routes: RwLock<HashMap<(u64, u64), Arc<Route>>>,
+    routes: RwLock<IdMap<(u64, u64), Arc<Route>>>,
     transport_names: RwLock<Vec<String>>,
     plugins: Arc<PluginCounters>,
     /// Where the endpoint is, as peers reach it (descriptors announce it).

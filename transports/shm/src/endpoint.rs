@@ -118,11 +118,35 @@ impl Key {
         .into_bytes()
     }
 
+    /// As [`Key::decode`], remembering this thread's last key: one
+    /// submitting thread mostly names the same buffer submit after submit,
+    /// and parsing its key cost several percent of a 4 KiB request.
+    pub fn decode_repeated(bytes: &[u8]) -> Option<Key> {
+        thread_local! {
+            static LAST: std::cell::RefCell<(Vec<u8>, Option<Key>)> =
+                const { std::cell::RefCell::new((Vec::new(), None)) };
+        }
+        LAST.with_borrow_mut(|(last, key)| {
+            if last.as_slice() != bytes || last.is_empty() {
+                *key = Key::decode(bytes);
+                last.clear();
+                last.extend_from_slice(bytes);
+            }
+            *key
+        })
+    }
+
     pub fn decode(bytes: &[u8]) -> Option<Key> {
         let text = std::str::from_utf8(bytes).ok().filter(|t| t.len() < 128)?;
-        let fields: Vec<&str> = text.split(' ').collect();
+        // Decoded for every request: the fields in place, no allocation.
+        let mut fields = [""; 6];
+        let mut n = 0;
+        for field in text.split(' ') {
+            *fields.get_mut(n)? = field;
+            n += 1;
+        }
         let num = |s: &str| u64::from_str_radix(s, 16).ok();
-        let key = match fields.as_slice() {
+        let key = match &fields[..n] {
             ["map", i, t, b, l, o] => Key::Map {
                 id: num(i)?,
                 token: num(t)?,
@@ -195,6 +219,17 @@ mod tests {
             assert_eq!(Key::decode(&k.encode()), Some(k));
         }
         assert_eq!(Key::decode(b"cma 1 ffffffffffffffff 2"), None);
+        // The remembered key follows the bytes, good or bad.
+        let k = Key::Cma {
+            id: 7,
+            base: 0x1000,
+            len: 0x2000,
+        };
+        assert_eq!(Key::decode_repeated(&k.encode()), Some(k));
+        assert_eq!(Key::decode_repeated(&k.encode()), Some(k));
+        assert_eq!(Key::decode_repeated(b"cma 1 10 0"), None);
+        assert_eq!(Key::decode_repeated(b""), None);
+        assert_eq!(Key::decode_repeated(&k.encode()), Some(k));
         assert_eq!(Key::decode(b"cma 1 10 0"), None);
         assert_eq!(Key::decode(b"map 1 2"), None);
         assert_eq!(Key::decode(b"map 1 2 1000 10 ffffffffffffffff"), None);

@@ -610,7 +610,7 @@ impl TransportInstance for ShmInstance {
             let key = match last {
                 Some((bytes, key)) if bytes == r.remote_key => key,
                 _ => {
-                    let key = Key::decode(r.remote_key);
+                    let key = Key::decode_repeated(r.remote_key);
                     if let Some(Key::Map { token, .. }) = key {
                         peer.ensure_mapped(token, self.timeout)?;
                     }
