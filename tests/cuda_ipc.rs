@@ -157,6 +157,33 @@ fn a_peer_that_dies_fails_requests_and_releases_its_imports() {
     child("scenario_peer_dies", &[]);
 }
 
+/// A peer run by another user (uid nobody) with the cluster's token: the
+/// control plane lets it in, cuda-ipc does not (CUDA handles go only to
+/// this user's processes), so the transfer is staged over tcp.
+#[test]
+fn a_peer_of_another_user_is_declined_and_staged() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIPPED: needs root to run the target as uid nobody (setpriv)");
+        return;
+    }
+    if Command::new("setpriv").arg("--version").output().is_err() {
+        eprintln!("SKIPPED: setpriv (util-linux) is not installed");
+        return;
+    }
+    // The target, as nobody, loads the emulator from its (private) folder.
+    let dir = emulator().parent().unwrap();
+    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    child(
+        "scenario_other_user",
+        &[
+            ("FERRY_AUTH_TOKEN", "cuda-ipc-test-shared-token"),
+            ("FERRY_PLUGIN_CACHE", "off"),
+            ("TARGET_UID", "65534"),
+        ],
+    );
+}
+
 #[test]
 fn host_memory_the_peer_did_not_allocate_is_declined() {
     child("scenario_host_declined", &[]);
@@ -252,8 +279,20 @@ struct Target {
 }
 
 impl Target {
+    /// The target process, as TARGET_UID when that is set (through setpriv).
     fn start() -> Target {
-        let mut child = Command::new(std::env::current_exe().unwrap())
+        let exe = std::env::current_exe().unwrap();
+        let mut cmd = match std::env::var("TARGET_UID") {
+            Ok(uid) => {
+                let mut c = Command::new("setpriv");
+                c.args(["--reuid", &uid, "--regid", &uid, "--clear-groups", "--"])
+                    .arg(&exe)
+                    .env("HOME", "/nonexistent");
+                c
+            }
+            Err(_) => Command::new(&exe),
+        };
+        let mut child = cmd
             .args([
                 "target_process",
                 "--exact",
@@ -463,6 +502,31 @@ fn scenario_staged() {
     assert_eq!(open_imports(), 0);
 }
 
+/// The target runs as another user: cuda-ipc declines the pair with the
+/// reason, the write is staged over tcp and lands, and nothing of the
+/// peer's memory is imported.
+#[test]
+#[ignore]
+fn scenario_other_user() {
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    ferry_core::init_logging();
+    let mut t = Target::start();
+    let e = engine();
+    let seg = e.open_segment(&t.name).unwrap();
+    let src = device_buffer(&e, MIB);
+    fill(&e, src, &pattern(MIB as usize, 33));
+    let route = e.route(seg, src, t.first, MIB).unwrap();
+    assert_eq!(route.transport, "tcp", "{}", route.reason);
+    assert!(route.reason.contains("staged"), "{}", route.reason);
+    assert!(route.reason.contains("uid"), "{}", route.reason);
+    e.transfer_sync(&[Request::new(Op::Write, src, seg, t.first, MIB)])
+        .unwrap();
+    assert_eq!(t.ask(&format!("check {} {MIB} 33", t.first)), "ok");
+    assert_eq!(open_imports(), 0);
+}
+
 /// The target is killed: requests fail with a clear error (no hang), and
 /// what was opened of its memory is closed.
 #[test]
@@ -479,8 +543,21 @@ fn scenario_peer_dies() {
     e.transfer_sync(&[Request::new(Op::Write, src, seg, t.first, MIB)])
         .unwrap();
     assert_eq!(open_imports(), 1);
+    // Killed with a batch in flight: the batch ends (its requests done or
+    // failed with a reason), it does not hang.
+    let batch = e.allocate_batch(64).unwrap();
+    let many: Vec<Request> = (0..64)
+        .map(|i| Request::new(Op::Write, src, seg, t.first + (i % 4) * MIB, MIB))
+        .collect();
+    e.submit(batch, &many).unwrap();
     t.child.kill().unwrap();
     t.child.wait().unwrap();
+    let st = e.wait(batch, std::time::Duration::from_secs(20)).unwrap();
+    assert!(st.is_done(), "a batch in flight when the peer died: {st:?}");
+    if let Some((_, err)) = &st.first_error {
+        eprintln!("the batch in flight failed cleanly: {err}");
+    }
+    e.free_batch(batch).unwrap();
     let mut closed = false;
     for _ in 0..200 {
         if open_imports() == 0 {
