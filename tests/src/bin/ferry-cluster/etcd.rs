@@ -66,10 +66,14 @@ impl Etcd {
                 return Ok(());
             }
             if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
-                return Err(format!(
-                    "etcd exited ({status}) before answering; see {}",
-                    self.log.display()
-                ));
+                // The run's folder goes away on exit: say why here.
+                let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+                let why = text
+                    .lines()
+                    .find(|l| l.contains(" C | ") || l.starts_with("panic:"))
+                    .or_else(|| text.lines().rfind(|l| !l.trim().is_empty()))
+                    .unwrap_or("(its log is empty)");
+                return Err(format!("etcd exited ({status}) before answering: {why}"));
             }
             if Instant::now() > deadline {
                 return Err(format!(
