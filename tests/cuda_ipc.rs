@@ -162,24 +162,20 @@ fn a_peer_that_dies_fails_requests_and_releases_its_imports() {
 /// this user's processes), so the transfer is staged over tcp.
 #[test]
 fn a_peer_of_another_user_is_declined_and_staged() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("SKIPPED: needs root to run the target as uid nobody (setpriv)");
-        return;
-    }
-    if Command::new("setpriv").arg("--version").output().is_err() {
-        eprintln!("SKIPPED: setpriv (util-linux) is not installed");
+    if let Some(why) = ferry_tests::cannot_switch_user() {
+        eprintln!("SKIPPED: {why}");
         return;
     }
     // The target, as nobody, loads the emulator from its (private) folder.
     let dir = emulator().parent().unwrap();
     std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     child(
-        "scenario_other_user",
+        "scenario_staged",
         &[
             ("FERRY_AUTH_TOKEN", "cuda-ipc-test-shared-token"),
             ("FERRY_PLUGIN_CACHE", "off"),
             ("TARGET_UID", "65534"),
+            ("EXPECT", "uid 65534"),
         ],
     );
 }
@@ -499,31 +495,6 @@ fn scenario_staged() {
     e.transfer_sync(&[Request::new(Op::Write, src, seg, t.first, len)])
         .unwrap();
     assert_eq!(t.ask(&format!("check {} {len} 21", t.first)), "ok");
-    assert_eq!(open_imports(), 0);
-}
-
-/// The target runs as another user: cuda-ipc declines the pair with the
-/// reason, the write is staged over tcp and lands, and nothing of the
-/// peer's memory is imported.
-#[test]
-#[ignore]
-fn scenario_other_user() {
-    if std::env::var_os(CHILD).is_none() {
-        return;
-    }
-    ferry_core::init_logging();
-    let mut t = Target::start();
-    let e = engine();
-    let seg = e.open_segment(&t.name).unwrap();
-    let src = device_buffer(&e, MIB);
-    fill(&e, src, &pattern(MIB as usize, 33));
-    let route = e.route(seg, src, t.first, MIB).unwrap();
-    assert_eq!(route.transport, "tcp", "{}", route.reason);
-    assert!(route.reason.contains("staged"), "{}", route.reason);
-    assert!(route.reason.contains("uid"), "{}", route.reason);
-    e.transfer_sync(&[Request::new(Op::Write, src, seg, t.first, MIB)])
-        .unwrap();
-    assert_eq!(t.ask(&format!("check {} {MIB} 33", t.first)), "ok");
     assert_eq!(open_imports(), 0);
 }
 

@@ -508,17 +508,8 @@ fn hex_decode(s: &str) -> Vec<u8> {
 /// refused on the control port, the tcp data port and the shm socket.
 #[test]
 fn another_user_is_refused_everywhere() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("SKIPPED: needs root to run a process as uid nobody (setpriv)");
-        return;
-    }
-    if std::process::Command::new("setpriv")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        eprintln!("SKIPPED: setpriv (util-linux) is not installed");
+    if let Some(why) = ferry_tests::cannot_switch_user() {
+        eprintln!("SKIPPED: {why}");
         return;
     }
     // No token configured: this user's token.

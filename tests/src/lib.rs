@@ -303,6 +303,24 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
+/// Why this process cannot run another as uid nobody (`setpriv`), or None
+/// when it can: it must be root, and util-linux's setpriv installed. Tests
+/// that need another user skip with this reason.
+pub fn cannot_switch_user() -> Option<&'static str> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("needs root to run a process as uid nobody (setpriv)");
+    }
+    if std::process::Command::new("setpriv")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        return Some("setpriv (util-linux) is not installed");
+    }
+    None
+}
+
 /// A loopback TCP port free a moment ago (for processes that must be
 /// restarted on the same port).
 pub fn free_port() -> u16 {
