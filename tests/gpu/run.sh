@@ -268,8 +268,11 @@ sys.exit(not any(p["name"] == "cuda" and p["state"] == "enabled" for p in ferry.
             "$VPY" tests/gpu/python_cuda.py run --transport tcp --transports all --alloc $alloc --expect cuda-ipc --size 256M
     done
     rm -f "$OUT/python-bench.jsonl"
+    # Medians of 3 alternating runs of 1 s: one run each swung by 10-25% on
+    # this shared host (about the same device time as 1 run of 2 s).
     py_bench() {
-        "$VPY" python/bench.py --ferry "$B" --blocks 1M,16M --duration "$DUR" "$@" \
+        "$VPY" python/bench.py --ferry "$B" --blocks 1M,16M --duration "${PY_DURATION:-1}" \
+            --repeat "${PY_REPEAT:-3}" "$@" \
             --json "$OUT/python-bench.jsonl" | tee -a "$OUT/python-bench.txt"
     }
     check "python bench: host buffers" py_bench
