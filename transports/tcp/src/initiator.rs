@@ -1,6 +1,7 @@
-//! The initiator side: a peer is a set of connections; requests are packed
-//! into frames (many small requests per frame, large ones split across
-//! connections) and every frame's response completes its requests.
+//! The initiator side's connections: a peer (peer.rs) is a set of them, and
+//! packs its requests into frames (many small requests per frame, large
+//! ones split across connections); here each frame is sent and its
+//! response completes its requests.
 //!
 //! Each connection has a sender thread and a receiver thread, but the
 //! latency path avoids both: a thread wake-up costs tens of microseconds on
@@ -17,14 +18,12 @@
 
 use crate::sockio::{self, Deadline, IoSlices};
 use crate::wire::{self, Desc, Header, Kind, TAG_LEN};
-use ferry_plugins_abi::sdk::auth::{AuthError, Direction};
-use ferry_plugins_abi::sdk::deadline::DeadlineStream;
-use ferry_plugins_abi::sdk::{Completer, Op, PluginError, TransferRequest};
+use ferry_plugins_abi::sdk::auth::Direction;
+use ferry_plugins_abi::sdk::{Completer, PluginError};
 use ferry_plugins_abi::sys;
 use ferry_plugins_abi::ErrorCode;
 use std::collections::VecDeque;
-use std::io::Read;
-use std::net::{SocketAddr, TcpStream};
+use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -53,26 +52,26 @@ pub struct Settings {
 }
 
 /// Completion of one request split into parts: the last part reports.
-struct Split {
-    token: u64,
-    remaining: AtomicUsize,
-    error: Mutex<Option<PluginError>>,
+pub(crate) struct Split {
+    pub(crate) token: u64,
+    pub(crate) remaining: AtomicUsize,
+    pub(crate) error: Mutex<Option<PluginError>>,
 }
 
-enum Done {
+pub(crate) enum Done {
     Token(u64),
     Part(Arc<Split>),
 }
 
-struct Entry {
-    local: u64,
-    remote: u64,
-    len: u64,
-    done: Done,
+pub(crate) struct Entry {
+    pub(crate) local: u64,
+    pub(crate) remote: u64,
+    pub(crate) len: u64,
+    pub(crate) done: Done,
 }
 
 impl Entry {
-    fn finish(self, completer: &Completer, result: Result<(), PluginError>) {
+    pub(crate) fn finish(self, completer: &Completer, result: Result<(), PluginError>) {
         match self.done {
             Done::Token(t) => completer.complete(t, result.as_ref().map(|_| ())),
             Done::Part(split) => {
@@ -111,7 +110,7 @@ const DEEP_SLEEP_AFTER: Duration = Duration::from_secs(1);
 /// the peer may have closed it.
 const STALE_CHECK_AFTER: Duration = Duration::from_millis(500);
 /// How often a submit retries a connection that was retired under it.
-const RETIRED_RETRIES: usize = 4;
+pub(crate) const RETIRED_RETRIES: usize = 4;
 
 /// A frame on its way into the socket (the slices point into `_head`
 /// and `_tail`, whose heap buffers do not move with the struct).
@@ -178,11 +177,68 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
+    /// A connection over `stream`, authenticated, with the session's keys
+    /// (`keys`: to send, to check what comes back), and its sender and
+    /// receiver threads running.
+    pub(crate) fn start(
+        stream: TcpStream,
+        peer: String,
+        keys: (Direction, Direction),
+        completer: Completer,
+        settings: Arc<Settings>,
+    ) -> Result<Arc<Conn>, PluginError> {
+        let (tx, rx) = keys;
+        let conn = Arc::new(Conn {
+            fd: stream.as_raw_fd(),
+            stream,
+            peer,
+            state: Mutex::new(ConnState::new(tx)),
+            wake_sender: Condvar::new(),
+            wake_receiver: Condvar::new(),
+            reader: Mutex::new(rx),
+            inflight_count: AtomicUsize::new(0),
+            threads: Mutex::new(Vec::new()),
+            completer,
+            settings,
+        });
+        let (a, b) = (conn.clone(), conn.clone());
+        let sender = std::thread::Builder::new()
+            .name("ferry-tcp-send".into())
+            .spawn(move || a.clone().guarded(|| a.sender_loop()));
+        let receiver = std::thread::Builder::new()
+            .name("ferry-tcp-recv".into())
+            .spawn(move || b.clone().guarded(|| b.receiver_loop()));
+        match (sender, receiver) {
+            (Ok(s), Ok(r)) => conn
+                .threads
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend([s, r]),
+            (s, r) => {
+                conn.lock().closing = true;
+                let _ = conn.stream.shutdown(std::net::Shutdown::Both);
+                for t in [s, r].into_iter().flatten() {
+                    let _ = t.join();
+                }
+                return Err(PluginError::new(
+                    ErrorCode::NoMemory,
+                    "tcp: cannot start connection threads",
+                ));
+            }
+        }
+        Ok(conn)
+    }
+
+    /// Whether no frame is in flight on it.
+    pub(crate) fn idle(&self) -> bool {
+        self.inflight_count.load(Ordering::SeqCst) == 0
+    }
+
     fn lock(&self) -> MutexGuard<'_, ConnState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn is_broken(&self) -> bool {
+    pub(crate) fn is_broken(&self) -> bool {
         let st = self.lock();
         st.broken.is_some() || st.closing
     }
@@ -225,7 +281,7 @@ impl Conn {
     }
 
     /// Stops both threads and waits for them; in-flight requests fail.
-    fn close(&self) {
+    pub(crate) fn close(&self) {
         self.lock().closing = true;
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
         self.wake_sender.notify_all();
@@ -240,7 +296,7 @@ impl Conn {
     /// idle for half the idle timeout (the target closes it after the
     /// whole) or was closed by the peer meanwhile. Returns whether it did;
     /// the caller then connects again, transparently.
-    fn retire_if_stale(&self) -> bool {
+    pub(crate) fn retire_if_stale(&self) -> bool {
         if self.inflight_count.load(Ordering::SeqCst) != 0 {
             return false;
         }
@@ -272,7 +328,7 @@ impl Conn {
     /// Queues a frame, writing it directly when the connection is idle.
     /// A retired connection hands the entries back with `true`: the caller
     /// sends them on a new connection.
-    fn enqueue(
+    pub(crate) fn enqueue(
         self: &Arc<Self>,
         kind: Kind,
         descs: &[Desc],
@@ -781,18 +837,21 @@ fn cancelled(peer: &str) -> PluginError {
     )
 }
 
-fn connection_error(peer: &str, what: &str, detail: &str) -> PluginError {
+pub(crate) fn connection_error(peer: &str, what: &str, detail: &str) -> PluginError {
     PluginError::new(
         ErrorCode::Connection,
         format!("tcp: {what} {peer}: {detail} (the peer died or dropped the connection?)"),
     )
 }
 
-fn integrity(peer: &str, e: &ferry_plugins_abi::sdk::auth::IntegrityError) -> PluginError {
+pub(crate) fn integrity(
+    peer: &str,
+    e: &ferry_plugins_abi::sdk::auth::IntegrityError,
+) -> PluginError {
     PluginError::new(ErrorCode::Protocol, format!("tcp: {peer}: {e}"))
 }
 
-fn protocol(peer: &str, detail: &str) -> PluginError {
+pub(crate) fn protocol(peer: &str, detail: &str) -> PluginError {
     PluginError::new(
         ErrorCode::Protocol,
         format!("tcp: {peer} broke the protocol: {detail}"),
@@ -809,381 +868,4 @@ fn refused(peer: &str, e: &Entry, status: i32) -> PluginError {
         code,
         format!("tcp: {peer} refused [{:#x}, +{}): {why}", e.remote, e.len),
     )
-}
-
-/// Every live connection of an instance, for `progress`.
-#[derive(Default)]
-pub struct ConnRegistry {
-    conns: std::sync::RwLock<Vec<std::sync::Weak<Conn>>>,
-}
-
-impl ConnRegistry {
-    fn add(&self, conn: &Arc<Conn>) {
-        let mut list = self.conns.write().unwrap_or_else(|p| p.into_inner());
-        list.retain(|w| w.strong_count() > 0);
-        list.push(Arc::downgrade(conn));
-    }
-
-    /// Completes, on this thread, every response that has fully arrived.
-    pub fn progress(&self) -> usize {
-        let list = self.conns.read().unwrap_or_else(|p| p.into_inner());
-        let mut buf = Vec::new();
-        list.iter()
-            .filter_map(|w| w.upgrade())
-            .map(|c| c.try_progress(&mut buf))
-            .sum()
-    }
-}
-
-/// A peer: its address and up to `connections` connections, made on demand.
-pub struct TcpPeer {
-    name: String,
-    addr: SocketAddr,
-    /// The target instance the segment was opened on (from its endpoint).
-    instance: Option<u64>,
-    settings: Arc<Settings>,
-    completer: Completer,
-    slots: Vec<Mutex<Option<Arc<Conn>>>>,
-    next: AtomicUsize,
-    local_ip: Mutex<Option<std::net::IpAddr>>,
-    registry: Arc<ConnRegistry>,
-}
-
-impl TcpPeer {
-    pub fn new(
-        name: String,
-        addr: SocketAddr,
-        instance: Option<u64>,
-        settings: Arc<Settings>,
-        completer: Completer,
-        registry: Arc<ConnRegistry>,
-    ) -> TcpPeer {
-        let slots = (0..settings.connections.max(1))
-            .map(|_| Mutex::new(None))
-            .collect();
-        TcpPeer {
-            name,
-            addr,
-            instance,
-            settings,
-            completer,
-            slots,
-            next: AtomicUsize::new(0),
-            local_ip: Mutex::new(None),
-            registry,
-        }
-    }
-
-    /// The connection in slot `i`, connecting (again) when needed.
-    fn conn(&self, i: usize) -> Result<Arc<Conn>, PluginError> {
-        let mut slot = self.slots[i].lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = slot.as_ref() {
-            if !c.is_broken() && !c.retire_if_stale() {
-                return Ok(c.clone());
-            }
-        }
-        if let Some(old) = slot.take() {
-            old.close();
-        }
-        let (stream, session) = self.open()?;
-        let (tx, mut rx) = (session.send, session.recv);
-        let mut hello = [0u8; wire::HELLO_LEN + TAG_LEN];
-        DeadlineStream::new(&stream, self.settings.connect_timeout)
-            .read_exact(&mut hello)
-            .map_err(|e| connection_error(&self.name, "reading the hello of", &e.to_string()))?;
-        let (hello, tag) = hello.split_at(wire::HELLO_LEN);
-        rx.open(&[hello], tag)
-            .map_err(|e| integrity(&self.name, &e))?;
-        let hello: [u8; wire::HELLO_LEN] = hello.try_into().unwrap_or([0; wire::HELLO_LEN]);
-        let instance = wire::decode_hello(&hello).map_err(|e| protocol(&self.name, &e.0))?;
-        if self.instance.is_some_and(|want| want != instance) {
-            return Err(PluginError::new(
-                ErrorCode::Connection,
-                format!(
-                    // Opening an open name returns the same segment: the
-                    // advice names what re-reads the descriptor (the engine
-                    // also does on its next submit after this failure).
-                    "tcp: {} at {} is not the engine whose segment was opened (it restarted); \
-                     the next submit to it re-reads its descriptor (refresh the segment to do \
-                     it now) and uses the new engine's memory",
-                    self.name, self.addr
-                ),
-            ));
-        }
-        sockio::configure(&stream).map_err(|e| {
-            PluginError::new(ErrorCode::Io, format!("tcp: configuring a socket: {e}"))
-        })?;
-        if let Ok(local) = stream.local_addr() {
-            *self.local_ip.lock().unwrap_or_else(|p| p.into_inner()) = Some(local.ip());
-        }
-        let conn = Arc::new(Conn {
-            fd: stream.as_raw_fd(),
-            stream,
-            peer: self.name.clone(),
-            state: Mutex::new(ConnState::new(tx)),
-            wake_sender: Condvar::new(),
-            wake_receiver: Condvar::new(),
-            reader: Mutex::new(rx),
-            inflight_count: AtomicUsize::new(0),
-            threads: Mutex::new(Vec::new()),
-            completer: self.completer,
-            settings: self.settings.clone(),
-        });
-        let (a, b) = (conn.clone(), conn.clone());
-        let sender = std::thread::Builder::new()
-            .name("ferry-tcp-send".into())
-            .spawn(move || a.clone().guarded(|| a.sender_loop()));
-        let receiver = std::thread::Builder::new()
-            .name("ferry-tcp-recv".into())
-            .spawn(move || b.clone().guarded(|| b.receiver_loop()));
-        match (sender, receiver) {
-            (Ok(s), Ok(r)) => conn
-                .threads
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .extend([s, r]),
-            (s, r) => {
-                conn.lock().closing = true;
-                let _ = conn.stream.shutdown(std::net::Shutdown::Both);
-                for t in [s, r].into_iter().flatten() {
-                    let _ = t.join();
-                }
-                return Err(PluginError::new(
-                    ErrorCode::NoMemory,
-                    "tcp: cannot start connection threads",
-                ));
-            }
-        }
-        self.registry.add(&conn);
-        *slot = Some(conn.clone());
-        Ok(conn)
-    }
-
-    /// Connects and authenticates, trying again with backoff (until the
-    /// connect deadline) while the target answers BUSY.
-    fn open(&self) -> Result<(TcpStream, ferry_plugins_abi::sdk::auth::Session), PluginError> {
-        let started = Instant::now();
-        let limit = self.settings.connect_timeout;
-        let mut pause = Duration::from_millis(10);
-        loop {
-            let left = limit
-                .saturating_sub(started.elapsed())
-                .max(Duration::from_millis(100));
-            let stream = TcpStream::connect_timeout(&self.addr, left).map_err(|e| {
-                let code = if e.kind() == std::io::ErrorKind::TimedOut {
-                    ErrorCode::Timeout
-                } else {
-                    ErrorCode::Connection
-                };
-                PluginError::new(
-                    code,
-                    format!("tcp: cannot connect to {} at {}: {e}", self.name, self.addr),
-                )
-            })?;
-            let left = limit
-                .saturating_sub(started.elapsed())
-                .max(Duration::from_millis(100));
-            match ferry_plugins_abi::sdk::auth::connect(
-                &mut DeadlineStream::new(&stream, left),
-                self.settings.token.as_ref(),
-                "tcp",
-                &format!("{} at {}", self.name, self.addr),
-            ) {
-                Ok(session) => return Ok((stream, session)),
-                Err(AuthError::Busy(_)) if started.elapsed() + pause < limit => {
-                    std::thread::sleep(pause);
-                    pause = (pause * 2).min(Duration::from_millis(250));
-                }
-                Err(e) => {
-                    let code = match e {
-                        AuthError::Refused(_) => ErrorCode::Permission,
-                        AuthError::Busy(_) => ErrorCode::Busy,
-                        AuthError::Protocol(_) => ErrorCode::Connection,
-                    };
-                    return Err(PluginError::new(code, format!("tcp: {e}")));
-                }
-            }
-        }
-    }
-
-    /// The first slot whose connection has nothing in flight (or is not yet
-    /// made), else the next in round-robin order.
-    fn idle_slot(&self) -> usize {
-        for (i, slot) in self.slots.iter().enumerate() {
-            let slot = slot.lock().unwrap_or_else(|p| p.into_inner());
-            match slot.as_ref() {
-                None => return i,
-                Some(c) if c.inflight_count.load(Ordering::SeqCst) == 0 => return i,
-                Some(_) => {}
-            }
-        }
-        self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len()
-    }
-
-    /// Splits, packs and queues `requests`; all accepted or none.
-    pub fn submit(&self, requests: &[TransferRequest<'_>]) -> Result<(), PluginError> {
-        let n = self.slots.len();
-        // Work items: (op, local, remote, len, done).
-        let mut items: Vec<(Op, Entry, bool)> = Vec::with_capacity(requests.len());
-        for r in requests {
-            let mut parts = 1u64;
-            if n > 1 && r.length >= self.settings.stripe_bytes.saturating_mul(2) {
-                parts = (r.length / self.settings.stripe_bytes).min(n as u64);
-            }
-            parts = parts.max(r.length.div_ceil(wire::MAX_FRAME_PAYLOAD));
-            if parts <= 1 {
-                items.push((
-                    r.op,
-                    Entry {
-                        local: r.local_addr,
-                        remote: r.remote_addr,
-                        len: r.length,
-                        done: Done::Token(r.token),
-                    },
-                    false,
-                ));
-                continue;
-            }
-            let split = Arc::new(Split {
-                token: r.token,
-                remaining: AtomicUsize::new(parts as usize),
-                error: Mutex::new(None),
-            });
-            let part_len = r.length.div_ceil(parts);
-            let mut off = 0;
-            while off < r.length {
-                let len = part_len.min(r.length - off);
-                items.push((
-                    r.op,
-                    Entry {
-                        local: r.local_addr + off,
-                        remote: r.remote_addr + off,
-                        len,
-                        done: Done::Part(split.clone()),
-                    },
-                    true,
-                ));
-                off += len;
-            }
-        }
-
-        // Pack into frames: one op per frame, bounded by descriptors and
-        // bytes; every part of a split request starts a frame of its own so
-        // the parts land on different connections.
-        let mut frames: Vec<(Op, Vec<Entry>)> = Vec::new();
-        let mut bytes = 0u64;
-        for (op, entry, is_part) in items {
-            let start_new = match frames.last() {
-                None => true,
-                Some((fop, entries)) => {
-                    *fop != op
-                        || is_part
-                        || entries.len() >= wire::MAX_DESCS
-                        || bytes >= self.settings.frame_bytes
-                        || bytes + entry.len > wire::MAX_FRAME_PAYLOAD
-                }
-            };
-            if start_new {
-                frames.push((op, Vec::new()));
-                bytes = 0;
-            }
-            bytes += entry.len;
-            if let Some((_, entries)) = frames.last_mut() {
-                entries.push(entry);
-            }
-            if is_part {
-                // A part fills its frame alone.
-                bytes = u64::MAX / 2;
-            }
-        }
-
-        // Connect every connection we are about to use before accepting
-        // anything, so a dead peer fails the whole submit cleanly.
-        // A lone frame goes to the first idle connection, so a caller issuing
-        // one request after another keeps hitting the same target thread
-        // (which polls for its next frame); batches spread round-robin.
-        let first = if frames.len() == 1 {
-            self.idle_slot()
-        } else {
-            self.next.fetch_add(frames.len(), Ordering::Relaxed)
-        };
-        let mut conns: Vec<(usize, Arc<Conn>)> = Vec::with_capacity(frames.len().min(n));
-        for k in 0..frames.len().min(n) {
-            let i = (first + k) % n;
-            conns.push((i, self.conn(i)?));
-        }
-        for (k, (op, entries)) in frames.into_iter().enumerate() {
-            let used = conns.len();
-            let (slot, conn) = &mut conns[k % used];
-            let descs: Vec<Desc> = entries
-                .iter()
-                .map(|e| Desc {
-                    addr: e.remote,
-                    len: e.len,
-                })
-                .collect();
-            let (kind, payload): (Kind, Vec<(u64, u64)>) = match op {
-                Op::Write => (
-                    Kind::Write,
-                    entries.iter().map(|e| (e.local, e.len)).collect(),
-                ),
-                Op::Read => (Kind::Read, Vec::new()),
-            };
-            let mut entries = entries;
-            let mut attempt = 0;
-            loop {
-                match conn.enqueue(kind, &descs, &payload, entries) {
-                    Ok(()) => break,
-                    // Retired by another submit meanwhile: take its successor.
-                    Err((_, back, true)) if attempt < RETIRED_RETRIES => {
-                        attempt += 1;
-                        match self.conn(*slot) {
-                            Ok(c) => {
-                                *conn = c;
-                                entries = back;
-                            }
-                            Err(e) => {
-                                for entry in back {
-                                    entry.finish(&self.completer, Err(e.clone()));
-                                }
-                                break;
-                            }
-                        }
-                    }
-                    Err((err, back, _)) => {
-                        // Accepted already: report through completions.
-                        for entry in back {
-                            entry.finish(&self.completer, Err(err.clone()));
-                        }
-                        break;
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    pub fn describe(&self) -> String {
-        let local = *self.local_ip.lock().unwrap_or_else(|p| p.into_inner());
-        let via = local
-            .and_then(|ip| Some((ferry_plugins_abi::sdk::net::interface_with(ip)?, ip)))
-            .map(|(i, ip)| format!(" via {} ({ip})", i.name))
-            .unwrap_or_default();
-        format!(
-            "tcp to {}{via}, up to {} connections, frames of {} KiB",
-            self.addr,
-            self.slots.len(),
-            self.settings.frame_bytes / 1024
-        )
-    }
-}
-
-impl Drop for TcpPeer {
-    fn drop(&mut self) {
-        for slot in &self.slots {
-            if let Some(c) = slot.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                c.close();
-            }
-        }
-    }
 }

@@ -5,6 +5,7 @@
 //! Loaded at run time as `libferry_transport_tcp.so` through the plugin ABI.
 
 mod initiator;
+mod peer;
 mod regions;
 mod sockio;
 mod target;
@@ -17,7 +18,8 @@ use ferry_plugins_abi::sdk::{
 };
 use ferry_plugins_abi::sys;
 use ferry_plugins_abi::ErrorCode;
-use initiator::{ConnRegistry, Settings, TcpPeer};
+use initiator::Settings;
+use peer::{ConnRegistry, TcpPeer};
 use regions::Regions;
 use std::ffi::CStr;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
