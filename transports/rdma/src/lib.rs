@@ -13,6 +13,7 @@
 mod datapath;
 mod health;
 mod instance;
+mod peer;
 mod rails;
 mod state;
 mod verbs;
