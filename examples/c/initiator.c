@@ -82,12 +82,23 @@ int main(int argc, char **argv) {
     printf("OUT_OF_BOUNDS %s: %s\n", ferry_status_name(rc), ferry_last_error());
     if (rc != FERRY_ERR_OUT_OF_BOUNDS) return 1;
 
-    /* What moved, as the engine counted it (JSON; ask for the length first). */
+    /* What moved, as the engine counted it (JSON; ask for the length
+       first). The counters are live, so the text may grow between the two
+       calls: on FERRY_ERR_NO_MEMORY, `mlen` holds the new length; try again. */
     size_t mlen = 0;
-    ferry_metrics_json(engine, NULL, 0, &mlen);
-    char *metrics = malloc(mlen + 1);
-    if (metrics == NULL) return 1;
-    CHECK(ferry_metrics_json(engine, metrics, mlen + 1, NULL));
+    char *metrics = NULL;
+    ferry_status_t mrc = ferry_metrics_json(engine, NULL, 0, &mlen);
+    for (int tries = 0; tries < 8; tries++) {
+        char *grown = realloc(metrics, mlen + 1);
+        if (grown == NULL) {
+            free(metrics);
+            return 1;
+        }
+        metrics = grown;
+        mrc = ferry_metrics_json(engine, metrics, mlen + 1, &mlen);
+        if (mrc != FERRY_ERR_NO_MEMORY) break;
+    }
+    CHECK(mrc);
     if (strstr(metrics, "\"op\":\"write\"") == NULL) {
         fprintf(stderr, "metrics do not show the writes: %s\n", metrics);
         return 1;
