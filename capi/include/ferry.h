@@ -508,7 +508,9 @@ ferry_status_t ferry_info_json(char *buf, size_t cap, size_t *len);
  * traffic; route changes; registered memory; plugins' counters (the same
  * data as the Prometheus endpoint, FERRY_METRICS_LISTEN). Like the other
  * text calls: `*len` gets the full length; FERRY_ERR_NO_MEMORY when `cap`
- * is too small.
+ * is too small. The counters are live, so the text can grow between a
+ * call that asks for the length and the next: on FERRY_ERR_NO_MEMORY,
+ * call again with the new `*len` (examples/c/initiator.c).
  *
  * # Safety
  * `engine` valid; `buf` writable for `cap` bytes; `len` NULL or valid.
