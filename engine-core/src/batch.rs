@@ -543,16 +543,13 @@ mod tests {
             return;
         };
         flag.store(true, Ordering::SeqCst);
-        let until = Instant::now() + Duration::from_secs(5);
-        while b.pending.load(Ordering::SeqCst) != 0 && Instant::now() < until {
-            std::hint::spin_loop();
-        }
+        spin_until(|| b.pending.load(Ordering::SeqCst) == 0);
     }
 
-    /// Spins until `flag` is up (at most 5 s).
-    fn await_flag(flag: &AtomicBool) {
+    /// Spins until `done()` (at most 5 s).
+    fn spin_until(done: impl Fn() -> bool) {
         let until = Instant::now() + Duration::from_secs(5);
-        while !flag.load(Ordering::SeqCst) && Instant::now() < until {
+        while !done() && Instant::now() < until {
             std::hint::spin_loop();
         }
     }
@@ -567,7 +564,7 @@ mod tests {
     impl GroupObserver for Gate {
         fn finished(&self, _ok: bool) {
             self.arrived.store(true, Ordering::SeqCst);
-            await_flag(&self.in_window);
+            spin_until(|| self.in_window.load(Ordering::SeqCst));
         }
     }
 
@@ -593,7 +590,7 @@ mod tests {
         WINDOW.set(Some(in_window));
         let b2 = b.clone();
         let completer = std::thread::spawn(move || b2.complete_group(g, Ok(())));
-        await_flag(&arrived);
+        spin_until(|| arrived.load(Ordering::SeqCst));
         let (st, slept) = b.wait_reporting(Duration::from_secs(10), Duration::ZERO, || ());
         WINDOW.set(None);
         completer.join().unwrap();

@@ -197,9 +197,10 @@ impl<T: Candidate> Transports<T> {
         }
     }
 
-    /// Routes by the declared figures only (FERRY_SELECT=declared).
-    pub(crate) fn declared_only(mut self, declared: bool) -> Transports<T> {
-        self.measured = !declared;
+    /// Whether measurements correct the declarations (FERRY_SELECT:
+    /// `measured`, the default, or `declared`).
+    pub(crate) fn measured(mut self, measured: bool) -> Transports<T> {
+        self.measured = measured;
         self
     }
 

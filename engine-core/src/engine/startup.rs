@@ -260,7 +260,7 @@ impl Engine {
         let metrics_listen = config.metrics_listen.clone();
         let transports = Transports::new(transports, transport_failures, endpoints)
             .placed(&topology)
-            .declared_only(!config.select_measured);
+            .measured(config.select_measured);
         let shared = Arc::new(Shared {
             config,
             topology,

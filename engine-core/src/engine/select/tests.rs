@@ -226,7 +226,7 @@ fn declared_selection_ignores_what_was_measured() {
         declaring("boast", HOST, ANY_HOST, 400_000, 2_000),
         declaring("steady", HOST, ANY_HOST, 100_000, 2_000),
     ])
-    .declared_only(true);
+    .measured(false);
     let both = &["boast", "steady"];
     let d = descriptor("e", both, &[(0x1000, 1 << 24, "cpu:0", both)]);
     let seg = segment(1, Scope::CrossHost, d);
