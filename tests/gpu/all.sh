@@ -6,6 +6,9 @@
 #                                      # cuda-ipc included) and a GPU sweep
 #   bash tests/gpu/all.sh .gpu bench   # host memory on this machine's cores:
 #                                      # scripts/bench-shm.sh, scripts/bench-auto.sh
+#   bash tests/gpu/all.sh .gpu metrics # metrics on against off, tcp and shm;
+#                                      # BASELINE=path/to/another/ferry takes
+#                                      # turns with it in the same run
 #
 # Everything is printed; what the checks and benchmarks write goes into one
 # tarball under $OUT (the device tool brings back few files), and the
@@ -43,7 +46,16 @@ bench)
     cp "$W/bench-auto.txt" "$DEST/"
     cp target/bench-auto.jsonl "$W/" 2>/dev/null
     ;;
-*) echo "all.sh: part is gpu or bench" >&2; exit 2 ;;
+metrics)
+    for run in 1 2; do
+        for b in ${BASELINE:-} "$B"; do
+            printf '\n===== %s bench metrics-overhead (run %s)\n' "$b" "$run"
+            timeout 280 "$b" bench metrics-overhead --rounds "${ROUNDS:-20}" --duration "${DURATION:-0.2}" 2>&1 | tee -a "$W/metrics-overhead.log"
+            [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        done
+    done
+    ;;
+*) echo "all.sh: part is gpu, bench or metrics" >&2; exit 2 ;;
 esac
 tar -czf "$DEST/gpu-$PART-files.tgz" -C "$W" . 2>/dev/null
 exit "$status"

@@ -195,16 +195,16 @@ impl Shared {
     /// Where a submission of `bytes` counts: its flow (transport, or
     /// staging when `None`; local device; peer; op; memory kind).
     #[allow(clippy::too_many_arguments)]
-    fn tally(
+    fn tally<'c>(
         &self,
-        flows: &mut Flows,
+        flows: &'c mut Flows,
         transport: Option<usize>,
         op: Op,
         local: &LocalBuffer,
         mem_kind: u64,
         segment: &RemoteSegment,
         bytes: u64,
-    ) -> Option<Tally> {
+    ) -> Option<Tally<'c>> {
         if !self.metrics.enabled() {
             return None;
         }
@@ -222,6 +222,7 @@ impl Shared {
             location: local.location,
             mem_kind,
         };
+        let started = flows.started;
         let flow = self
             .metrics
             .cached_flow(&mut flows.cache, key, || FlowLabels {
@@ -236,6 +237,10 @@ impl Shared {
                 },
                 memory: memory_label(mem_kind),
             })?;
-        Some(Tally::new(flow, bytes, flows.started))
+        Some(Tally {
+            flow,
+            bytes,
+            started,
+        })
     }
 }

@@ -1,6 +1,6 @@
 //! Flows: requests of one transport, local device, peer, op and memory
-//! kind. Each keeps relaxed atomic counters, found once per submission and
-//! updated once per completion, and shares a latency histogram per
+//! kind. Each keeps relaxed atomic counters, found once per batch and
+//! added to by batches (`tally`), and shares a latency histogram per
 //! (transport, op) and size class.
 
 use super::histogram::Histogram;
@@ -24,7 +24,12 @@ impl Stamp {
 
     /// Nanoseconds from this moment to now.
     pub fn elapsed_ns(self) -> u64 {
-        CLOCK.delta_as_nanos(self.0, CLOCK.raw())
+        self.ns_until(Stamp::now())
+    }
+
+    /// Nanoseconds from this moment to `later` (0 if it is not later).
+    pub fn ns_until(self, later: Stamp) -> u64 {
+        CLOCK.delta_as_nanos(self.0, later.0)
     }
 }
 
@@ -121,21 +126,25 @@ impl Flow {
         }
     }
 
-    /// One submission of `requests` user requests and `bytes` finished.
-    pub fn finish(&self, requests: usize, bytes: u64, ns: u64, failed: Option<ErrorCode>) {
-        let requests = requests as u64;
+    /// Adds what a batch gathered: `submissions` that finished, of
+    /// `requests` user requests and `bytes` in all.
+    pub fn add(&self, submissions: u64, requests: u64, bytes: u64) {
+        self.submissions.fetch_add(submissions, Ordering::Relaxed);
+        self.requests.fetch_add(requests, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// One submission of `requests` user requests and `bytes` failed with
+    /// `code`.
+    pub fn fail(&self, requests: usize, bytes: u64, code: ErrorCode) {
         self.submissions.fetch_add(1, Ordering::Relaxed);
-        match failed {
-            None => {
-                self.requests.fetch_add(requests, Ordering::Relaxed);
-                self.bytes.fetch_add(bytes, Ordering::Relaxed);
-                self.latency.by_size[size_class(bytes)].record(ns);
-            }
-            Some(code) => {
-                self.failures[code_index(code)].fetch_add(requests, Ordering::Relaxed);
-                self.failed_bytes.fetch_add(bytes, Ordering::Relaxed);
-            }
-        }
+        self.failures[code_index(code)].fetch_add(requests as u64, Ordering::Relaxed);
+        self.failed_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// The latency histogram of submissions in size class `class`.
+    pub fn latency(&self, class: usize) -> &Histogram {
+        &self.latency.by_size[class.min(SIZE_CLASSES.len() - 1)]
     }
 
     pub fn snapshot(&self) -> FlowCounts {
@@ -160,33 +169,6 @@ impl Flow {
     }
 }
 
-/// One submission in flight: which flow it counts in, how many bytes,
-/// since when. Carried by the batch's completion group.
-#[derive(Debug)]
-pub struct Tally {
-    pub flow: Arc<Flow>,
-    pub bytes: u64,
-    pub started: Stamp,
-}
-
-impl Tally {
-    /// A submission of `bytes` counted in `flow`, submitted at `started`
-    /// (read once per batch: a clock read per request would cost more than
-    /// the counting).
-    pub fn new(flow: Arc<Flow>, bytes: u64, started: Stamp) -> Tally {
-        Tally {
-            flow,
-            bytes,
-            started,
-        }
-    }
-
-    pub fn finish(self, requests: usize, failed: Option<ErrorCode>) {
-        self.flow
-            .finish(requests, self.bytes, self.started.elapsed_ns(), failed);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -207,9 +189,11 @@ mod tests {
     #[test]
     fn successes_and_failures_count_apart() {
         let f = flow();
-        f.finish(3, 3 << 12, 1000, None);
-        f.finish(1, 1 << 20, 1000, None);
-        f.finish(2, 100, 0, Some(ErrorCode::OutOfBounds));
+        f.add(1, 3, 3 << 12);
+        f.latency(size_class(3 << 12)).record(1000);
+        f.add(1, 1, 1 << 20);
+        f.latency(size_class(1 << 20)).record(1000);
+        f.fail(2, 100, ErrorCode::OutOfBounds);
         let s = f.snapshot();
         assert_eq!(
             (s.requests, s.bytes, s.submissions),

@@ -1,5 +1,6 @@
 //! A latency histogram cheap enough for every completion: fixed buckets
-//! (powers of two of a microsecond), one relaxed atomic add per sample.
+//! (powers of two of a microsecond). Batches gather their samples in
+//! [`Samples`] and add them in one go: relaxed atomic adds per batch.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -27,6 +28,21 @@ pub struct HistogramSnapshot {
     pub sum_seconds: f64,
 }
 
+/// Samples not yet added to a histogram: plain numbers, owned by one
+/// batch.
+#[derive(Clone, Debug, Default)]
+pub struct Samples {
+    buckets: [u32; BOUNDS + 1],
+    sum_ns: u64,
+}
+
+impl Samples {
+    pub fn record(&mut self, ns: u64) {
+        self.buckets[bucket_of(ns)] += 1;
+        self.sum_ns += ns;
+    }
+}
+
 /// The bucket that holds `ns`: the first whose bound is not below it.
 fn bucket_of(ns: u64) -> usize {
     let us = ns.div_ceil(1000);
@@ -41,6 +57,17 @@ impl Histogram {
     pub fn record(&self, ns: u64) {
         self.buckets[bucket_of(ns)].fetch_add(1, Ordering::Relaxed);
         self.sum_ns.fetch_add(ns, Ordering::Relaxed);
+    }
+
+    /// Adds `samples` and clears them.
+    pub fn take(&self, samples: &mut Samples) {
+        for (b, n) in self.buckets.iter().zip(&mut samples.buckets) {
+            if *n > 0 {
+                b.fetch_add(u64::from(std::mem::take(n)), Ordering::Relaxed);
+            }
+        }
+        self.sum_ns
+            .fetch_add(std::mem::take(&mut samples.sum_ns), Ordering::Relaxed);
     }
 
     pub fn snapshot(&self) -> HistogramSnapshot {
@@ -91,5 +118,19 @@ mod tests {
             "the slow one is only in +Inf"
         );
         assert!((s.sum_seconds - 40.0000035).abs() < 1e-9);
+    }
+
+    #[test]
+    fn samples_taken_in_one_go_count_as_recorded_one_by_one() {
+        let (one, many) = (Histogram::default(), Histogram::default());
+        let mut samples = Samples::default();
+        for ns in [500, 1500, 1500, 3_000_000] {
+            one.record(ns);
+            samples.record(ns);
+        }
+        many.take(&mut samples);
+        assert_eq!(one.snapshot(), many.snapshot());
+        many.take(&mut samples);
+        assert_eq!(one.snapshot(), many.snapshot(), "taking clears the samples");
     }
 }

@@ -1,10 +1,10 @@
 //! Metrics: what the engine moved, where, how fast, and what failed;
-//! cheap enough to stay on (one map lookup per submission, relaxed atomic
-//! adds per completion). Read through `Engine::metrics()`, the C and
+//! cheap enough to stay on (a map lookup per batch, plain adds per
+//! completion, relaxed atomic adds per batch). Read through `Engine::metrics()`, the C and
 //! Python APIs, and the Prometheus endpoint (FERRY_METRICS_LISTEN).
 //!
-//! - `histogram`: latency buckets; `flow`: one flow's counters and the
-//!   tally a submission carries to its completion;
+//! - `histogram`: latency buckets; `flow`: one flow's counters;
+//! - `tally`: a batch's counts on their way to its flows;
 //! - `snapshot`: the plain data read out; `prometheus`: its text format;
 //! - `server`: the HTTP endpoint.
 
@@ -13,10 +13,12 @@ pub mod histogram;
 pub mod prometheus;
 pub mod server;
 pub mod snapshot;
+pub mod tally;
 
-pub use flow::{Flow, FlowLabels, Latencies, Stamp, Tally};
+pub use flow::{Flow, FlowLabels, Latencies, Stamp};
 pub use server::MetricsServer;
 pub use snapshot::MetricsSnapshot;
+pub use tally::{BatchTally, GroupTally, Tally};
 
 use crate::counters::PluginCounters;
 use crate::id_map::IdMap;
@@ -131,23 +133,19 @@ impl Metrics {
     }
 
     /// [`Metrics::flow`] through `cache`.
-    pub fn cached_flow(
+    pub fn cached_flow<'c>(
         &self,
-        cache: &mut FlowCache,
+        cache: &'c mut FlowCache,
         key: FlowKey,
         labels: impl FnOnce() -> FlowLabels,
-    ) -> Option<Arc<Flow>> {
+    ) -> Option<&'c Arc<Flow>> {
         if !self.enabled() {
             return None;
         }
-        if let Some((k, f)) = &cache.0 {
-            if *k == key {
-                return Some(f.clone());
-            }
+        if !matches!(&cache.0, Some((k, _)) if *k == key) {
+            cache.0 = Some((key, self.flow(key, labels)?));
         }
-        let f = self.flow(key, labels)?;
-        cache.0 = Some((key, f.clone()));
-        Some(f)
+        cache.0.as_ref().map(|(_, f)| f)
     }
 
     /// The flow of `key`, created with `labels()` at its first use; `None`
@@ -339,7 +337,7 @@ mod tests {
         let a = m.flow(key(1), || labels("p")).unwrap();
         let b = m.flow(key(2), || labels("p")).unwrap();
         assert!(Arc::ptr_eq(&a, &b));
-        a.finish(1, 10, 5, None);
+        a.add(1, 1, 10);
         assert_eq!(m.snapshot().flows.len(), 1);
         let off = Metrics::new(false, Arc::default());
         assert!(off.flow(key(1), || labels("p")).is_none());
