@@ -8,10 +8,10 @@
 use crate::error::{Error, ErrorCode, Result};
 use crate::id_map::IdMap;
 use crate::memory::LocalBuffer;
-use crate::metrics::{BatchTally, GroupTally, Stamp, Tally};
+use crate::metrics::{BatchTally, GroupTally, Tally};
 use crate::transport::CompletionSink;
 use parking_lot::{Condvar, Mutex, RwLock};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -138,8 +138,6 @@ pub struct Batch {
     state: Mutex<BatchState>,
     pending: AtomicUsize,
     done: Condvar,
-    /// Some group counts in the metrics: completions read the clock.
-    timed: AtomicBool,
 }
 
 impl Batch {
@@ -174,9 +172,6 @@ impl Batch {
         tally: Option<Tally<'_>>,
     ) -> u64 {
         local.inflight.fetch_add(count, Ordering::SeqCst);
-        if tally.is_some() && !self.timed.load(Ordering::Relaxed) {
-            self.timed.store(true, Ordering::Relaxed);
-        }
         let mut st = self.state.lock();
         let tally = tally.map(|t| st.tally.add(t));
         st.groups.push(Group {
@@ -200,9 +195,6 @@ impl Batch {
 
     /// Finishes a group (from a plugin, or the engine when submit failed).
     pub(crate) fn complete_group(&self, group: usize, result: std::result::Result<(), Error>) {
-        // Read before the lock: copy threads finish groups of one batch
-        // at once and queue on it, so what it covers is kept short.
-        let now = self.timed.load(Ordering::Relaxed).then(Stamp::now);
         let mut st = self.state.lock();
         let Some(g) = st.groups.get_mut(group) else {
             log::warn!(
@@ -223,11 +215,9 @@ impl Batch {
         let local = g.local.clone();
         let observer = g.observer.take();
         if let Some(t) = g.tally.take() {
-            let now = now.unwrap_or_else(Stamp::now);
-            st.tally
-                .finish(t, count, result.as_ref().err().map(|e| e.code), now);
             let idle = st.requests_pending() == count;
-            st.tally.flush_if_due(idle, now);
+            st.tally
+                .finish(t, count, result.as_ref().err().map(|e| e.code), idle);
         }
         local.inflight.fetch_sub(count, Ordering::SeqCst);
         self.finish(st, start, count, result, observer);
@@ -442,7 +432,6 @@ impl BatchTable {
             state: Mutex::new(BatchState::default()),
             pending: AtomicUsize::new(0),
             done: Condvar::new(),
-            timed: AtomicBool::new(false),
         });
         self.batches.write().insert(id, batch.clone());
         Ok(batch)

@@ -41,6 +41,10 @@ impl Samples {
         self.buckets[bucket_of(ns)] += 1;
         self.sum_ns += ns;
     }
+
+    pub fn is_empty(&self) -> bool {
+        self.buckets.iter().all(|n| *n == 0)
+    }
 }
 
 /// The bucket that holds `ns`: the first whose bound is not below it.
