@@ -11,6 +11,7 @@ use crate::memory::LocalBuffer;
 use crate::metrics::{BatchTally, GroupTally, Tally};
 use crate::transport::CompletionSink;
 use parking_lot::{Condvar, Mutex, RwLock};
+use smallvec::SmallVec;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -105,8 +106,9 @@ struct Group {
 
 #[derive(Default)]
 struct BatchState {
-    statuses: Vec<RequestStatus>,
-    groups: Vec<Group>,
+    /// Inline for one request (a synchronous transfer allocates none).
+    statuses: SmallVec<[RequestStatus; 1]>,
+    groups: SmallVec<[Group; 1]>,
     completed: usize,
     failed: usize,
     first_error: Option<(usize, Error)>,

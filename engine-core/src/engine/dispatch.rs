@@ -13,14 +13,15 @@ use crate::error::{Error, ErrorCode, Result};
 use crate::memory::{LocalBuffer, Visibility};
 use crate::metrics::{memory_label, FlowCache, FlowKey, FlowLabels, Stamp, Tally, STAGING_SLOT};
 use ferry_plugins_abi::sys;
+use smallvec::SmallVec;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// Requests for one (segment, transport), each with its index in the
-/// plan's `routed`.
+/// plan's `routed` (a few inline: most submissions are small).
 type TargetGroup = (
     (SegmentId, usize),
-    Vec<(sys::ferry_transfer_request_t, usize)>,
+    SmallVec<[(sys::ferry_transfer_request_t, usize); 4]>,
 );
 
 impl Shared {
@@ -57,7 +58,7 @@ impl Shared {
             );
             item.group = group_of(batch.add_group(base + *i, 1, item.local.clone(), tally));
         }
-        let mut by_target: Vec<TargetGroup> = Vec::new();
+        let mut by_target: SmallVec<[TargetGroup; 1]> = SmallVec::new();
         for (n, p) in routed.iter().enumerate() {
             let registration = p.local.registration(p.transport);
             let local_mem = registration.map(|r| r.handle).unwrap_or(0);
@@ -91,7 +92,7 @@ impl Shared {
                         .route_used(p.segment.id, mem_kind, p.transport, || {
                             p.segment.name.clone()
                         });
-                    by_target.push((key, vec![(raw, n)]))
+                    by_target.push((key, smallvec::smallvec![(raw, n)]))
                 }
             }
         }
@@ -145,7 +146,8 @@ impl Shared {
                 continue;
             };
             let seg = p.segment.clone();
-            let raw: Vec<sys::ferry_transfer_request_t> = list.iter().map(|(r, _)| *r).collect();
+            let raw: SmallVec<[sys::ferry_transfer_request_t; 8]> =
+                list.iter().map(|(r, _)| *r).collect();
             let t = &self.transports[transport];
             let result = seg.peer(transport, t).and_then(|peer| {
                 // One sample of what this transport delivers to this peer,

@@ -10,6 +10,7 @@ use super::shared::Shared;
 use crate::error::{Error, ErrorCode, Result};
 use crate::memory::{LocalBuffer, TransportRegistration, Visibility};
 use crate::transport::Transport;
+use smallvec::SmallVec;
 use std::sync::Arc;
 
 impl Peers for Shared {
@@ -92,10 +93,10 @@ impl Peers for Shared {
         let t = &self.transports[transport];
         // The verdict is per pair when the local buffer is registered with
         // the transport (the plugin's accepts_pair), else per remote key.
-        let memo: Vec<u8> = match local_mem {
-            Some(h) => [key, &h.to_le_bytes()[..]].concat(),
-            None => key.to_vec(),
-        };
+        let mut memo: SmallVec<[u8; 128]> = SmallVec::from_slice(key);
+        if let Some(h) = local_mem {
+            memo.extend_from_slice(&h.to_le_bytes());
+        }
         acceptance(seg, transport, &t.name, &memo, || {
             let strip = |m: String| -> String {
                 m.strip_prefix(&format!("{}: ", t.name))

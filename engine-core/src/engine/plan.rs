@@ -10,6 +10,7 @@ use super::select::{Candidate, Choice, Transports, Want};
 use crate::error::{Error, ErrorCode, Result};
 use crate::id_map::IdMap;
 use crate::memory::{LocalBuffer, MemoryRegistry};
+use smallvec::SmallVec;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -71,13 +72,48 @@ pub(crate) struct Plan {
     pub(crate) requests: usize,
     /// Requests of length 0, by index: they move nothing and succeed.
     pub(crate) empty: Vec<usize>,
-    pub(crate) routed: Vec<Pending>,
+    /// Inline for one (a synchronous transfer allocates none).
+    pub(crate) routed: SmallVec<[Pending; 1]>,
     /// Staged requests, each with its index in the submitted list.
     pub(crate) staged: Vec<(usize, StagedItem)>,
 }
 
+/// A segment as one plan sees it: its view, and whether it was re-read.
+type SegState = (Arc<RemoteSegment>, Arc<RemoteView>, bool);
+
+/// The segments a plan has looked up: a few inline (a batch mostly goes to
+/// one peer), a map past those.
+#[derive(Default)]
+struct SegTable {
+    few: SmallVec<[(SegmentId, SegState); 2]>,
+    many: IdMap<SegmentId, SegState>,
+}
+
+impl SegTable {
+    const FEW: usize = 8;
+
+    fn get_or_insert(
+        &mut self,
+        id: SegmentId,
+        make: impl FnOnce() -> Result<SegState>,
+    ) -> Result<&mut SegState> {
+        if let Some(i) = self.few.iter().position(|(k, _)| *k == id) {
+            return Ok(&mut self.few[i].1);
+        }
+        if self.few.len() < Self::FEW {
+            self.few.push((id, make()?));
+            let last = self.few.len() - 1;
+            return Ok(&mut self.few[last].1);
+        }
+        match self.many.entry(id) {
+            std::collections::hash_map::Entry::Occupied(e) => Ok(e.into_mut()),
+            std::collections::hash_map::Entry::Vacant(e) => Ok(e.insert(make()?)),
+        }
+    }
+}
+
 /// What a route depends on: segment, remote buffer, local buffer, hint.
-type RouteMemo = (SegmentId, usize, *const LocalBuffer, Option<String>);
+type RouteMemo<'r> = (SegmentId, usize, *const LocalBuffer, Option<&'r str>);
 
 /// Plans requests over an engine's state (or a test's).
 pub(crate) struct Planner<'a, T> {
@@ -147,9 +183,8 @@ impl<T: Candidate> Planner<'_, T> {
         requests: &[Request],
         slots: Option<&Arc<RemoteView>>,
     ) -> Result<Plan> {
-        let mut routed: Vec<Pending> = Vec::with_capacity(requests.len());
-        let mut segs: IdMap<SegmentId, (Arc<RemoteSegment>, Arc<RemoteView>, bool)> =
-            IdMap::default();
+        let mut routed: SmallVec<[Pending; 1]> = SmallVec::with_capacity(requests.len());
+        let mut segs = SegTable::default();
         let mut last_route: Option<(RouteMemo, usize, Arc<[u8]>)> = None;
         let mut staged: Vec<(usize, StagedItem)> = Vec::new();
         let mut empty: Vec<usize> = Vec::new();
@@ -161,22 +196,19 @@ impl<T: Candidate> Planner<'_, T> {
                 continue;
             }
             let local = self.local_buffer(i, r.local_addr, r.length)?;
-            let entry = match segs.entry(r.segment) {
-                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    let seg = self.segments.get(r.segment)?;
-                    // After a failed connection, look again once: a
-                    // restarted peer's requests then fail (or succeed) on
-                    // its current memory, not on the old process's. A peer
-                    // still unreachable keeps the old view.
-                    let refreshed = seg.stale.swap(false, Ordering::Relaxed);
-                    let view = match refreshed.then(|| self.peers.refresh(&seg)) {
-                        Some(Ok(v)) => v,
-                        _ => seg.view.read().clone(),
-                    };
-                    e.insert((seg, view, refreshed))
-                }
-            };
+            let entry = segs.get_or_insert(r.segment, || {
+                let seg = self.segments.get(r.segment)?;
+                // After a failed connection, look again once: a restarted
+                // peer's requests then fail (or succeed) on its current
+                // memory, not on the old process's. A peer still
+                // unreachable keeps the old view.
+                let refreshed = seg.stale.swap(false, Ordering::Relaxed);
+                let view = match refreshed.then(|| self.peers.refresh(&seg)) {
+                    Some(Ok(v)) => v,
+                    _ => seg.view.read().clone(),
+                };
+                Ok((seg, view, refreshed))
+            })?;
             let mut view = slots.unwrap_or(&entry.1).clone();
             let mut remote = view.find(r.remote_addr, r.length);
             if remote.is_none() && !entry.2 && slots.is_none() {
@@ -227,7 +259,7 @@ impl<T: Candidate> Planner<'_, T> {
             }
             // Requests of one batch mostly share their buffers: route the
             // first of a run, reuse the answer for the rest.
-            let memo_key = (r.segment, remote, Arc::as_ptr(&local), r.transport.clone());
+            let memo_key = (r.segment, remote, Arc::as_ptr(&local), hint);
             let (transport, remote_key) = match &last_route {
                 Some((k, t, key)) if *k == memo_key => (*t, key.clone()),
                 _ => {

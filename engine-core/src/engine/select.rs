@@ -25,6 +25,7 @@ use crate::transport::Transport;
 use ferry_loader::DeviceReport;
 use ferry_plugins_abi::sys;
 use parking_lot::Mutex;
+use smallvec::SmallVec;
 use std::ops::Deref;
 use std::sync::Arc;
 
@@ -253,53 +254,48 @@ impl<T: Candidate> Transports<T> {
             explain,
         } = *want;
         let remote_buf = &view.buffers[remote];
-        let mut candidates: Vec<Scored> = Vec::new();
-        let mut rejected: Vec<String> = Vec::new();
+        let mut candidates: SmallVec<[Scored; 4]> = SmallVec::new();
+        // Why each other transport cannot serve, in words only if nothing
+        // can (the common case never formats them).
+        let mut rejected: SmallVec<[(usize, Refusal); 4]> = SmallVec::new();
         // Only a device placed in the topology needs the location's name.
-        let location = if self.links.iter().flatten().any(|l| !l.classes.is_empty()) {
-            local.location.to_string()
-        } else {
-            String::new()
-        };
+        let mut location = LocationName::default();
+        if self.links.iter().flatten().any(|l| !l.classes.is_empty()) {
+            use std::fmt::Write;
+            let _ = write!(location, "{}", local.location);
+        }
         for (i, t) in self.list.iter().enumerate() {
             let name = t.name();
             if hint.is_some_and(|h| h != name) {
                 continue;
             }
-            let verdict = if local.visibility == Visibility::Unregistered
+            let refusal = if local.visibility == Visibility::Unregistered
                 && local.registration(i).is_none()
             {
-                Some(format!(
-                    "{name} needs local memory registered (register [{:#x}, {:#x}) with \
-                     register_memory first)",
-                    local.addr,
-                    local.end()
-                ))
+                Some(Refusal::NeedsRegistration)
             } else if local.device.is_some() && local.registration(i).is_none() {
-                Some(format!(
-                    "{name} did not register this {} memory directly",
-                    local.location
-                ))
+                Some(Refusal::NotDirect)
             } else if local.device.is_none() && t.mem_kinds() & local.mem_kind == 0 {
-                Some(format!("{name} cannot move {} memory", local.location))
+                Some(Refusal::CannotMove)
             } else if !crate::transport::scope_served(t.scopes(), seg.scope.raw()) {
-                Some(format!(
-                    "{name} cannot reach a peer on {}",
-                    seg.scope.as_str()
-                ))
+                Some(Refusal::CannotReach)
             } else if !view.endpoints.contains_key(name) {
-                Some(format!("{name} does not run at the peer"))
+                Some(Refusal::NotAtPeer)
             } else if !remote_buf.keys.contains_key(name) {
-                Some(format!(
-                    "{name} did not register the peer's buffer at {:#x}",
-                    remote_buf.addr
-                ))
+                Some(Refusal::NoKey)
             } else {
                 None
             };
-            match verdict {
-                Some(v) => rejected.push(v),
-                None => candidates.push(self.score(i, local, &location, seg.id, seg.scope, bytes)),
+            match refusal {
+                Some(r) => rejected.push((i, r)),
+                None => candidates.push(self.score(
+                    i,
+                    local,
+                    location.as_str(),
+                    seg.id,
+                    seg.scope,
+                    bytes,
+                )),
             }
         }
         let key: RouteKey = (seg.id, local.mem_kind, bytes >= BANDWIDTH_MIN_BYTES);
@@ -317,11 +313,17 @@ impl<T: Candidate> Transports<T> {
                     chosen = Some(n);
                     break;
                 }
-                Err(why) => rejected.push(format!("{name} declined: {why}")),
+                Err(why) => rejected.push((c.transport, Refusal::Declined(why))),
             }
         }
+        let explained = || -> Vec<String> {
+            rejected
+                .iter()
+                .map(|(i, r)| r.explain(self.list[*i].name(), local, seg, remote_buf.addr))
+                .collect()
+        };
         let Some(best) = chosen else {
-            return Err(nothing_serves(local, seg, hint, &rejected));
+            return Err(nothing_serves(local, seg, hint, &explained()));
         };
         // A transport further down the list serves only because those
         // before it declined: it won as the fastest of the rest.
@@ -391,7 +393,7 @@ impl<T: Candidate> Transports<T> {
             reason.push_str(&format!("; preferred over {}", others.join(", ")));
         }
         if !rejected.is_empty() {
-            reason.push_str(&format!("; not usable: {}", rejected.join("; ")));
+            reason.push_str(&format!("; not usable: {}", explained().join("; ")));
         }
         Ok(Choice {
             transport: won.transport,
@@ -645,6 +647,66 @@ fn reach(scopes: u32) -> &'static str {
         "reaches processes of this host"
     } else {
         "copies within this process"
+    }
+}
+
+/// A memory location's name ("cuda:12"), formatted on the stack: selection
+/// runs for every batch.
+#[derive(Default)]
+struct LocationName {
+    bytes: [u8; 24],
+    len: usize,
+}
+
+impl LocationName {
+    fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.bytes[..self.len]).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Write for LocationName {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let end = self.len + s.len();
+        let room = self.bytes.get_mut(self.len..end).ok_or(std::fmt::Error)?;
+        room.copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
+    }
+}
+
+/// Why a transport cannot serve a request.
+enum Refusal {
+    NeedsRegistration,
+    NotDirect,
+    CannotMove,
+    CannotReach,
+    NotAtPeer,
+    NoKey,
+    /// The peer's plugin said no, and why.
+    Declined(String),
+}
+
+impl Refusal {
+    /// In words, for transport `name`, local buffer `local`, segment `seg`
+    /// and the peer's buffer at `remote`.
+    fn explain(&self, name: &str, local: &LocalBuffer, seg: &RemoteSegment, remote: u64) -> String {
+        match self {
+            Refusal::NeedsRegistration => format!(
+                "{name} needs local memory registered (register [{:#x}, {:#x}) with \
+                 register_memory first)",
+                local.addr,
+                local.end()
+            ),
+            Refusal::NotDirect => format!(
+                "{name} did not register this {} memory directly",
+                local.location
+            ),
+            Refusal::CannotMove => format!("{name} cannot move {} memory", local.location),
+            Refusal::CannotReach => format!("{name} cannot reach a peer on {}", seg.scope.as_str()),
+            Refusal::NotAtPeer => format!("{name} does not run at the peer"),
+            Refusal::NoKey => format!("{name} did not register the peer's buffer at {remote:#x}"),
+            Refusal::Declined(why) => format!("{name} declined: {why}"),
+        }
     }
 }
 

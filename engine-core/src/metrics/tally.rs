@@ -16,6 +16,7 @@
 use super::flow::{size_class, Flow, Stamp};
 use super::histogram::Samples;
 use ferry_plugins_abi::ErrorCode;
+use smallvec::SmallVec;
 use std::sync::Arc;
 
 /// About the longest a finished request's counts wait in its batch before
@@ -77,7 +78,7 @@ impl Entry {
 #[derive(Default)]
 pub struct BatchTally {
     /// Few: a batch mostly goes to one peer over one transport.
-    entries: Vec<Entry>,
+    entries: SmallVec<[Entry; 1]>,
     /// When counts were last added to the flows (or the first hand-over).
     flushed: Option<Stamp>,
     /// Completions since the clock was last read.

@@ -21,6 +21,9 @@ pub const MIN_PART: u64 = 64 << 10;
 /// Most iovecs one process_vm_readv/writev takes (the kernel's UIO_MAXIOV).
 const IOV_MAX: usize = 1024;
 
+/// A stretch's iovecs: a small one's on the stack.
+type Iovecs = smallvec::SmallVec<[libc::iovec; 16]>;
+
 /// One request's copy (or a slice of it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Piece {
@@ -215,8 +218,8 @@ unsafe fn cma_run(pid: i32, run: &[Piece], failed: &mut Vec<(usize, Failure)>) {
             .position(|p| p.op != op)
             .map_or((start + IOV_MAX).min(run.len()), |n| start + n);
         let stretch = &run[start..end];
-        let local: Vec<libc::iovec> = stretch.iter().map(|p| iov(p.local, p.len)).collect();
-        let remote: Vec<libc::iovec> = stretch.iter().map(|p| iov(p.remote, p.len)).collect();
+        let local: Iovecs = stretch.iter().map(|p| iov(p.local, p.len)).collect();
+        let remote: Iovecs = stretch.iter().map(|p| iov(p.remote, p.len)).collect();
         // SAFETY: the caller's contract on every local range; the kernel
         // checks the remote ones against the peer's address space.
         let moved = unsafe { cma::vectored(pid, op == Op::Write, &local, &remote) };

@@ -52,6 +52,7 @@ use ferry_plugins_abi::sdk::{
 use ferry_plugins_abi::sys;
 use ferry_plugins_abi::ErrorCode;
 use memory::{Mapping, SharedFile};
+use smallvec::SmallVec;
 use std::collections::{HashMap, HashSet};
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -604,7 +605,7 @@ impl TransportInstance for ShmInstance {
         // Requests of a batch mostly name the same buffer: decode a key once
         // per run of requests that repeat it, and map what is not mapped yet
         // before taking the copy lock.
-        let mut keys: Vec<Option<Key>> = Vec::with_capacity(requests.len());
+        let mut keys: SmallVec<[Option<Key>; 8]> = SmallVec::with_capacity(requests.len());
         let mut last: Option<(&[u8], Option<Key>)> = None;
         for r in requests {
             let key = match last {
@@ -621,7 +622,8 @@ impl TransportInstance for ShmInstance {
             keys.push(key);
         }
         let mem = peer.state.copying.read().unwrap_or_else(|p| p.into_inner());
-        let (mut mapped, mut cma) = (Vec::new(), Vec::new());
+        let (mut mapped, mut cma): (SmallVec<[Piece; 8]>, SmallVec<[Piece; 8]>) =
+            Default::default();
         let (mut mapped_bytes, mut cma_bytes) = (0u64, 0u64);
         for (i, (r, key)) in requests.iter().zip(&keys).enumerate() {
             let piece = |remote| Piece {
