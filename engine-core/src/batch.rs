@@ -187,11 +187,19 @@ impl Batch {
         token(self.id, st.groups.len() - 1)
     }
 
-    /// Has `observer` told when group `group` finishes; set before the
-    /// group is handed to a transport.
-    pub(crate) fn observe(&self, group: usize, observer: Arc<dyn GroupObserver>) {
-        if let Some(g) = self.state.lock().groups.get_mut(group) {
-            g.observer = Some(observer);
+    /// Has `observer` told when each of `groups` finishes (under one
+    /// lock for a whole hand-over); set before they are handed to a
+    /// transport.
+    pub(crate) fn observe(
+        &self,
+        groups: impl IntoIterator<Item = usize>,
+        observer: &Arc<dyn GroupObserver>,
+    ) {
+        let mut st = self.state.lock();
+        for group in groups {
+            if let Some(g) = st.groups.get_mut(group) {
+                g.observer = Some(observer.clone());
+            }
         }
     }
 
@@ -587,13 +595,11 @@ mod tests {
         let g = group_of(b.add_group(start, 1, local(), None));
         let arrived = Arc::new(AtomicBool::new(false));
         let in_window = Arc::new(AtomicBool::new(false));
-        b.observe(
-            g,
-            Arc::new(Gate {
-                arrived: arrived.clone(),
-                in_window: in_window.clone(),
-            }),
-        );
+        let gate: Arc<dyn GroupObserver> = Arc::new(Gate {
+            arrived: arrived.clone(),
+            in_window: in_window.clone(),
+        });
+        b.observe([g], &gate);
         WINDOW.set(Some(in_window));
         let b2 = b.clone();
         let completer = std::thread::spawn(move || b2.complete_group(g, Ok(())));

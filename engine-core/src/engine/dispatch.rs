@@ -8,7 +8,7 @@ use super::plan::{Plan, StagedItem};
 use super::request::{Op, SegmentId};
 use super::segments::RemoteSegment;
 use super::shared::Shared;
-use crate::batch::{group_of, Batch};
+use crate::batch::{group_of, Batch, GroupObserver};
 use crate::error::{Error, ErrorCode, Result};
 use crate::memory::{LocalBuffer, Visibility};
 use crate::metrics::{memory_label, FlowCache, FlowKey, FlowLabels, Stamp, Tally, STAGING_SLOT};
@@ -152,16 +152,14 @@ impl Shared {
             let result = seg.peer(transport, t).and_then(|peer| {
                 // One sample of what this transport delivers to this peer,
                 // timed from the hand-over to the last completion.
-                let flight = Flight::start(
+                let flight: Arc<dyn GroupObserver> = Flight::start(
                     self.transports.meter.clone(),
                     seg_id,
                     transport,
                     raw.len(),
                     raw.iter().map(|r| r.length).sum(),
                 );
-                for r in &raw {
-                    batch.observe(group_of(r.token), flight.clone());
-                }
+                batch.observe(raw.iter().map(|r| group_of(r.token)), &flight);
                 t.submit(&peer, &raw)
             });
             if let Err(e) = result {

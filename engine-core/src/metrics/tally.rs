@@ -210,8 +210,7 @@ impl Drop for BatchTally {
 
 #[cfg(test)]
 mod tests {
-    use super::super::flow::{Latencies, SIZE_CLASSES};
-    use super::super::FlowLabels;
+    use super::super::flow::{FlowLabels, Latencies, SIZE_CLASSES};
     use super::*;
 
     fn flow() -> Arc<Flow> {
