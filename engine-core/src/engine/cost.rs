@@ -13,7 +13,7 @@
 //! Plugins that declare nothing (ABI 1.0 and 1.1) get conservative figures
 //! by the widest scope they reach. Nothing here reads a transport's name.
 
-use crate::topology::{PathClass, Topology};
+use crate::topology::{MemoryLocation, PathClass, Topology};
 use ferry_loader::DeviceReport;
 use ferry_plugins_abi::sys;
 
@@ -84,7 +84,7 @@ pub(crate) struct Link {
     pub(crate) bandwidth_mbps: Option<u64>,
     pub(crate) latency_ns: Option<u32>,
     /// (location, path class) for a device the topology knows as a NIC.
-    pub(crate) classes: Vec<(String, PathClass)>,
+    pub(crate) classes: Vec<(MemoryLocation, PathClass)>,
     /// The device is a network interface the kernel flags as loopback: it
     /// reaches nothing outside this host, whatever it declares.
     pub(crate) loopback: bool,
@@ -103,7 +103,7 @@ impl Link {
                 let nic = t.nic(&d.name).or_else(|| t.nic_by_netdev(&d.name))?;
                 Some(
                     t.locations()
-                        .filter_map(|l| Some((l.to_string(), t.path_class(l, &nic.name)?)))
+                        .filter_map(|l| Some((l.parse().ok()?, t.path_class(l, &nic.name)?)))
                         .collect(),
                 )
             })
@@ -118,10 +118,10 @@ impl Link {
         }
     }
 
-    fn class(&self, location: &str) -> Option<PathClass> {
+    fn class(&self, location: MemoryLocation) -> Option<PathClass> {
         self.classes
             .iter()
-            .find(|(l, _)| l == location)
+            .find(|(l, _)| *l == location)
             .map(|(_, c)| *c)
     }
 }
@@ -151,7 +151,7 @@ pub(crate) fn estimate(
     links: &[Link],
     scopes: u32,
     mem_kind: u64,
-    location: &str,
+    location: MemoryLocation,
     bytes: u64,
     cross_host: bool,
 ) -> Estimate {
@@ -279,13 +279,20 @@ mod tests {
             &[link("eth0", 0, None, None)],
             sys::FERRY_SCOPE_CROSS_HOST,
             sys::FERRY_MEM_HOST,
-            "cpu:0",
+            MemoryLocation::Cpu(0),
             1 << 20,
             true,
         );
         assert!(!e.declared);
         assert_eq!(e.path, scope_default(sys::FERRY_SCOPE_CROSS_HOST));
-        let none = estimate(&[], sys::FERRY_SCOPE_SAME_HOST, 1, "cpu:0", 1, false);
+        let none = estimate(
+            &[],
+            sys::FERRY_SCOPE_SAME_HOST,
+            1,
+            MemoryLocation::Cpu(0),
+            1,
+            false,
+        );
         assert_eq!((none.device, none.declared), (None, false));
         assert!(
             scope_default(sys::FERRY_SCOPE_SAME_PROCESS).bandwidth_mbps
@@ -296,22 +303,43 @@ mod tests {
     #[test]
     fn the_device_for_the_memory_kind_and_the_nearest_wins() {
         let mut far = link("mlx5_1", sys::FERRY_MEM_HOST, Some(400_000), Some(2_000));
-        far.classes = vec![("cpu:0".into(), PathClass::Sys)];
+        far.classes = vec![(MemoryLocation::Cpu(0), PathClass::Sys)];
         let mut near = link("mlx5_0", sys::FERRY_MEM_HOST, Some(400_000), Some(2_000));
-        near.classes = vec![("cpu:0".into(), PathClass::Pix)];
+        near.classes = vec![(MemoryLocation::Cpu(0), PathClass::Pix)];
         let gpu_only = link("mlx5_2", sys::FERRY_MEM_CUDA_DMABUF, Some(800_000), Some(1));
         let lo = link("lo", sys::FERRY_MEM_HOST, Some(800_000), Some(1_000));
         let links = [far, near, gpu_only, lo];
         // Within the host the loopback device is fastest; to another host
         // only NICs count.
-        let e = estimate(&links, 4, sys::FERRY_MEM_HOST, "cpu:0", 1 << 24, false);
+        let e = estimate(
+            &links,
+            4,
+            sys::FERRY_MEM_HOST,
+            MemoryLocation::Cpu(0),
+            1 << 24,
+            false,
+        );
         assert_eq!(e.device, Some(3));
-        let e = estimate(&links, 4, sys::FERRY_MEM_HOST, "cpu:0", 1 << 24, true);
+        let e = estimate(
+            &links,
+            4,
+            sys::FERRY_MEM_HOST,
+            MemoryLocation::Cpu(0),
+            1 << 24,
+            true,
+        );
         assert_eq!(e.device, Some(1));
         assert_eq!(e.class, Some(PathClass::Pix));
         assert!(e.declared);
         // Across the interconnect half the bandwidth is left.
-        let e = estimate(&links[..1], 4, sys::FERRY_MEM_HOST, "cpu:0", 1 << 24, true);
+        let e = estimate(
+            &links[..1],
+            4,
+            sys::FERRY_MEM_HOST,
+            MemoryLocation::Cpu(0),
+            1 << 24,
+            true,
+        );
         assert_eq!(e.path.bandwidth_mbps, 200_000.0);
         assert_eq!(e.path.latency_ns, 3_500.0);
     }
@@ -324,12 +352,33 @@ mod tests {
         lo.loopback = true;
         let eth = link("eth0", sys::FERRY_MEM_HOST, Some(10_000), Some(30_000));
         let links = [lo, eth];
-        let e = estimate(&links, 6, sys::FERRY_MEM_HOST, "cpu:0", 1 << 22, true);
+        let e = estimate(
+            &links,
+            6,
+            sys::FERRY_MEM_HOST,
+            MemoryLocation::Cpu(0),
+            1 << 22,
+            true,
+        );
         assert_eq!(e.device, Some(1));
-        let e = estimate(&links, 6, sys::FERRY_MEM_HOST, "cpu:0", 1 << 22, false);
+        let e = estimate(
+            &links,
+            6,
+            sys::FERRY_MEM_HOST,
+            MemoryLocation::Cpu(0),
+            1 << 22,
+            false,
+        );
         assert_eq!(e.device, Some(0));
         // Only loopback: the scope's default, through no device.
-        let e = estimate(&links[..1], 6, sys::FERRY_MEM_HOST, "cpu:0", 1 << 22, true);
+        let e = estimate(
+            &links[..1],
+            6,
+            sys::FERRY_MEM_HOST,
+            MemoryLocation::Cpu(0),
+            1 << 22,
+            true,
+        );
         assert_eq!(e.device, None);
     }
 
@@ -339,7 +388,7 @@ mod tests {
             &[link("nic", 0, Some(400_000), Some(2_000))],
             4,
             1,
-            "cpu:0",
+            MemoryLocation::Cpu(0),
             1 << 20,
             false,
         );

@@ -258,12 +258,6 @@ impl<T: Candidate> Transports<T> {
         // Why each other transport cannot serve, in words only if nothing
         // can (the common case never formats them).
         let mut rejected: SmallVec<[(usize, Refusal); 4]> = SmallVec::new();
-        // Only a device placed in the topology needs the location's name.
-        let mut location = LocationName::default();
-        if self.links.iter().flatten().any(|l| !l.classes.is_empty()) {
-            use std::fmt::Write;
-            let _ = write!(location, "{}", local.location);
-        }
         for (i, t) in self.list.iter().enumerate() {
             let name = t.name();
             if hint.is_some_and(|h| h != name) {
@@ -288,14 +282,7 @@ impl<T: Candidate> Transports<T> {
             };
             match refusal {
                 Some(r) => rejected.push((i, r)),
-                None => candidates.push(self.score(
-                    i,
-                    local,
-                    location.as_str(),
-                    seg.id,
-                    seg.scope,
-                    bytes,
-                )),
+                None => candidates.push(self.score(i, local, seg.id, seg.scope, bytes)),
             }
         }
         let key: RouteKey = (seg.id, local.mem_kind, bytes >= BANDWIDTH_MIN_BYTES);
@@ -408,7 +395,6 @@ impl<T: Candidate> Transports<T> {
         &self,
         i: usize,
         local: &LocalBuffer,
-        location: &str,
         segment: SegmentId,
         scope: Scope,
         bytes: u64,
@@ -423,7 +409,7 @@ impl<T: Candidate> Transports<T> {
             &self.links[i],
             t.scopes(),
             kind,
-            location,
+            local.location,
             bytes,
             scope == Scope::CrossHost,
         );
@@ -647,30 +633,6 @@ fn reach(scopes: u32) -> &'static str {
         "reaches processes of this host"
     } else {
         "copies within this process"
-    }
-}
-
-/// A memory location's name ("cuda:12"), formatted on the stack: selection
-/// runs for every batch.
-#[derive(Default)]
-struct LocationName {
-    bytes: [u8; 24],
-    len: usize,
-}
-
-impl LocationName {
-    fn as_str(&self) -> &str {
-        std::str::from_utf8(&self.bytes[..self.len]).unwrap_or_default()
-    }
-}
-
-impl std::fmt::Write for LocationName {
-    fn write_str(&mut self, s: &str) -> std::fmt::Result {
-        let end = self.len + s.len();
-        let room = self.bytes.get_mut(self.len..end).ok_or(std::fmt::Error)?;
-        room.copy_from_slice(s.as_bytes());
-        self.len = end;
-        Ok(())
     }
 }
 
