@@ -252,6 +252,8 @@ pub(crate) fn micros(ns: f64) -> String {
 mod tests {
     use super::*;
 
+    const CPU0: MemoryLocation = MemoryLocation::Cpu(0);
+
     fn link(device: &str, kinds: u64, bw: Option<u64>, lat: Option<u32>) -> Link {
         Link {
             device: device.into(),
@@ -279,20 +281,13 @@ mod tests {
             &[link("eth0", 0, None, None)],
             sys::FERRY_SCOPE_CROSS_HOST,
             sys::FERRY_MEM_HOST,
-            MemoryLocation::Cpu(0),
+            CPU0,
             1 << 20,
             true,
         );
         assert!(!e.declared);
         assert_eq!(e.path, scope_default(sys::FERRY_SCOPE_CROSS_HOST));
-        let none = estimate(
-            &[],
-            sys::FERRY_SCOPE_SAME_HOST,
-            1,
-            MemoryLocation::Cpu(0),
-            1,
-            false,
-        );
+        let none = estimate(&[], sys::FERRY_SCOPE_SAME_HOST, 1, CPU0, 1, false);
         assert_eq!((none.device, none.declared), (None, false));
         assert!(
             scope_default(sys::FERRY_SCOPE_SAME_PROCESS).bandwidth_mbps
@@ -303,43 +298,22 @@ mod tests {
     #[test]
     fn the_device_for_the_memory_kind_and_the_nearest_wins() {
         let mut far = link("mlx5_1", sys::FERRY_MEM_HOST, Some(400_000), Some(2_000));
-        far.classes = vec![(MemoryLocation::Cpu(0), PathClass::Sys)];
+        far.classes = vec![(CPU0, PathClass::Sys)];
         let mut near = link("mlx5_0", sys::FERRY_MEM_HOST, Some(400_000), Some(2_000));
-        near.classes = vec![(MemoryLocation::Cpu(0), PathClass::Pix)];
+        near.classes = vec![(CPU0, PathClass::Pix)];
         let gpu_only = link("mlx5_2", sys::FERRY_MEM_CUDA_DMABUF, Some(800_000), Some(1));
         let lo = link("lo", sys::FERRY_MEM_HOST, Some(800_000), Some(1_000));
         let links = [far, near, gpu_only, lo];
         // Within the host the loopback device is fastest; to another host
         // only NICs count.
-        let e = estimate(
-            &links,
-            4,
-            sys::FERRY_MEM_HOST,
-            MemoryLocation::Cpu(0),
-            1 << 24,
-            false,
-        );
+        let e = estimate(&links, 4, sys::FERRY_MEM_HOST, CPU0, 1 << 24, false);
         assert_eq!(e.device, Some(3));
-        let e = estimate(
-            &links,
-            4,
-            sys::FERRY_MEM_HOST,
-            MemoryLocation::Cpu(0),
-            1 << 24,
-            true,
-        );
+        let e = estimate(&links, 4, sys::FERRY_MEM_HOST, CPU0, 1 << 24, true);
         assert_eq!(e.device, Some(1));
         assert_eq!(e.class, Some(PathClass::Pix));
         assert!(e.declared);
         // Across the interconnect half the bandwidth is left.
-        let e = estimate(
-            &links[..1],
-            4,
-            sys::FERRY_MEM_HOST,
-            MemoryLocation::Cpu(0),
-            1 << 24,
-            true,
-        );
+        let e = estimate(&links[..1], 4, sys::FERRY_MEM_HOST, CPU0, 1 << 24, true);
         assert_eq!(e.path.bandwidth_mbps, 200_000.0);
         assert_eq!(e.path.latency_ns, 3_500.0);
     }
@@ -352,33 +326,12 @@ mod tests {
         lo.loopback = true;
         let eth = link("eth0", sys::FERRY_MEM_HOST, Some(10_000), Some(30_000));
         let links = [lo, eth];
-        let e = estimate(
-            &links,
-            6,
-            sys::FERRY_MEM_HOST,
-            MemoryLocation::Cpu(0),
-            1 << 22,
-            true,
-        );
+        let e = estimate(&links, 6, sys::FERRY_MEM_HOST, CPU0, 1 << 22, true);
         assert_eq!(e.device, Some(1));
-        let e = estimate(
-            &links,
-            6,
-            sys::FERRY_MEM_HOST,
-            MemoryLocation::Cpu(0),
-            1 << 22,
-            false,
-        );
+        let e = estimate(&links, 6, sys::FERRY_MEM_HOST, CPU0, 1 << 22, false);
         assert_eq!(e.device, Some(0));
         // Only loopback: the scope's default, through no device.
-        let e = estimate(
-            &links[..1],
-            6,
-            sys::FERRY_MEM_HOST,
-            MemoryLocation::Cpu(0),
-            1 << 22,
-            true,
-        );
+        let e = estimate(&links[..1], 6, sys::FERRY_MEM_HOST, CPU0, 1 << 22, true);
         assert_eq!(e.device, None);
     }
 
@@ -388,7 +341,7 @@ mod tests {
             &[link("nic", 0, Some(400_000), Some(2_000))],
             4,
             1,
-            MemoryLocation::Cpu(0),
+            CPU0,
             1 << 20,
             false,
         );

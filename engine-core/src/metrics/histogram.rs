@@ -58,11 +58,6 @@ fn bucket_of(ns: u64) -> usize {
 }
 
 impl Histogram {
-    pub fn record(&self, ns: u64) {
-        self.buckets[bucket_of(ns)].fetch_add(1, Ordering::Relaxed);
-        self.sum_ns.fetch_add(ns, Ordering::Relaxed);
-    }
-
     /// Adds `samples` and clears them.
     pub fn take(&self, samples: &mut Samples) {
         for (b, n) in self.buckets.iter().zip(&mut samples.buckets) {
@@ -109,9 +104,11 @@ mod tests {
     #[test]
     fn snapshots_are_cumulative_and_count_everything() {
         let h = Histogram::default();
+        let mut samples = Samples::default();
         for ns in [500, 1500, 1500, 40_000_000_000] {
-            h.record(ns);
+            samples.record(ns);
         }
+        h.take(&mut samples);
         let s = h.snapshot();
         assert_eq!(s.count, 4);
         assert_eq!(s.buckets[0], (1e-6, 1));
@@ -125,16 +122,15 @@ mod tests {
     }
 
     #[test]
-    fn samples_taken_in_one_go_count_as_recorded_one_by_one() {
-        let (one, many) = (Histogram::default(), Histogram::default());
+    fn taking_samples_clears_them() {
+        let h = Histogram::default();
         let mut samples = Samples::default();
-        for ns in [500, 1500, 1500, 3_000_000] {
-            one.record(ns);
-            samples.record(ns);
-        }
-        many.take(&mut samples);
-        assert_eq!(one.snapshot(), many.snapshot());
-        many.take(&mut samples);
-        assert_eq!(one.snapshot(), many.snapshot(), "taking clears the samples");
+        samples.record(1500);
+        h.take(&mut samples);
+        assert!(samples.is_empty());
+        h.take(&mut samples);
+        let s = h.snapshot();
+        assert_eq!((s.count, s.buckets[1].1), (1, 1), "nothing added twice");
+        assert!((s.sum_seconds - 1.5e-6).abs() < 1e-12);
     }
 }
