@@ -41,13 +41,13 @@ pub struct Piece {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NonTemporal {
     Off,
-    /// For every part (a thread's share of a submission) of at least this
-    /// many bytes.
+    /// For submissions whose share per copy thread is at least this many
+    /// bytes.
     From(u64),
 }
 
 impl NonTemporal {
-    /// Parts smaller than this use regular stores: they fit in cache, and
+    /// Smaller shares use regular stores: they fit in cache, and
     /// the peer may read them from there.
     const DEFAULT_MIN: u64 = 256 << 10;
 
@@ -79,9 +79,17 @@ impl NonTemporal {
     }
 }
 
+/// Parts per copy thread: threads claim parts as they come free, so one
+/// that starts late (woken after the caller began) or runs slower takes
+/// fewer, and the caller waits at most about a part for the last one.
+const PARTS_PER_COPIER: usize = 4;
+
 /// How many parts `total` bytes make for `copiers` threads.
 pub fn parts_for(total: u64, copiers: usize) -> usize {
-    ((total / MIN_PART) as usize).clamp(1, copiers.max(1))
+    if copiers <= 1 {
+        return 1;
+    }
+    ((total / MIN_PART) as usize).clamp(1, copiers * PARTS_PER_COPIER)
 }
 
 /// Cuts `pieces` into `parts` runs of about equal bytes (cutting pieces
@@ -144,8 +152,10 @@ fn run_parts(
 /// remote range must lie inside a mapping that stays mapped until this
 /// returns.
 pub unsafe fn mapped(pool: Option<&Pool>, pieces: &[Piece], parts: usize, nt: NonTemporal) -> bool {
+    // Decided on a thread's share of the whole submission, not on a part.
+    let threads = pool.map_or(1, |p| p.helpers() + 1).min(parts).max(1);
+    let nt = nt.applies(pieces.iter().map(|p| p.len).sum::<u64>() / threads as u64);
     run_parts(pool, pieces, parts, &|run| {
-        let nt = nt.applies(run.iter().map(|p| p.len).sum());
         for p in run {
             let (dst, src) = match p.op {
                 Op::Write => (p.remote, p.local),
@@ -162,7 +172,7 @@ pub unsafe fn mapped(pool: Option<&Pool>, pieces: &[Piece], parts: usize, nt: No
 pub enum Failure {
     /// The system call failed with this error.
     Refused(io::Error),
-    /// It moved fewer bytes than asked: the range is not mapped in the peer.
+    /// The peer's range is not mapped (the kernel stopped there).
     Short,
     /// A copy thread did not finish its part.
     Incomplete,
@@ -200,51 +210,93 @@ pub unsafe fn cma(
     failed
 }
 
-/// One thread's pieces: a system call per stretch of up to IOV_MAX pieces
-/// of one operation. After a short count the piece where the kernel
-/// stopped fails and the rest is tried again, so one unmapped range fails
-/// only its own request.
+/// Most bytes one system call is asked to move: the kernel shortens a
+/// longer iovec list to about 2 GiB (MAX_RW_COUNT) without saying so.
+const CALL_MAX: u64 = 1 << 30;
+
+/// One thread's pieces, in as few system calls as they allow: pieces that
+/// continue each other on both sides (a batch of consecutive blocks) are
+/// one iovec, so the kernel pins the peer's pages many at a time rather
+/// than one lookup per block; a call takes up to IOV_MAX iovecs of one
+/// operation. After a short count the call resumes where the kernel
+/// stopped; a call that moves nothing fails the piece it started in, so
+/// one unmapped range fails only its own request.
 unsafe fn cma_run(pid: i32, run: &[Piece], failed: &mut Vec<(usize, Failure)>) {
     let iov = |addr: u64, len: u64| libc::iovec {
         iov_base: addr as *mut libc::c_void,
         iov_len: len as usize,
     };
-    let mut start = 0;
-    while start < run.len() {
-        let op = run[start].op;
-        let end = run[start..]
-            .iter()
-            .take(IOV_MAX)
-            .position(|p| p.op != op)
-            .map_or((start + IOV_MAX).min(run.len()), |n| start + n);
-        let stretch = &run[start..end];
-        let local: Iovecs = stretch.iter().map(|p| iov(p.local, p.len)).collect();
-        let remote: Iovecs = stretch.iter().map(|p| iov(p.remote, p.len)).collect();
+    // Where the next call starts: a piece, and how far into it.
+    let (mut at, mut into) = (0usize, 0u64);
+    loop {
+        while at < run.len() && run[at].len == into {
+            (at, into) = (at + 1, 0);
+        }
+        if at == run.len() {
+            return;
+        }
+        let op = run[at].op;
+        let (mut local, mut remote) = (Iovecs::new(), Iovecs::new());
+        let mut asked = 0u64;
+        let mut end = at;
+        while end < run.len() && run[end].op == op && asked < CALL_MAX {
+            let p = &run[end];
+            let skip = if end == at { into } else { 0 };
+            let len = (p.len - skip).min(CALL_MAX - asked);
+            let (l, r) = (p.local + skip, p.remote + skip);
+            let full = local.len() == IOV_MAX;
+            match (local.last_mut(), remote.last_mut()) {
+                (Some(lv), Some(rv))
+                    if lv.iov_base as u64 + lv.iov_len as u64 == l
+                        && rv.iov_base as u64 + rv.iov_len as u64 == r =>
+                {
+                    lv.iov_len += len as usize;
+                    rv.iov_len += len as usize;
+                }
+                _ if full => break,
+                _ => {
+                    local.push(iov(l, len));
+                    remote.push(iov(r, len));
+                }
+            }
+            asked += len;
+            end += 1;
+        }
         // SAFETY: the caller's contract on every local range; the kernel
         // checks the remote ones against the peer's address space.
         let moved = unsafe { cma::vectored(pid, op == Op::Write, &local, &remote) };
         match moved {
-            Ok(mut n) => {
-                let mut next = end;
-                for (i, p) in stretch.iter().enumerate() {
-                    if n as u64 >= p.len {
-                        n -= p.len as usize;
+            Ok(n) if n > 0 => {
+                // Advance past what moved: whole pieces, then into one.
+                let mut n = n as u64;
+                while n > 0 && at < run.len() {
+                    let left = run[at].len - into;
+                    if n >= left {
+                        n -= left;
+                        (at, into) = (at + 1, 0);
                     } else {
-                        failed.push((p.req, Failure::Short));
-                        next = start + i + 1;
-                        break;
+                        into += n;
+                        n = 0;
                     }
                 }
-                start = next;
             }
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EFAULT | libc::EINVAL)) => {
-                // Nothing moved: the first piece is at fault.
-                failed.push((stretch[0].req, Failure::Refused(e)));
-                start += 1;
+            Ok(_) => {
+                failed.push((run[at].req, Failure::Short));
+                (at, into) = (at + 1, 0);
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EFAULT) => {
+                // Nothing moved: the peer's range where the call started
+                // is not mapped (our own ranges are registered memory).
+                failed.push((run[at].req, Failure::Short));
+                (at, into) = (at + 1, 0);
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                failed.push((run[at].req, Failure::Refused(e)));
+                (at, into) = (at + 1, 0);
             }
             Err(e) => {
                 // The peer is gone or we may not attach: every piece fails.
-                for p in &run[start..] {
+                for p in &run[at..] {
                     failed.push((
                         p.req,
                         Failure::Refused(io::Error::from_raw_os_error(
@@ -366,7 +418,9 @@ mod tests {
         }
         assert_eq!(parts_for(4096, 16), 1);
         assert_eq!(parts_for(1 << 20, 16), 16);
-        assert_eq!(parts_for(1 << 20, 2), 2);
+        assert_eq!(parts_for(1 << 20, 2), 8);
+        assert_eq!(parts_for(16 << 20, 16), 64);
+        assert_eq!(parts_for(16 << 20, 1), 1);
     }
 
     #[test]
@@ -401,6 +455,76 @@ mod tests {
             unsafe { copy_bytes(dst.as_mut_ptr().add(off), src.as_ptr().add(off), len, true) };
             assert_eq!(dst[off..off + len], src[off..off + len]);
             assert!(dst[off + len..].iter().all(|b| *b == 0));
+        }
+    }
+
+    #[test]
+    fn cross_memory_attach_merges_consecutive_blocks_and_fails_only_the_hole() {
+        if cma::syscalls_allowed().is_err() {
+            return;
+        }
+        const PAGE: usize = 4096;
+        // Five pages of the "peer" (ourselves), the middle one unmapped.
+        // SAFETY: a fresh anonymous mapping, then one page of it unmapped.
+        let peer = unsafe {
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                5 * PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            assert_ne!(p, libc::MAP_FAILED);
+            std::ptr::write_bytes(p.cast::<u8>(), 9, 5 * PAGE);
+            assert_eq!(libc::munmap(p.cast::<u8>().add(2 * PAGE).cast(), PAGE), 0);
+            p as u64
+        };
+        let mut dst = vec![0u8; 5 * PAGE];
+        let local = dst.as_mut_ptr() as u64;
+        let pid = std::process::id() as i32;
+        // One request per page, consecutive on both sides: one iovec; the
+        // request on the hole fails, those after it still move.
+        let pieces: Vec<Piece> = (0..5u64)
+            .map(|i| Piece {
+                op: Op::Read,
+                ..piece(i as usize, local + i * 4096, peer + i * 4096, 4096)
+            })
+            .collect();
+        // SAFETY: every local range lies inside dst.
+        let failed = unsafe { cma(None, pid, &pieces, 1) };
+        let reqs: Vec<usize> = failed.iter().map(|f| f.0).collect();
+        assert_eq!(reqs, [2], "{failed:?}");
+        assert!(matches!(failed[0].1, Failure::Short));
+        assert!(dst[..2 * PAGE].iter().all(|b| *b == 9));
+        assert!(dst[2 * PAGE..3 * PAGE].iter().all(|b| *b == 0));
+        assert!(dst[3 * PAGE..].iter().all(|b| *b == 9));
+        // More separate ranges than one call takes (gaps between them):
+        // every one moves.
+        let src: Vec<u8> = (0..3000 * 64).map(|i| (i / 64) as u8).collect();
+        let mut dst = vec![0u8; src.len()];
+        let pieces: Vec<Piece> = (0..1500u64)
+            .map(|i| Piece {
+                op: Op::Read,
+                ..piece(
+                    i as usize,
+                    dst.as_mut_ptr() as u64 + i * 128,
+                    src.as_ptr() as u64 + i * 128,
+                    64,
+                )
+            })
+            .collect();
+        // SAFETY: every local range lies inside dst.
+        let failed = unsafe { cma(None, pid, &pieces, 1) };
+        assert!(failed.is_empty(), "{failed:?}");
+        for i in 0..3000 {
+            let want = if i % 2 == 0 { i as u8 } else { 0 };
+            assert!(dst[i * 64..(i + 1) * 64].iter().all(|b| *b == want));
+        }
+        // SAFETY: unmaps what is left of the mapping made above.
+        unsafe {
+            libc::munmap(peer as *mut libc::c_void, 2 * PAGE);
+            libc::munmap((peer + 3 * 4096) as *mut libc::c_void, 2 * PAGE);
         }
     }
 
