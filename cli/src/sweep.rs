@@ -317,10 +317,6 @@ pub fn metrics_overhead(args: OverheadArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// What the metrics path costs one submission, timed alone on this
-/// thread as dispatch does it for a batch of 256: the flow (looked up once
-/// per batch), the tally and its completion (a clock read, a few relaxed
-/// atomic adds).
 /// What one read of the metrics' clock costs, the best of many short runs.
 fn clock_read_ns() -> f64 {
     use ferry_core::metrics::Stamp;
@@ -336,6 +332,10 @@ fn clock_read_ns() -> f64 {
     best
 }
 
+/// What the metrics path costs one submission, timed alone on this
+/// thread as dispatch does it for a batch of 256: the flow (looked up once
+/// per batch), the tally and its completion (a clock read, a few relaxed
+/// atomic adds).
 fn metrics_cost_ns() -> f64 {
     use ferry_core::metrics::{BatchTally, FlowCache, FlowKey, FlowLabels, Metrics, Stamp, Tally};
     let m = Metrics::new(true, Default::default());

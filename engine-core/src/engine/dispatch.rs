@@ -168,6 +168,7 @@ impl Shared {
                     // submit re-reads the peer's descriptor.
                     seg.peers.lock().remove(&transport);
                     seg.stale.store(true, Ordering::Relaxed);
+                    seg.routes.clear();
                 }
                 log::debug!("segment {seg_id}: {e}");
                 for r in &raw {

@@ -42,6 +42,7 @@ mod publish;
 mod registration;
 mod request;
 mod route;
+mod route_memo;
 mod segments;
 mod select;
 mod shared;

@@ -4,6 +4,7 @@
 //! aside for staging. Nothing is handed to a transport here (that is
 //! dispatch); a plan either covers every request or is an error.
 
+use super::measure::BANDWIDTH_MIN_BYTES;
 use super::request::{Op, Request, SegmentId};
 use super::segments::{remote_out_of_bounds, RemoteSegment, RemoteView, Segments};
 use super::select::{Candidate, Choice, Transports, Want};
@@ -260,9 +261,24 @@ impl<T: Candidate> Planner<'_, T> {
             // Requests of one batch mostly share their buffers: route the
             // first of a run, reuse the answer for the rest.
             let memo_key = (r.segment, remote, Arc::as_ptr(&local), hint);
-            let (transport, remote_key) = match &last_route {
-                Some((k, t, key)) if *k == memo_key => (*t, key.clone()),
-                _ => {
+            // Small host requests: the route chosen for the same kind in an
+            // earlier submission (see route_memo.rs).
+            let small =
+                r.length < BANDWIDTH_MIN_BYTES && local.device.is_none() && !remote_on_device;
+            let remembered = || {
+                small
+                    .then(|| entry.0.routes.get(&view, remote, &local, r.length, hint))
+                    .flatten()
+            };
+            let known = match &last_route {
+                Some((k, t, key)) if *k == memo_key => Some((*t, key.clone())),
+                _ => remembered().inspect(|(t, key)| {
+                    last_route = Some((memo_key, *t, key.clone()));
+                }),
+            };
+            let (transport, remote_key) = match known {
+                Some(known) => known,
+                None => {
                     let transport = self
                         .select(&local, &entry.0, &view, remote, r.length, hint, false)
                         .map_err(|e| Error::new(e.code, format!("request {i}: {}", e.message)))?
@@ -280,6 +296,17 @@ impl<T: Candidate> Planner<'_, T> {
                         .get(name)
                         .cloned()
                         .unwrap_or_else(|| Arc::from(&[][..]));
+                    if small {
+                        entry.0.routes.put(
+                            &view,
+                            remote,
+                            &local,
+                            r.length,
+                            hint,
+                            transport,
+                            &remote_key,
+                        );
+                    }
                     last_route = Some((memo_key, transport, remote_key.clone()));
                     (transport, remote_key)
                 }
@@ -667,8 +694,31 @@ mod tests {
         // One selection (one question to the peer), and one more to put the
         // first use of the route into words for the log.
         assert_eq!(*w.peers.asked.lock(), 2);
+        // Later submissions of the same kind reuse it (one use each) until
+        // its uses run out; then selection runs again.
+        for _ in 0..super::super::route_memo::REUSES {
+            w.plan(&run).unwrap();
+        }
+        assert_eq!(*w.peers.asked.lock(), 2);
         w.plan(&run).unwrap();
         assert_eq!(*w.peers.asked.lock(), 3);
+        // Another length is another kind; a large request is selected
+        // every time.
+        w.plan(&[write(0, 0, 2048)]).unwrap();
+        assert_eq!(*w.peers.asked.lock(), 4);
+        let both: &[&str] = &["tcp", "shm"];
+        let big = World::new(
+            vec![fake("tcp", HOST, ANY_HOST), fake("shm", HOST, SAME_HOST)],
+            descriptor("e1", both, &[(REMOTE, 1 << 20, "cpu:0", both)]),
+        );
+        big.memory.insert(host_buffer(LOCAL, 1 << 20, &[0, 1]));
+        let large = [Request::new(Op::Write, LOCAL, 1, REMOTE, 256 << 10)];
+        big.plan(&large).unwrap();
+        let first = *big.peers.asked.lock();
+        for n in 1..=3 {
+            big.plan(&large).unwrap();
+            assert_eq!(*big.peers.asked.lock(), first + n);
+        }
     }
 
     #[test]

@@ -5,11 +5,13 @@
 
 use super::node::Node;
 use super::request::{Scope, SegmentId};
+use super::route_memo::RouteMemo;
 use crate::control::ControlClient;
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{Error, ErrorCode, Result};
 use crate::host::PeerControls;
 use crate::id_map::IdMap;
+use crate::memory::LocalBuffer;
 use crate::transport::{PeerHandle, Transport};
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
@@ -98,6 +100,8 @@ pub(crate) struct RemoteSegment {
     /// A connection to the peer failed: the next submit re-reads the
     /// descriptor first (the peer may have restarted with other memory).
     pub(crate) stale: AtomicBool,
+    /// Small requests' routes, kept across submissions.
+    pub(crate) routes: RouteMemo<RemoteView, LocalBuffer>,
 }
 
 impl RemoteSegment {
@@ -116,6 +120,7 @@ impl RemoteSegment {
             verdicts: Mutex::default(),
             staging: Mutex::new(Vec::new()),
             stale: AtomicBool::new(false),
+            routes: RouteMemo::default(),
         }
     }
 
