@@ -393,6 +393,10 @@ impl Batch {
         spin: Duration,
         mut progress: impl FnMut(),
     ) -> (BatchStatus, bool) {
+        if self.pending.load(Ordering::SeqCst) == 0 {
+            // Done already (a synchronous transfer): no clock to read.
+            return (self.status(), false);
+        }
         let started = Instant::now();
         let mut deadline_hit = false;
         let spin = spin.min(timeout);

@@ -360,8 +360,9 @@ struct PeerState {
 
 #[derive(Default)]
 struct PeerMemory {
-    /// Mapped allocations, by token.
-    mappings: HashMap<u64, Arc<Mapping>>,
+    /// Mapped allocations, by token: looked up for every request, so by
+    /// FxHash (a peer choosing colliding tokens slows only its own lookups).
+    mappings: rustc_hash::FxHashMap<u64, Arc<Mapping>>,
     /// Registration ids the peer revoked: never served again.
     revoked: HashSet<u64>,
 }
