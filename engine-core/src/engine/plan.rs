@@ -6,6 +6,7 @@
 
 use super::measure::BANDWIDTH_MIN_BYTES;
 use super::request::{Op, Request, SegmentId};
+use super::route_memo::Kind;
 use super::segments::{remote_out_of_bounds, RemoteSegment, RemoteView, Segments};
 use super::select::{Candidate, Choice, Transports, Want};
 use crate::error::{Error, ErrorCode, Result};
@@ -265,11 +266,14 @@ impl<T: Candidate> Planner<'_, T> {
             // earlier submission (see route_memo.rs).
             let small =
                 r.length < BANDWIDTH_MIN_BYTES && local.device.is_none() && !remote_on_device;
-            let remembered = || {
-                small
-                    .then(|| entry.0.routes.get(&view, remote, &local, r.length, hint))
-                    .flatten()
+            let kind = Kind {
+                view: &view,
+                remote,
+                local: &local,
+                bytes: r.length,
+                hint,
             };
+            let remembered = || small.then(|| entry.0.routes.get(&kind)).flatten();
             let known = match &last_route {
                 Some((k, t, key)) if *k == memo_key => Some((*t, key.clone())),
                 _ => remembered().inspect(|(t, key)| {
@@ -297,15 +301,7 @@ impl<T: Candidate> Planner<'_, T> {
                         .cloned()
                         .unwrap_or_else(|| Arc::from(&[][..]));
                     if small {
-                        entry.0.routes.put(
-                            &view,
-                            remote,
-                            &local,
-                            r.length,
-                            hint,
-                            transport,
-                            &remote_key,
-                        );
+                        entry.0.routes.put(&kind, transport, &remote_key);
                     }
                     last_route = Some((memo_key, transport, remote_key.clone()));
                     (transport, remote_key)

@@ -24,7 +24,17 @@ pub(crate) const REUSES: u32 = 64;
 /// Routes remembered per segment (the oldest gives way).
 const ENTRIES: usize = 8;
 
-/// What a remembered route was chosen for, and the answer.
+/// A kind of request: what a route is chosen for.
+pub(crate) struct Kind<'a, V, L> {
+    pub(crate) view: &'a Arc<V>,
+    /// Index of the remote buffer in the view.
+    pub(crate) remote: usize,
+    pub(crate) local: &'a Arc<L>,
+    pub(crate) bytes: u64,
+    pub(crate) hint: Option<&'a str>,
+}
+
+/// A remembered route: the kind it was chosen for, and the answer.
 struct Entry<V, L> {
     view: Weak<V>,
     remote: usize,
@@ -38,19 +48,12 @@ struct Entry<V, L> {
 }
 
 impl<V, L> Entry<V, L> {
-    fn is(
-        &self,
-        view: &Arc<V>,
-        remote: usize,
-        local: &Arc<L>,
-        bytes: u64,
-        hint: Option<&str>,
-    ) -> bool {
-        self.remote == remote
-            && self.bytes == bytes
-            && Weak::as_ptr(&self.view) == Arc::as_ptr(view)
-            && Weak::as_ptr(&self.local) == Arc::as_ptr(local)
-            && self.hint.as_deref() == hint
+    fn is(&self, k: &Kind<'_, V, L>) -> bool {
+        self.remote == k.remote
+            && self.bytes == k.bytes
+            && Weak::as_ptr(&self.view) == Arc::as_ptr(k.view)
+            && Weak::as_ptr(&self.local) == Arc::as_ptr(k.local)
+            && self.hint.as_deref() == k.hint
     }
 }
 
@@ -68,55 +71,29 @@ impl<V, L> Default for RouteMemo<V, L> {
 }
 
 impl<V, L> RouteMemo<V, L> {
-    /// The transport and remote key chosen for this request's kind, unless
+    /// The transport and remote key chosen for this kind of request, unless
     /// none was or its uses ran out.
-    pub(crate) fn get(
-        &self,
-        view: &Arc<V>,
-        remote: usize,
-        local: &Arc<L>,
-        bytes: u64,
-        hint: Option<&str>,
-    ) -> Option<(usize, Arc<[u8]>)> {
+    pub(crate) fn get(&self, kind: &Kind<'_, V, L>) -> Option<(usize, Arc<[u8]>)> {
         let mut entries = self.entries.lock();
-        let e = entries
-            .iter_mut()
-            .find(|e| e.is(view, remote, local, bytes, hint))?;
+        let e = entries.iter_mut().find(|e| e.is(kind))?;
         e.left = e.left.checked_sub(1)?;
         Some((e.transport, e.key.clone()))
     }
 
-    /// Remembers what selection chose for this request's kind.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn put(
-        &self,
-        view: &Arc<V>,
-        remote: usize,
-        local: &Arc<L>,
-        bytes: u64,
-        hint: Option<&str>,
-        transport: usize,
-        key: &Arc<[u8]>,
-    ) {
+    /// Remembers what selection chose for this kind of request.
+    pub(crate) fn put(&self, kind: &Kind<'_, V, L>, transport: usize, key: &Arc<[u8]>) {
         let mut entries = self.entries.lock();
-        if let Some(e) = entries
-            .iter_mut()
-            .find(|e| e.is(view, remote, local, bytes, hint))
-        {
-            (e.transport, e.key, e.left) = (transport, key.clone(), REUSES);
-            return;
-        }
         // Entries whose buffers are gone go first, then the oldest.
-        entries.retain(|e| e.view.strong_count() > 0 && e.local.strong_count() > 0);
+        entries.retain(|e| !e.is(kind) && e.view.strong_count() > 0 && e.local.strong_count() > 0);
         if entries.len() == ENTRIES {
             entries.remove(0);
         }
         entries.push(Entry {
-            view: Arc::downgrade(view),
-            remote,
-            local: Arc::downgrade(local),
-            bytes,
-            hint: hint.map(Box::from),
+            view: Arc::downgrade(kind.view),
+            remote: kind.remote,
+            local: Arc::downgrade(kind.local),
+            bytes: kind.bytes,
+            hint: kind.hint.map(Box::from),
             transport,
             key: key.clone(),
             left: REUSES,
@@ -133,34 +110,55 @@ impl<V, L> RouteMemo<V, L> {
 mod tests {
     use super::*;
 
+    fn kind<'a>(
+        view: &'a Arc<u8>,
+        remote: usize,
+        local: &'a Arc<u16>,
+        bytes: u64,
+    ) -> Kind<'a, u8, u16> {
+        Kind {
+            view,
+            remote,
+            local,
+            bytes,
+            hint: None,
+        }
+    }
+
     #[test]
     fn a_route_is_reused_a_bounded_number_of_times_and_only_for_its_own_kind() {
         let memo: RouteMemo<u8, u16> = RouteMemo::default();
         let (view, local) = (Arc::new(0u8), Arc::new(0u16));
         let key: Arc<[u8]> = Arc::from(&b"k"[..]);
-        assert_eq!(memo.get(&view, 0, &local, 4096, None), None);
-        memo.put(&view, 0, &local, 4096, None, 1, &key);
+        assert_eq!(memo.get(&kind(&view, 0, &local, 4096)), None);
+        memo.put(&kind(&view, 0, &local, 4096), 1, &key);
         for _ in 0..REUSES {
             assert_eq!(
-                memo.get(&view, 0, &local, 4096, None),
+                memo.get(&kind(&view, 0, &local, 4096)),
                 Some((1, key.clone()))
             );
         }
         // Used up: selection runs again, and its answer starts a new count.
-        assert_eq!(memo.get(&view, 0, &local, 4096, None), None);
-        memo.put(&view, 0, &local, 4096, None, 2, &key);
+        assert_eq!(memo.get(&kind(&view, 0, &local, 4096)), None);
+        memo.put(&kind(&view, 0, &local, 4096), 2, &key);
         assert_eq!(
-            memo.get(&view, 0, &local, 4096, None),
+            memo.get(&kind(&view, 0, &local, 4096)),
             Some((2, key.clone()))
         );
         // Another length, buffer, hint or view is another kind.
-        assert_eq!(memo.get(&view, 0, &local, 8192, None), None);
-        assert_eq!(memo.get(&view, 1, &local, 4096, None), None);
-        assert_eq!(memo.get(&view, 0, &local, 4096, Some("tcp")), None);
-        assert_eq!(memo.get(&view, 0, &Arc::new(0u16), 4096, None), None);
-        assert_eq!(memo.get(&Arc::new(0u8), 0, &local, 4096, None), None);
+        assert_eq!(memo.get(&kind(&view, 0, &local, 8192)), None);
+        assert_eq!(memo.get(&kind(&view, 1, &local, 4096)), None);
+        assert_eq!(
+            memo.get(&Kind {
+                hint: Some("tcp"),
+                ..kind(&view, 0, &local, 4096)
+            }),
+            None
+        );
+        assert_eq!(memo.get(&kind(&view, 0, &Arc::new(0u16), 4096)), None);
+        assert_eq!(memo.get(&kind(&Arc::new(0u8), 0, &local, 4096)), None);
         memo.clear();
-        assert_eq!(memo.get(&view, 0, &local, 4096, None), None);
+        assert_eq!(memo.get(&kind(&view, 0, &local, 4096)), None);
     }
 
     #[test]
@@ -169,20 +167,20 @@ mod tests {
         let view = Arc::new(0u8);
         let key: Arc<[u8]> = Arc::from(&b"k"[..]);
         let gone = Arc::new(0u16);
-        memo.put(&view, 0, &gone, 4096, None, 1, &key);
+        memo.put(&kind(&view, 0, &gone, 4096), 1, &key);
         let at = Arc::as_ptr(&gone);
         drop(gone);
         // A new buffer cannot take the old one's place while the entry
         // holds it, so it is never mistaken for it.
         let fresh = Arc::new(0u16);
         assert_ne!(Arc::as_ptr(&fresh), at);
-        assert_eq!(memo.get(&view, 0, &fresh, 4096, None), None);
+        assert_eq!(memo.get(&kind(&view, 0, &fresh, 4096)), None);
         let locals: Vec<Arc<u16>> = (0..3 * ENTRIES as u16).map(Arc::new).collect();
         for l in &locals {
-            memo.put(&view, 0, l, 4096, None, 1, &key);
+            memo.put(&kind(&view, 0, l, 4096), 1, &key);
         }
         assert_eq!(memo.entries.lock().len(), ENTRIES);
         let last = locals.last().unwrap();
-        assert_eq!(memo.get(&view, 0, last, 4096, None), Some((1, key)));
+        assert_eq!(memo.get(&kind(&view, 0, last, 4096)), Some((1, key)));
     }
 }
