@@ -25,7 +25,7 @@ fn checked_in_header_is_current() {
     let checked_in = std::fs::read(&path).unwrap_or_default();
     assert!(
         checked_in == generated,
-        "capi/include/ferry.h is out of date with capi/src/lib.rs; run \
+        "capi/include/ferry.h is out of date with capi/src; run \
          `FERRY_BLESS=1 cargo test -p ferry-capi --test header` and commit the result"
     );
 }
