@@ -384,12 +384,35 @@ class TransferEngine:
         keep = [_buffers.resolve(b, n, writable=op == "read") for b, n in zip(buffers, lengths)]
         return [m.addr for m in keep], keep
 
+    @staticmethod
+    def _plain(buffers, peers, lengths) -> bool:
+        """Local addresses as ints, lists (or tuples) throughout, no zero
+        length: the native call takes them as they are, converting and
+        checking every number (TypeError, before anything moves, when one is
+        not a number; the full path then converts it). Spares a batch of 64
+        about 10 us of Python. Buffers must be ints: an object that converts
+        to one (a 0-d array) is memory to resolve, not an address."""
+        sequences = (list, tuple)
+        return (
+            type(buffers) in sequences
+            and type(peers) in sequences
+            and type(lengths) in sequences
+            and 0 not in lengths
+            and all(type(b) is int for b in buffers)
+        )
+
     def _sync(self, op: str, target: str, buffers, peers, lengths, hint: str, notify=None) -> int:
         keep = []
         try:
+            wire = notify._wire() if notify is not None else None
+            if self._plain(buffers, peers, lengths):
+                try:
+                    self._native().transfer(op, self._segment(target), buffers, peers, lengths, hint or None, wire)
+                    return 0
+                except TypeError:
+                    pass  # not all numbers: the full path below
             buffers, peers, lengths = self._without_empty(buffers, peers, lengths)
             local, keep = self._locals(op, buffers, lengths)
-            wire = notify._wire() if notify is not None else None
             self._native().transfer(op, self._segment(target), local, [int(p) for p in peers], lengths, hint or None, wire)
             return 0
         except BaseException as e:
@@ -400,6 +423,11 @@ class TransferEngine:
 
     def _async(self, op: str, target: str, buffers, peers, lengths, hint: str) -> int:
         # Like Mooncake, the caller keeps the memory alive until the batch ends.
+        if self._plain(buffers, peers, lengths):
+            try:
+                return self._native().submit(op, self._segment(target), buffers, peers, lengths, hint or None)
+            except TypeError:
+                pass  # not all numbers: the full path below
         buffers, peers, lengths = self._without_empty(buffers, peers, lengths)
         local, _ = self._locals(op, buffers, lengths)
         return self._native().submit(op, self._segment(target), local, [int(p) for p in peers], lengths, hint or None)
