@@ -333,20 +333,23 @@ pub unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize, nt: bool) {
 }
 
 /// Loads, and stores that bypass the cache (the destination is the other
-/// process's, not read here soon), 64 bytes at a time.
+/// process's, not read here soon), 64 bytes at a time. The stores start at
+/// a cache line: streaming stores that straddle two lines are flushed as
+/// partial writes (a destination 16 bytes off a line copied 25-40% slower
+/// here, as plain malloc'ed buffers are).
 ///
 /// # Safety
 /// As [`copy_bytes`], and the ranges do not overlap.
 #[cfg(target_arch = "x86_64")]
 unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
-    let head = dst.align_offset(16).min(len);
+    let head = dst.align_offset(64).min(len);
     // SAFETY: within the caller's ranges (head <= len), not overlapping.
     unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
     let (mut d, mut s, mut n) = (dst.wrapping_add(head), src.wrapping_add(head), len - head);
     while n >= 64 {
-        // SAFETY: 64 bytes remain at s (readable) and d (writable, 16-byte
-        // aligned, as _mm_stream_si128 requires); SSE2 is part of x86-64.
+        // SAFETY: 64 bytes remain at s (readable) and d (writable, 64-byte
+        // aligned, more than _mm_stream_si128's 16); SSE2 is part of x86-64.
         unsafe {
             let a = _mm_loadu_si128(s.cast::<__m128i>());
             let b = _mm_loadu_si128(s.add(16).cast::<__m128i>());
@@ -449,7 +452,16 @@ mod tests {
     #[test]
     fn unaligned_streaming_copies_are_exact() {
         let src: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
-        for (off, len) in [(0, 0), (1, 63), (3, 64), (5, 4000), (17, 4983)] {
+        for (off, len) in [
+            (0, 0),
+            (1, 63),
+            (3, 64),
+            (5, 4000),
+            (17, 4983),
+            (33, 30),
+            (47, 130),
+            (60, 4),
+        ] {
             let mut dst = vec![0u8; 5000];
             // SAFETY: [off, off + len) lies inside both vectors.
             unsafe { copy_bytes(dst.as_mut_ptr().add(off), src.as_ptr().add(off), len, true) };
