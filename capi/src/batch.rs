@@ -33,7 +33,7 @@ pub unsafe extern "C" fn ferry_batch_new(
     })
 }
 
-pub(crate) fn to_requests(raw: &[ferry_request]) -> Result<Vec<Request>, Error> {
+fn to_requests(raw: &[ferry_request]) -> Result<Vec<Request>, Error> {
     raw.iter()
         .enumerate()
         .map(|(i, r)| {
@@ -66,20 +66,23 @@ pub(crate) fn to_requests(raw: &[ferry_request]) -> Result<Vec<Request>, Error> 
         .collect()
 }
 
+/// The engine's requests for the `count` C requests at `requests`, each
+/// checked.
+///
 /// # Safety
 /// `requests` null (with count 0) or valid for `count` elements.
-pub(crate) unsafe fn request_slice<'a>(
+pub(crate) unsafe fn requests_arg(
     requests: *const ferry_request,
     count: usize,
-) -> Result<&'a [ferry_request], Error> {
+) -> Result<Vec<Request>, Error> {
     if count == 0 {
-        return Ok(&[]);
+        return Ok(Vec::new());
     }
     if requests.is_null() {
         return Err(invalid("requests"));
     }
     // SAFETY: non-null and valid for count elements per the contract.
-    Ok(unsafe { std::slice::from_raw_parts(requests, count) })
+    to_requests(unsafe { std::slice::from_raw_parts(requests, count) })
 }
 
 /// Adds requests to a batch and starts them. If any request is invalid,
@@ -98,7 +101,7 @@ pub unsafe extern "C" fn ferry_batch_submit(
         // SAFETY: per the contract.
         let e = unsafe { obj(engine, "engine")? };
         // SAFETY: per the contract.
-        let reqs = to_requests(unsafe { request_slice(requests, count)? })?;
+        let reqs = unsafe { requests_arg(requests, count)? };
         e.inner.submit(batch, &reqs)
     })
 }
@@ -262,7 +265,7 @@ pub unsafe extern "C" fn ferry_transfer_sync(
         // SAFETY: per the contract.
         let e = unsafe { obj(engine, "engine")? };
         // SAFETY: per the contract.
-        let reqs = to_requests(unsafe { request_slice(requests, count)? })?;
+        let reqs = unsafe { requests_arg(requests, count)? };
         e.inner.transfer_sync(&reqs)
     })
 }

@@ -1,6 +1,6 @@
 //! Notifications: sent after a batch's data or alone, and received.
 
-use crate::batch::{request_slice, to_requests};
+use crate::batch::requests_arg;
 use crate::boundary::{invalid, obj, str_arg};
 use crate::engine::ferry_engine;
 use crate::types::*;
@@ -65,7 +65,7 @@ pub unsafe extern "C" fn ferry_batch_submit_with_notify(
         // SAFETY: per the contract.
         let e = unsafe { obj(engine, "engine")? };
         // SAFETY: per the contract.
-        let reqs = to_requests(unsafe { request_slice(requests, count)? })?;
+        let reqs = unsafe { requests_arg(requests, count)? };
         // SAFETY: per the contract.
         let notify = unsafe { to_notify(name, msg, msg_len)? };
         e.inner.submit_with_notify(batch, &reqs, notify)
