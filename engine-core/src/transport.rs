@@ -460,6 +460,40 @@ impl Transport {
         }
     }
 
+    /// Whether the plugin takes block lists (`submit_blocks`, ABI 1.4).
+    pub fn takes_block_lists(&self) -> bool {
+        let table = self.table();
+        ferry_plugins_abi::has_field!(table, sys::ferry_transport_plugin_v1_t, submit_blocks)
+            && table.submit_blocks.is_some()
+    }
+
+    /// Hands one block list to the plugin, completed once with
+    /// `list.token`; `Unsupported` when it takes none (nothing accepted).
+    pub fn submit_blocks(&self, peer: &PeerHandle, list: &sys::ferry_block_list_t) -> Result<()> {
+        let table = self.table();
+        let f = if self.takes_block_lists() {
+            table.submit_blocks
+        } else {
+            None
+        };
+        let f = f.ok_or_else(|| {
+            Error::new(
+                ErrorCode::Unsupported,
+                format!("transport {} takes no block lists", self.name),
+            )
+        })?;
+        let mut err = ErrBuf::new();
+        let mut raw = err.raw();
+        // SAFETY: list, its key and its blocks are valid for the call; peer
+        // came from connect.
+        let status = unsafe { f(self.instance, peer.handle, list, &mut raw) };
+        if status == sys::FERRY_OK {
+            Ok(())
+        } else {
+            Err(err.error(&self.name, "submit_blocks", status))
+        }
+    }
+
     /// The plugin's own words on how it reaches this peer.
     pub fn describe(&self, peer: &PeerHandle) -> Option<String> {
         let table = self.table();

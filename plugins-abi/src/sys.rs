@@ -10,7 +10,7 @@ use std::ffi::c_char;
 use std::ffi::c_void;
 
 pub const FERRY_PLUGIN_ABI_MAJOR: u16 = 1;
-pub const FERRY_PLUGIN_ABI_MINOR: u16 = 3;
+pub const FERRY_PLUGIN_ABI_MINOR: u16 = 4;
 
 pub type ferry_status_t = i32;
 
@@ -260,6 +260,32 @@ pub struct ferry_transfer_request_t {
     pub token: u64,
 }
 
+/// One block of a block list (ABI 1.4; see plugin.h).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ferry_block_t {
+    pub local_offset: u64,
+    pub remote_offset: u64,
+    pub length: u64,
+}
+
+/// Many blocks between one local and one peer buffer, completed once (ABI
+/// 1.4; see plugin.h).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ferry_block_list_t {
+    pub op: u32,
+    pub reserved: u32,
+    pub local_addr: u64,
+    pub local_mem: u64,
+    pub remote_addr: u64,
+    pub remote_key: *const u8,
+    pub remote_key_len: usize,
+    pub blocks: *const ferry_block_t,
+    pub count: usize,
+    pub token: u64,
+}
+
 #[repr(C)]
 pub struct ferry_transport_plugin_v1_t {
     pub hdr: ferry_abi_header_t,
@@ -384,6 +410,15 @@ pub struct ferry_transport_plugin_v1_t {
     // ABI 1.3
     /// `FERRY_TRANSPORT_*` bits.
     pub flags: u64,
+    // ABI 1.4
+    pub submit_blocks: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            peer_handle: *mut c_void,
+            list: *const ferry_block_list_t,
+            err: *mut ferry_errbuf_t,
+        ) -> ferry_status_t,
+    >,
 }
 
 /// submit moves local memory never registered with the transport (see

@@ -128,6 +128,27 @@ fn rust_layouts() -> Vec<Layout> {
             ]
         ),
         layout!(
+            "ferry_block_t",
+            ferry_block_t,
+            [local_offset, remote_offset, length]
+        ),
+        layout!(
+            "ferry_block_list_t",
+            ferry_block_list_t,
+            [
+                op,
+                reserved,
+                local_addr,
+                local_mem,
+                remote_addr,
+                remote_key,
+                remote_key_len,
+                blocks,
+                count,
+                token
+            ]
+        ),
+        layout!(
             "ferry_transport_plugin_v1_t",
             ferry_transport_plugin_v1_t,
             [
@@ -151,7 +172,8 @@ fn rust_layouts() -> Vec<Layout> {
                 accepts,
                 on_peer_request,
                 accepts_pair,
-                flags
+                flags,
+                submit_blocks
             ]
         ),
         layout!(

@@ -85,7 +85,7 @@ extern "C" {
 #endif
 
 #define FERRY_PLUGIN_ABI_MAJOR 1
-#define FERRY_PLUGIN_ABI_MINOR 3
+#define FERRY_PLUGIN_ABI_MINOR 4
 
 /* ------------------------------------------------------------------------ */
 /* Status codes (shared with the public C API in ferry.h)                    */
@@ -448,6 +448,34 @@ typedef struct ferry_transfer_request {
     uint64_t token;        /* hand back to complete() */
 } ferry_transfer_request_t;
 
+/* One block of a block list (ABI 1.4): its local range is the list's
+ * local_addr + local_offset, its remote range the list's remote_addr +
+ * remote_offset, both length bytes long. */
+typedef struct ferry_block {
+    uint64_t local_offset;
+    uint64_t remote_offset;
+    uint64_t length; /* > 0 */
+} ferry_block_t;
+
+/* Many blocks between one local buffer and one peer buffer, as a KV cache
+ * moves them: the engine has checked every block against both buffers (the
+ * target must check again) and coalesced blocks adjacent on both sides. The
+ * list is completed once, through complete(token): FERRY_OK when every block
+ * landed, else the first failure (then any block may or may not have
+ * landed). blocks stays valid only for the duration of submit_blocks. */
+typedef struct ferry_block_list {
+    uint32_t op;           /* FERRY_OP_* */
+    uint32_t reserved;     /* 0 */
+    uint64_t local_addr;   /* base of the local offsets, inside the local buffer */
+    uint64_t local_mem;    /* handle register_memory returned for the local buffer */
+    uint64_t remote_addr;  /* base of the remote offsets, inside the peer's buffer */
+    const uint8_t *remote_key; /* the peer's key for that buffer */
+    size_t remote_key_len;
+    const ferry_block_t *blocks;
+    size_t count;          /* > 0 */
+    uint64_t token;        /* hand back to complete(), once for the whole list */
+} ferry_block_list_t;
+
 typedef struct ferry_transport_plugin_v1 {
     ferry_abi_header_t hdr; /* FERRY_ABI_HEADER_INIT(ferry_transport_plugin_v1_t) */
     const char *name;        /* "tcp": lower case, [a-z0-9-], matches the file name */
@@ -553,6 +581,16 @@ typedef struct ferry_transport_plugin_v1 {
 
     /* FERRY_TRANSPORT_* facts about how this transport works (0: none). */
     uint64_t flags;
+
+    /* --- ABI 1.4 (the host checks struct_size) --- */
+
+    /* Optional: accepts one block list (see ferry_block_list_t) and completes
+     * it once. On an error nothing was accepted and the engine moves the
+     * blocks as single requests through submit instead. A transport sets it
+     * where moving many blocks costs less together than one by one (one
+     * kernel launch for all of them, one iovec list, one frame). */
+    ferry_status_t (*submit_blocks)(void *instance, void *peer_handle,
+                                    const ferry_block_list_t *list, ferry_errbuf_t *err);
 } ferry_transport_plugin_v1_t;
 
 /* submit moves local memory that was never registered with this transport

@@ -21,6 +21,7 @@
 
 pub mod admission;
 pub mod auth;
+mod blocks;
 mod boundary;
 pub mod deadline;
 mod device;
@@ -28,6 +29,7 @@ mod host;
 pub mod local;
 pub mod net;
 mod transport;
+pub use blocks::*;
 pub use boundary::*;
 pub use device::*;
 pub use host::*;

@@ -1,6 +1,7 @@
 //! Transport plugins in Rust: the safe traits and the trampolines that the
 //! export macro puts in the C table.
 
+use super::blocks::BlockList;
 use super::boundary::{boundary, catch, to_cstring_lossy, PluginError, PluginResult};
 use super::host::{Host, ProbeReport};
 use crate::status::ErrorCode;
@@ -17,6 +18,10 @@ pub trait TransportPlugin: 'static {
     /// [`sys::FERRY_TRANSPORT_LOCAL_UNREGISTERED`] for a transport whose
     /// submit reads and writes local memory it never registered.
     const FLAGS: u64 = 0;
+    /// Whether the instance moves block lists itself
+    /// ([`TransportInstance::submit_blocks`], ABI 1.4): the table then
+    /// carries `submit_blocks`, else the engine sends single requests.
+    const BLOCK_LISTS: bool = false;
 
     /// One instance per engine. Probe-only plugins use [`NoDataPath`].
     type Instance: TransportInstance;
@@ -159,6 +164,16 @@ pub trait TransportInstance: Send + Sync + 'static {
     /// Accepts every request (each completed exactly once through the
     /// [`Completer`]) or none (the error).
     fn submit(&self, peer: &Self::Peer, requests: &[TransferRequest<'_>]) -> PluginResult<()>;
+    /// Accepts a block list, completed once through the [`Completer`]
+    /// with `list.token` (set [`TransportPlugin::BLOCK_LISTS`] to be asked).
+    /// Every block must be checked against the local registration and the
+    /// peer's buffer before anything moves.
+    fn submit_blocks(&self, _peer: &Self::Peer, _list: &BlockList<'_>) -> PluginResult<()> {
+        Err(PluginError::new(
+            ErrorCode::Unsupported,
+            "this transport takes no block lists",
+        ))
+    }
     fn describe_peer(&self, _peer: &Self::Peer) -> Option<String> {
         None
     }
@@ -527,6 +542,26 @@ pub unsafe extern "C" fn submit_trampoline<P: TransportPlugin>(
 
 /// # Safety
 /// As [`transport_probe_trampoline`].
+pub unsafe extern "C" fn submit_blocks_trampoline<P: TransportPlugin>(
+    inst: *mut c_void,
+    peer: *mut c_void,
+    list: *const sys::ferry_block_list_t,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract: list (with its key and blocks) and
+    // peer are valid for the duration of the call, peer from connect.
+    unsafe {
+        boundary(err, || {
+            let peer = peer_of::<P>(peer)?;
+            let raw = list.as_ref().ok_or_else(|| invalid("list"))?;
+            let list = BlockList::from_raw(raw)?;
+            instance::<P>(inst)?.submit_blocks(peer, &list)
+        })
+    }
+}
+
+/// # Safety
+/// As [`transport_probe_trampoline`].
 pub unsafe extern "C" fn describe_peer_trampoline<P: TransportPlugin>(
     inst: *mut c_void,
     peer: *mut c_void,
@@ -698,6 +733,11 @@ pub const fn transport_table_v1<P: TransportPlugin>() -> sys::ferry_transport_pl
         on_peer_request: Some(on_peer_request_trampoline::<P>),
         accepts_pair: Some(accepts_pair_trampoline::<P>),
         flags: P::FLAGS,
+        submit_blocks: if P::BLOCK_LISTS {
+            Some(submit_blocks_trampoline::<P>)
+        } else {
+            None
+        },
     }
 }
 
@@ -720,6 +760,7 @@ pub const fn transport_table_v1_probe_only<P: TransportPlugin>() -> sys::ferry_t
         accepts: None,
         on_peer_request: None,
         accepts_pair: None,
+        submit_blocks: None,
         ..transport_table_v1::<P>()
     }
 }
