@@ -15,6 +15,8 @@ pub const DESCRIPTOR_VERSION: u32 = 1;
 /// Limits on what a peer's descriptor may contain.
 pub const MAX_BUFFERS: usize = 1 << 20;
 pub const MAX_TRANSPORTS: usize = 64;
+/// Most block layouts a descriptor may list.
+pub const MAX_LAYOUTS: usize = 4096;
 pub const MAX_NAME_LEN: usize = 256;
 pub const MAX_BLOB_LEN: usize = 64 * 1024;
 
@@ -40,6 +42,21 @@ pub struct SegmentDescriptor {
     /// (FERRY_METRICS_LISTEN); what `ferry top SEGMENT` reads.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics: Option<String>,
+    /// Block layouts the engine registered (pools of equal blocks, named
+    /// by index in transfers); none in older descriptors.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layouts: Vec<LayoutDescriptor>,
+}
+
+/// A block layout as peers see it: `count` blocks of `block_size` bytes,
+/// block `i` at `base + i * stride`, inside one published buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayoutDescriptor {
+    pub id: u32,
+    pub base: u64,
+    pub block_size: u64,
+    pub stride: u64,
+    pub count: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -154,6 +171,11 @@ impl SegmentDescriptor {
             }
             decode_blob(&t.endpoint)?;
         }
+        if self.layouts.len() > MAX_LAYOUTS {
+            return Err(protocol("too many layouts"));
+        }
+        // Each layout's numbers are checked where it is used (an index
+        // against its count, its blocks against the buffers).
         if self.buffers.len() > MAX_BUFFERS {
             return Err(protocol("too many buffers"));
         }
@@ -225,6 +247,7 @@ mod tests {
                 endpoint: encode_blob(b"127.0.0.1:9"),
             }],
             metrics: None,
+            layouts: Vec::new(),
             buffers: vec![
                 BufferDescriptor {
                     addr: 0x1000,

@@ -45,7 +45,10 @@ pub mod user_token;
 
 pub use batch::{BatchId, BatchStatus, NotifyStatus, RequestStatus};
 pub use config::EngineConfig;
-pub use engine::{Engine, Op, Request, Route, RouteEstimate, RouteNic, Scope, SegmentId};
+pub use engine::{
+    BlockLayout, BlockTransfer, Engine, LayoutId, Op, Request, Route, RouteEstimate, RouteNic,
+    Scope, SegmentId,
+};
 pub use error::{Error, ErrorCode, Result};
 pub use ferry_loader as loader;
 pub use host::load_plugins;

@@ -218,6 +218,47 @@ static ferry_status_t memcpy_submit(void *instance, void *peer,
     return FERRY_OK;
 }
 
+/* ABI 1.4, optional: a whole block list in one call, completed once. The
+ * peer's region is found once for the furthest block; every block then lies
+ * inside it. */
+static ferry_status_t memcpy_submit_blocks(void *instance, void *peer,
+                                           const ferry_block_list_t *list, ferry_errbuf_t *err) {
+    instance_t *inst = instance;
+    const peer_t *p = peer;
+    uint64_t remote_end = 0;
+    for (size_t i = 0; i < list->count; i++) {
+        const ferry_block_t *b = &list->blocks[i];
+        if (b->length == 0 || b->remote_offset > UINT64_MAX - b->length) {
+            return ferry_errorf(err, FERRY_ERR_INVALID_ARGUMENT, "block %zu is no range", i);
+        }
+        if (b->remote_offset + b->length > remote_end) remote_end = b->remote_offset + b->length;
+    }
+    ferry_status_t status = FERRY_ERR_OUT_OF_BOUNDS;
+    pthread_mutex_lock(&lock);
+    for (size_t i = 0; i < MAX_REGIONS; i++) {
+        const region_t *g = &regions[i];
+        if (g->owner == p->target && list->remote_addr >= g->addr && remote_end <= g->len &&
+            list->remote_addr - g->addr <= g->len - remote_end) {
+            for (size_t k = 0; k < list->count; k++) {
+                const ferry_block_t *b = &list->blocks[k];
+                char *remote = (char *)(uintptr_t)list->remote_addr + b->remote_offset;
+                char *local = (char *)(uintptr_t)list->local_addr + b->local_offset;
+                if (list->op == FERRY_OP_WRITE) {
+                    memmove(remote, local, b->length);
+                } else {
+                    memmove(local, remote, b->length);
+                }
+            }
+            status = FERRY_OK;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    inst->complete(inst->completion_ctx, list->token, status,
+                   status == FERRY_OK ? NULL : "memcpy: a block is not inside memory the peer registered");
+    return FERRY_OK;
+}
+
 static ferry_status_t memcpy_describe(void *instance, void *peer, char *buf, size_t cap,
                                       size_t *len, ferry_errbuf_t *err) {
     (void)instance;
@@ -253,6 +294,7 @@ static const ferry_transport_plugin_v1_t memcpy_plugin = {
      * accepts (connect already refuses peers outside this process),
      * on_peer_request (ABI 1.1; no handshake with peers). */
     .describe_peer = memcpy_describe,
+    .submit_blocks = memcpy_submit_blocks,
 };
 
 __attribute__((visibility("default"))) const ferry_transport_plugin_v1_t *

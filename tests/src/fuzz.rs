@@ -377,6 +377,7 @@ fn sample_descriptor() -> SegmentDescriptor {
             endpoint: encode_blob(&tcp::encode_endpoint("10.0.0.1:7001", 0x1234)),
         }],
         metrics: None,
+        layouts: Vec::new(),
         buffers: vec![
             BufferDescriptor {
                 addr: 0x7f00_0000_0000,

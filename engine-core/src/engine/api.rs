@@ -1,7 +1,9 @@
 //! The `Engine` facade: the public API, each call handed to the part of
 //! the engine that does it.
 
+use super::blocks::BlockTransfer;
 use super::devices::Gpu;
+use super::layouts::{BlockLayout, LayoutId};
 use super::node::list_segments;
 use super::plan::Peers;
 use super::request::{Request, Route, SegmentId};
@@ -218,6 +220,56 @@ impl Engine {
     /// must always be registered.
     pub fn submit(&self, batch: BatchId, requests: &[Request]) -> Result<()> {
         self.shared.submit(batch, requests)
+    }
+
+    /// Registers a block layout (a pool of equal blocks inside memory
+    /// registered here) and publishes it with this engine's segment, so
+    /// peers can name its blocks by index; returns its id.
+    pub fn register_layout(&self, layout: BlockLayout) -> Result<LayoutId> {
+        self.shared.register_layout(layout)
+    }
+
+    /// Withdraws a layout (peers that still name it are refused).
+    pub fn unregister_layout(&self, id: LayoutId) -> Result<()> {
+        self.shared.unregister_layout(id)
+    }
+
+    /// Adds a transfer by block layouts to a batch and starts it: block
+    /// `local_ids[i]` of the local layout moves to or from block
+    /// `remote_ids[i]` of the peer's layout, one request per pair (status
+    /// by index, in order). Indices out of range, unknown layouts or block
+    /// sizes that differ fail the call and nothing is submitted. The route
+    /// is chosen once for all blocks; a transport that takes block lists
+    /// (cuda-ipc's one-kernel copy) moves them in one call.
+    pub fn submit_blocks(&self, batch: BatchId, transfer: &BlockTransfer<'_>) -> Result<()> {
+        self.shared.submit_blocks(batch, transfer)
+    }
+
+    /// [`Engine::submit_blocks`] as one batch, waited for (up to twice
+    /// the configured timeout); the first failure is the error.
+    pub fn transfer_blocks(&self, transfer: &BlockTransfer<'_>) -> Result<()> {
+        let batch = self.allocate_batch(transfer.local_ids.len().max(1))?;
+        let timeout = self.shared.config.timeout * 2;
+        if let Err(e) = self.submit_blocks(batch, transfer) {
+            let _ = self.free_batch(batch);
+            return Err(e);
+        }
+        let status = self.wait(batch, timeout)?;
+        if !status.is_done() {
+            // Leave the batch allocated: its blocks are still in flight.
+            return Err(Error::new(
+                ErrorCode::Timeout,
+                format!(
+                    "{} blocks did not finish within {timeout:?}",
+                    status.pending
+                ),
+            ));
+        }
+        let _ = self.free_batch(batch);
+        match status.first_error {
+            Some((i, e)) => Err(Error::new(e.code, format!("block {i}: {}", e.message))),
+            None => Ok(()),
+        }
     }
 
     /// Like [`Engine::submit`], and attaches `notify`: the requests' peer

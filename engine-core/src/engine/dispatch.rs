@@ -4,7 +4,7 @@
 //! batch. Staged requests get their groups here and run elsewhere.
 
 use super::measure::Flight;
-use super::plan::{Plan, StagedItem};
+use super::plan::{Pending, Plan, StagedItem};
 use super::request::{Op, SegmentId};
 use super::segments::RemoteSegment;
 use super::shared::Shared;
@@ -42,10 +42,7 @@ impl Shared {
         for i in &empty {
             batch.complete_empty(base + i, 1);
         }
-        let mut flows = Flows {
-            cache: FlowCache::default(),
-            started: Stamp::now(),
-        };
+        let mut flows = Flows::new();
         for (i, item) in &mut staged {
             let tally = self.tally(
                 &mut flows,
@@ -59,7 +56,24 @@ impl Shared {
             item.group = group_of(batch.add_group(base + *i, 1, item.local.clone(), tally));
         }
         let mut by_target: SmallVec<[TargetGroup; 1]> = SmallVec::new();
+        // Runs of requests between one pair of buffers, for a transport
+        // that takes block lists: one list and one completion each.
+        let runs = block_runs(&routed, |t| self.transports[t].takes_block_lists());
+        let mut lists: Vec<ListGroup> = Vec::with_capacity(runs.len());
+        let mut in_run = runs.iter().peekable();
         for (n, p) in routed.iter().enumerate() {
+            if let Some(&&(first, len)) = in_run.peek() {
+                if n == first {
+                    let run = &routed[first..first + len];
+                    lists.push(self.list_group(batch, &mut flows, base, run));
+                }
+                if n >= first && n < first + len {
+                    if n == first + len - 1 {
+                        in_run.next();
+                    }
+                    continue;
+                }
+            }
             let registration = p.local.registration(p.transport);
             let local_mem = registration.map(|r| r.handle).unwrap_or(0);
             let mem_kind = registration.map_or(p.local.mem_kind, |r| r.mem_kind);
@@ -135,12 +149,21 @@ impl Shared {
             for (_, it) in &staged {
                 batch.complete_group(it.group, Err(e.clone()));
             }
+            for l in &lists {
+                batch.complete_group(group_of(l.token), Err(e.clone()));
+            }
             return Err(e);
+        }
+        let mut failures = 0usize;
+        let mut first_failure = None;
+        for l in lists {
+            if let Err(e) = self.hand_over_list(batch, &l) {
+                failures += l.pendings;
+                first_failure.get_or_insert(e);
+            }
         }
 
         // Hand each group list to its transport.
-        let mut failures = 0usize;
-        let mut first_failure = None;
         for ((seg_id, transport), list) in by_target {
             let Some(p) = list.first().map(|(_, n)| &routed[*n]) else {
                 continue;
@@ -187,9 +210,18 @@ impl Shared {
 
 /// One dispatch's view of the metrics: the flow last used, and the time
 /// its submissions started.
-struct Flows {
+pub(crate) struct Flows {
     cache: FlowCache,
     started: Stamp,
+}
+
+impl Flows {
+    pub(crate) fn new() -> Flows {
+        Flows {
+            cache: FlowCache::default(),
+            started: Stamp::now(),
+        }
+    }
 }
 
 impl Shared {
@@ -244,4 +276,191 @@ impl Shared {
             started,
         })
     }
+}
+
+/// A run of routed requests (index of its first in `routed`, length) that
+/// goes as one block list: at least two, consecutive in the batch, between
+/// one local buffer and one peer buffer, on a transport that takes lists.
+fn block_runs(routed: &[Pending], takes_lists: impl Fn(usize) -> bool) -> Vec<(usize, usize)> {
+    let mut runs = Vec::new();
+    let mut i = 0;
+    while i < routed.len() {
+        let p = &routed[i];
+        let mut j = i + 1;
+        if takes_lists(p.transport) {
+            while j < routed.len() {
+                let (prev, q) = (&routed[j - 1], &routed[j]);
+                let same = q.segment.id == p.segment.id
+                    && q.transport == p.transport
+                    && q.op == p.op
+                    && Arc::ptr_eq(&q.local, &p.local)
+                    && Arc::ptr_eq(&q.remote_key, &p.remote_key)
+                    && q.first == prev.first + prev.count;
+                if !same {
+                    break;
+                }
+                j += 1;
+            }
+        }
+        if j - i >= 2 {
+            runs.push((i, j - i));
+        }
+        i = j;
+    }
+    runs
+}
+
+/// One block list, its completion group made, ready to hand over.
+pub(crate) struct ListGroup {
+    segment: Arc<RemoteSegment>,
+    transport: usize,
+    /// How many submitted requests it completes.
+    pendings: usize,
+    raw: sys::ferry_block_list_t,
+    blocks: Vec<sys::ferry_block_t>,
+    /// Keeps `raw.remote_key` alive.
+    _key: Arc<[u8]>,
+    token: u64,
+    bytes: u64,
+}
+
+impl ListGroup {
+    pub(crate) fn token(&self) -> u64 {
+        self.token
+    }
+}
+
+impl Shared {
+    /// The completion group and block list for a run of routed requests
+    /// (bases: the local buffer and the lowest remote address).
+    fn list_group(
+        &self,
+        batch: &Batch,
+        flows: &mut Flows,
+        base: usize,
+        run: &[Pending],
+    ) -> ListGroup {
+        let p = &run[0];
+        let remote_base = run.iter().map(|q| q.remote_addr).min().unwrap_or(0);
+        let blocks: Vec<sys::ferry_block_t> = run
+            .iter()
+            .map(|q| sys::ferry_block_t {
+                local_offset: q.local_addr - p.local.addr,
+                remote_offset: q.remote_addr - remote_base,
+                length: q.length,
+            })
+            .collect();
+        let requests = run.iter().map(|q| q.count).sum();
+        let mut list = self.block_group(
+            batch,
+            flows,
+            BlockGroup {
+                start: base + p.first,
+                requests,
+                segment: &p.segment,
+                transport: p.transport,
+                op: p.op,
+                local: &p.local,
+                local_base: p.local.addr,
+                remote_base,
+                remote_key: &p.remote_key,
+            },
+            blocks,
+        );
+        list.pendings = run.len();
+        list
+    }
+
+    /// Makes the completion group of a block list covering `requests`
+    /// reserved slots from `start`.
+    pub(crate) fn block_group(
+        &self,
+        batch: &Batch,
+        flows: &mut Flows,
+        g: BlockGroup<'_>,
+        blocks: Vec<sys::ferry_block_t>,
+    ) -> ListGroup {
+        let registration = g.local.registration(g.transport);
+        let mem_kind = registration.map_or(g.local.mem_kind, |r| r.mem_kind);
+        let bytes = blocks.iter().map(|b| b.length).sum();
+        let tally = self.tally(
+            flows,
+            Some(g.transport),
+            g.op,
+            g.local,
+            mem_kind,
+            g.segment,
+            bytes,
+        );
+        let token = batch.add_group(g.start, g.requests, g.local.clone(), tally);
+        self.metrics
+            .route_used(g.segment.id, mem_kind, g.transport, || {
+                g.segment.name.clone()
+            });
+        let raw = sys::ferry_block_list_t {
+            op: g.op.raw(),
+            reserved: 0,
+            local_addr: g.local_base,
+            local_mem: registration.map(|r| r.handle).unwrap_or(0),
+            remote_addr: g.remote_base,
+            remote_key: g.remote_key.as_ptr(),
+            remote_key_len: g.remote_key.len(),
+            blocks: blocks.as_ptr(),
+            count: blocks.len(),
+            token,
+        };
+        ListGroup {
+            segment: g.segment.clone(),
+            transport: g.transport,
+            pendings: 1,
+            raw,
+            blocks,
+            _key: g.remote_key.clone(),
+            token,
+            bytes,
+        }
+    }
+
+    /// Hands a block list to its transport; on a refusal its group fails
+    /// (and a broken connection is forgotten, as for single requests).
+    pub(crate) fn hand_over_list(&self, batch: &Batch, l: &ListGroup) -> Result<()> {
+        let t = &self.transports[l.transport];
+        let mut raw = l.raw;
+        raw.blocks = l.blocks.as_ptr();
+        let result = l.segment.peer(l.transport, t).and_then(|peer| {
+            let flight: Arc<dyn GroupObserver> = Flight::start(
+                self.transports.meter.clone(),
+                l.segment.id,
+                l.transport,
+                l.blocks.len(),
+                l.bytes,
+            );
+            batch.observe([group_of(l.token)], &flight);
+            t.submit_blocks(&peer, &raw)
+        });
+        if let Err(e) = &result {
+            if e.code == ErrorCode::Connection {
+                l.segment.peers.lock().remove(&l.transport);
+                l.segment.stale.store(true, Ordering::Relaxed);
+                l.segment.routes.clear();
+            }
+            log::debug!("segment {}: {e}", l.segment.id);
+            batch.complete_group(group_of(l.token), Err(e.clone()));
+        }
+        result
+    }
+}
+
+/// What a block list's completion group stands for.
+pub(crate) struct BlockGroup<'a> {
+    /// Its first reserved request slot, and how many it completes.
+    pub(crate) start: usize,
+    pub(crate) requests: usize,
+    pub(crate) segment: &'a Arc<RemoteSegment>,
+    pub(crate) transport: usize,
+    pub(crate) op: Op,
+    pub(crate) local: &'a Arc<LocalBuffer>,
+    pub(crate) local_base: u64,
+    pub(crate) remote_base: u64,
+    pub(crate) remote_key: &'a Arc<[u8]>,
 }

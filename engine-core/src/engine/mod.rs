@@ -12,6 +12,7 @@
 //! list, never one below):
 //! - `request`: what applications ask (requests) and are told (routes);
 //! - `node`: who this engine is to peers, the metadata store;
+//! - `layouts`: block layouts and the block lists made from their indices;
 //! - `segments`: peers' segments, their views and connections;
 //! - `cost`: how long a route would take, from what transports declare;
 //! - `measure`: what completions showed, per peer and transport;
@@ -21,17 +22,19 @@
 //!   is, the GPU-direct ladder, memory the engine allocates;
 //! - `staging/{protocol,slots,state}`: staging's messages, slots and state;
 //! - `shared`: the state all of the above make up, behind one `Arc`;
-//! - `registration`, `publish`, `peers`, `dispatch`, `submit`, `notify`,
+//! - `registration`, `publish`, `peers`, `dispatch`, `submit`, `blocks`, `notify`,
 //!   `route`, `staging/{target,initiator,job}`: what the engine does with it;
 //! - `observe`: the metrics as the engine reads them out, and its endpoint;
 //! - `startup` and `api`: `Engine::new` and the rest of the public API.
 
 mod allocations;
 mod api;
+mod blocks;
 mod cost;
 mod devices;
 mod dispatch;
 mod ladder;
+mod layouts;
 mod measure;
 mod node;
 mod notify;
@@ -52,8 +55,10 @@ mod submit;
 
 pub use crate::host::PeerControls;
 pub use api::Engine;
+pub use blocks::BlockTransfer;
 pub(crate) use devices::discover_gpus;
 pub use devices::Gpu;
+pub use layouts::{BlockLayout, LayoutId};
 pub use node::list_segments;
 pub use request::{Op, Request, Route, RouteEstimate, RouteNic, Scope, SegmentId};
 /// The staging requests peers send on the control plane, and their

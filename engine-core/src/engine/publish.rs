@@ -54,6 +54,7 @@ impl Shared {
                 .collect(),
             buffers,
             metrics: self.metrics.advertised(),
+            layouts: self.layouts.descriptors(),
         }
     }
 

@@ -5,6 +5,7 @@
 use super::allocations::Allocation;
 use super::devices::Devices;
 use super::ladder::GpuDirect;
+use super::layouts::Layouts;
 use super::node::Node;
 use super::segments::Segments;
 use super::select::Transports;
@@ -48,6 +49,8 @@ pub(crate) struct Shared {
     pub(crate) metrics: Metrics,
     /// Notifications peers sent, and the thread that sends this engine's.
     pub(crate) notifier: Notifier,
+    /// Block layouts registered here (published with the descriptor).
+    pub(crate) layouts: Layouts,
 }
 
 impl Shared {

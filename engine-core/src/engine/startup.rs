@@ -276,6 +276,7 @@ impl Engine {
             devices,
             gpu_direct,
             notifier: Default::default(),
+            layouts: Default::default(),
             memory: MemoryRegistry::default(),
             allocations: Mutex::new(HashMap::new()),
             segments: Segments::new(peer_controls),

@@ -585,8 +585,9 @@ typedef struct ferry_transport_plugin_v1 {
     /* --- ABI 1.4 (the host checks struct_size) --- */
 
     /* Optional: accepts one block list (see ferry_block_list_t) and completes
-     * it once. On an error nothing was accepted and the engine moves the
-     * blocks as single requests through submit instead. A transport sets it
+     * it once. On an error nothing was accepted, and the requests the list
+     * stands for fail with that error. Without it, the engine hands the same
+     * blocks to submit as single requests. A transport sets it
      * where moving many blocks costs less together than one by one (one
      * kernel launch for all of them, one iovec list, one frame). */
     ferry_status_t (*submit_blocks)(void *instance, void *peer_handle,

@@ -167,6 +167,7 @@ pub(crate) fn descriptor(
             })
             .collect(),
         metrics: None,
+        layouts: Vec::new(),
     }
 }
 

@@ -1,0 +1,179 @@
+//! Transfers by block layout: a pool's layout is registered once, and a
+//! transfer names blocks by index on both sides. The indices are checked
+//! and turned into one block list; the route is chosen once for the whole
+//! list (its buffers are the same for every block); a transport that takes
+//! block lists gets it in one call and completes it once, and any other
+//! gets the blocks as requests.
+
+use super::dispatch::{BlockGroup, Flows};
+use super::layouts::{block_list, unknown, BlockLayout, LayoutId};
+use super::request::{Op, Request, SegmentId};
+use super::segments::RemoteSegment;
+use super::shared::Shared;
+use crate::batch::{group_of, BatchId};
+use crate::error::{Error, ErrorCode, Result};
+use crate::memory::Visibility;
+use std::sync::Arc;
+
+/// One transfer by layouts.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockTransfer<'a> {
+    pub op: Op,
+    pub segment: SegmentId,
+    pub local: LayoutId,
+    pub local_ids: &'a [u64],
+    pub remote: LayoutId,
+    pub remote_ids: &'a [u64],
+    /// Use this transport if it can serve the blocks (else an error).
+    pub transport: Option<&'a str>,
+}
+
+impl Shared {
+    /// Registers a layout of registered memory and publishes it.
+    pub(crate) fn register_layout(&self, layout: BlockLayout) -> Result<LayoutId> {
+        let extent = layout.extent()?;
+        match self.memory.find(layout.base, extent) {
+            Some(b) if b.visibility == Visibility::Published => {}
+            _ => {
+                return Err(Error::new(
+                    ErrorCode::OutOfBounds,
+                    format!(
+                        "layout [{:#x}, {:#x}) is not inside one buffer registered with this \
+                         engine: register the pool's memory first",
+                        layout.base,
+                        layout.base + extent
+                    ),
+                ))
+            }
+        }
+        let id = self.layouts.add(layout)?;
+        self.publish();
+        Ok(id)
+    }
+
+    pub(crate) fn unregister_layout(&self, id: LayoutId) -> Result<()> {
+        self.layouts.remove(id)?;
+        self.publish();
+        Ok(())
+    }
+
+    /// A peer's layout by id, re-reading its descriptor once when it is
+    /// not (yet) known.
+    fn remote_layout(&self, seg: &RemoteSegment, id: LayoutId) -> Result<BlockLayout> {
+        let find = |seg: &RemoteSegment| {
+            seg.view
+                .read()
+                .descriptor
+                .layouts
+                .iter()
+                .find(|l| l.id == id)
+                .map(BlockLayout::from_descriptor)
+        };
+        if let Some(l) = find(seg) {
+            return Ok(l);
+        }
+        self.segments.refresh(seg, &self.node)?;
+        find(seg).ok_or_else(|| unknown(id, &format!("segment {}", seg.name)))
+    }
+
+    /// Adds the blocks of `t` to a batch and starts them: one request per
+    /// block index pair, in order. Nothing is submitted when an index is out
+    /// of range or a layout is unknown.
+    pub(crate) fn submit_blocks(
+        self: &Arc<Self>,
+        batch_id: BatchId,
+        t: &BlockTransfer<'_>,
+    ) -> Result<()> {
+        let batch = self.batches.get(batch_id)?;
+        let local = self.layouts.get(t.local)?;
+        let seg = self.segments.get(t.segment)?;
+        let remote = self.remote_layout(&seg, t.remote)?;
+        let blocks = block_list(&local, t.local_ids, &remote, t.remote_ids)?;
+        let Some(first) = blocks.first() else {
+            return Ok(());
+        };
+        // The route of the first block is the route of every block when
+        // both layouts lie inside the buffers it was found in.
+        let mut probe = Request::new(
+            t.op,
+            local.base + first.local_offset,
+            t.segment,
+            remote.base + first.remote_offset,
+            first.length,
+        );
+        probe.transport = t.transport.map(str::to_string);
+        let plan = self.planner().plan(std::slice::from_ref(&probe), None)?;
+        let whole = plan.routed.first().filter(|p| {
+            let view = seg.view.read().clone();
+            let remote_ok = remote
+                .extent()
+                .ok()
+                .and_then(|e| view.find(remote.base, e))
+                .and_then(|i| {
+                    view.buffers[i]
+                        .keys
+                        .get(self.transports[p.transport].name.as_str())
+                })
+                .is_some_and(|k| **k == *p.remote_key);
+            let local_ok = local
+                .extent()
+                .is_ok_and(|e| local.base >= p.local.addr && local.base + e <= p.local.end());
+            remote_ok && local_ok && self.transports[p.transport].takes_block_lists()
+        });
+        let Some(p) = whole else {
+            // Staged, or a transport without block lists: one request per
+            // (coalesced) block.
+            let requests: Vec<Request> = blocks
+                .iter()
+                .map(|b| {
+                    let mut r = Request::new(
+                        t.op,
+                        local.base + b.local_offset,
+                        t.segment,
+                        remote.base + b.remote_offset,
+                        b.length,
+                    );
+                    r.transport = probe.transport.clone();
+                    r
+                })
+                .collect();
+            return self.submit(batch_id, &requests);
+        };
+        let start = batch.reserve(t.local_ids.len())?;
+        let list = self.block_group(
+            &batch,
+            &mut Flows::new(),
+            BlockGroup {
+                start,
+                requests: t.local_ids.len(),
+                segment: &p.segment,
+                transport: p.transport,
+                op: t.op,
+                local: &p.local,
+                local_base: local.base,
+                remote_base: remote.base,
+                remote_key: &p.remote_key,
+            },
+            blocks,
+        );
+        // As in dispatch: a buffer unregistered since it was found must not
+        // be handed over (its unregister no longer waits for it).
+        let still = self
+            .memory
+            .find(p.local.addr, 1)
+            .is_some_and(|b| Arc::ptr_eq(&b, &p.local));
+        if !still {
+            let e = Error::new(
+                ErrorCode::OutOfBounds,
+                format!(
+                    "the local buffer at {:#x} was unregistered while the blocks were being \
+                     submitted",
+                    p.local.addr
+                ),
+            );
+            batch.complete_group(group_of(list.token()), Err(e.clone()));
+            return Err(e);
+        }
+        self.hand_over_list(&batch, &list)
+    }
+}
