@@ -427,6 +427,50 @@ ferry_status_t ferry_transfer_sync(const struct ferry_engine *engine,
                                    size_t count);
 
 /**
+ * Registers a block layout over memory registered with `engine`: `count`
+ * blocks of `block_size` bytes, block i at `base + i * stride`. Peers see
+ * it with the segment and name its blocks by index; `*out` is its id.
+ *
+ * # Safety
+ * `engine` valid; `out` valid.
+ */
+ferry_status_t ferry_layout_register(const struct ferry_engine *engine,
+                                     void *base,
+                                     uint64_t block_size,
+                                     uint64_t stride,
+                                     uint64_t count,
+                                     uint32_t *out);
+
+/**
+ * Withdraws a layout registered with `engine`.
+ *
+ * # Safety
+ * `engine` valid.
+ */
+ferry_status_t ferry_layout_unregister(const struct ferry_engine *engine, uint32_t layout);
+
+/**
+ * Adds `count` blocks to a batch and starts them: block `local_ids[i]` of
+ * local layout `local_layout` moves to (FERRY_OP_WRITE) or from
+ * (FERRY_OP_READ) block `remote_ids[i]` of the segment's layout
+ * `remote_layout`; request i of the batch is block i. An index out of
+ * range, an unknown layout or block sizes that differ fail the call and
+ * nothing is submitted.
+ *
+ * # Safety
+ * `engine` valid; `local_ids` and `remote_ids` valid for `count` elements.
+ */
+ferry_status_t ferry_batch_submit_blocks(const struct ferry_engine *engine,
+                                         ferry_batch_id batch,
+                                         uint32_t op,
+                                         ferry_segment_id segment,
+                                         uint32_t local_layout,
+                                         const uint64_t *local_ids,
+                                         uint32_t remote_layout,
+                                         const uint64_t *remote_ids,
+                                         size_t count);
+
+/**
  * Like ferry_batch_submit, and attaches a notification: the requests' peer
  * (they must all name one segment) receives it once every request of the
  * batch has finished with its data in the peer's memory, never before. The

@@ -12,7 +12,8 @@
 //!
 //! One file per part of the API: `types` (what C sees), `boundary` (the
 //! last error, status codes, argument checks), `config`, `engine` (memory
-//! and segments), `batch`, `notify`, `info`.
+//! and segments), `batch`, `blocks` (layouts, transfers by block index),
+//! `notify`, `info`.
 
 #![allow(non_camel_case_types)]
 
@@ -28,6 +29,8 @@ mod config;
 mod engine;
 
 mod batch;
+
+mod blocks;
 
 mod notify;
 

@@ -64,6 +64,47 @@ int main(void) {
         printf("FAILED: the data differs\n");
         return 1;
     }
+    /* By block layout: 4 KiB blocks of each pool, reversed order. */
+    const uint64_t kv = 4096, blocks = size / kv;
+    uint32_t local_layout = 0, remote_layout = 0;
+    CHECK(ferry_layout_register(target, remote, kv, kv, blocks, &remote_layout));
+    CHECK(ferry_layout_register(initiator, src, kv, kv, blocks, &local_layout));
+    uint64_t *lids = malloc(blocks * sizeof *lids), *rids = malloc(blocks * sizeof *rids);
+    if (lids == NULL || rids == NULL) return 1;
+    for (uint64_t i = 0; i < blocks; i++) {
+        lids[i] = i;
+        rids[i] = blocks - 1 - i;
+    }
+    memset(remote, 0, size);
+    ferry_batch_id batch = 0;
+    CHECK(ferry_batch_new(initiator, blocks, &batch));
+    CHECK(ferry_batch_submit_blocks(initiator, batch, FERRY_OP_WRITE, seg, local_layout, lids,
+                                    remote_layout, rids, blocks));
+    ferry_batch_summary sum;
+    CHECK(ferry_batch_wait(initiator, batch, -1, &sum));
+    if (sum.completed != blocks) {
+        printf("FAILED: %llu of %llu blocks completed\n", (unsigned long long)sum.completed,
+               (unsigned long long)blocks);
+        return 1;
+    }
+    CHECK(ferry_batch_free(initiator, batch));
+    for (uint64_t i = 0; i < blocks; i++) {
+        if (memcmp(src + i * kv, remote + (blocks - 1 - i) * kv, kv) != 0) {
+            printf("FAILED: block %llu differs\n", (unsigned long long)i);
+            return 1;
+        }
+    }
+    /* An index past the layout: refused, nothing submitted. */
+    lids[0] = blocks;
+    CHECK(ferry_batch_new(initiator, blocks, &batch));
+    if (ferry_batch_submit_blocks(initiator, batch, FERRY_OP_WRITE, seg, local_layout, lids,
+                                  remote_layout, rids, blocks) != FERRY_ERR_OUT_OF_BOUNDS) {
+        printf("FAILED: an index out of range was not refused\n");
+        return 1;
+    }
+    CHECK(ferry_batch_free(initiator, batch));
+    free(lids);
+    free(rids);
     ferry_engine_free(initiator);
     ferry_engine_free(target);
     printf("TRANSFER OK\n");
