@@ -21,6 +21,7 @@ import ctypes
 import enum
 import ipaddress
 import logging
+import operator
 import threading
 from typing import Dict, List, Optional
 
@@ -234,10 +235,11 @@ class TransferEngine:
         GPU memory. ``location`` ("cpu:0", "cuda:1"; "*" or "": let the
         engine find it, asking the device plugin) says where it is."""
         try:
-            m = _buffers.resolve(buffer_addr, capacity, writable=True) if not isinstance(buffer_addr, int) else None
-            addr = m.addr if m is not None else int(buffer_addr)
+            addr = _buffers.address_of(buffer_addr)
+            m = _buffers.resolve(buffer_addr, capacity, writable=True) if addr is None else None
+            addr = m.addr if m is not None else addr
             where = _location(location) or (m.location if m else None)
-            self._native().register_memory(addr, int(capacity), where)
+            self._native().register_memory(addr, operator.index(capacity), where)
             if m is not None:
                 with self._lock:
                     self._registered[addr] = m
@@ -247,7 +249,8 @@ class TransferEngine:
 
     def unregister_memory(self, buffer_addr) -> int:
         try:
-            addr = buffer_addr if isinstance(buffer_addr, int) else _buffers.resolve(buffer_addr).addr
+            addr = _buffers.address_of(buffer_addr)
+            addr = _buffers.resolve(buffer_addr).addr if addr is None else addr
             self._native().unregister_memory(int(addr))
             with self._lock:
                 m = self._registered.pop(int(addr), None)
@@ -364,73 +367,68 @@ class TransferEngine:
     # -- transfers --------------------------------------------------------
 
     @staticmethod
-    def _without_empty(buffers, peers, lengths):
-        """The requests left once zero-length ones are dropped: Mooncake
-        completes a zero-length request at once, successfully, touching
-        nothing (the peer is still opened, so an unknown one fails)."""
-        lengths = [int(n) for n in lengths]
+    def _as_list(values) -> list:
+        """A list of ints from a list, tuple or array of integers."""
+        if isinstance(values, (list, tuple)):
+            return [operator.index(v) for v in values]
+        return _ferry.int_list(values)
+
+    @staticmethod
+    def _objects(op: str, buffers, peers, lengths):
+        """The slow path, for local buffers given as objects (a list holding
+        a bytearray, a tensor...): each item is an address when it is an
+        integer (``_buffers.address_of``), else memory to resolve. Returns
+        (local addresses, remote addresses, lengths, what keeps the objects
+        exported meanwhile)."""
+        lengths = TransferEngine._as_list(lengths)
         if len(buffers) != len(peers) or len(buffers) != len(lengths):
-            return list(buffers), list(peers), lengths  # the engine says what is wrong
-        kept = [i for i, n in enumerate(lengths) if n != 0]
-        if len(kept) == len(lengths):
-            return list(buffers), list(peers), lengths
-        return [buffers[i] for i in kept], [peers[i] for i in kept], [lengths[i] for i in kept]
+            raise ValueError(
+                f"{len(buffers)} local buffers, {len(peers)} peer addresses and {len(lengths)} "
+                "lengths: one of each per request"
+            )
+        local, keep = [], []
+        for b, n in zip(buffers, lengths):
+            addr = _buffers.address_of(b)
+            if addr is None:
+                m = _buffers.resolve(b, n, writable=op == "read")
+                keep.append(m)
+                addr = m.addr
+            local.append(addr)
+        return local, peers, lengths, keep
 
-    @staticmethod
-    def _locals(op: str, buffers, lengths):
-        """Addresses, and what keeps object buffers exported meanwhile."""
-        if all(isinstance(b, int) for b in buffers):
-            return [int(b) for b in buffers], []
-        keep = [_buffers.resolve(b, n, writable=op == "read") for b, n in zip(buffers, lengths)]
-        return [m.addr for m in keep], keep
-
-    @staticmethod
-    def _plain(buffers, peers, lengths) -> bool:
-        """Local addresses as ints, lists (or tuples) throughout, no zero
-        length: the native call takes them as they are, converting and
-        checking every number (TypeError, before anything moves, when one is
-        not a number; the full path then converts it). Spares a batch of 64
-        about 10 us of Python. Buffers must be ints: an object that converts
-        to one (a 0-d array) is memory to resolve, not an address."""
-        sequences = (list, tuple)
-        return (
-            type(buffers) in sequences
-            and type(peers) in sequences
-            and type(lengths) in sequences
-            and 0 not in lengths
-            and all(type(b) is int for b in buffers)
-        )
+    def _call(self, sync: bool, op: str, target: str, buffers, peers, lengths, *extra):
+        """The native transfer (``sync``) or submit on these requests. Lists
+        of ints and integer arrays go to it as they are (it converts and
+        checks every number, with no Python loop); a list holding objects
+        that are not integers (buffers) takes the slow path. Zero-length
+        requests are dropped: Mooncake completes them at once, touching
+        nothing (the peer is still opened, so an unknown one fails)."""
+        method = self._native().transfer if sync else self._native().submit
+        segment = self._segment(target)
+        try:
+            return method(op, segment, buffers, peers, lengths, *extra, drop_empty=True)
+        except TypeError:
+            if not isinstance(buffers, (list, tuple)):
+                raise  # an array of addresses with the wrong items: said as it is
+        local, peers, lengths, keep = self._objects(op, buffers, peers, lengths)
+        try:
+            return method(op, segment, local, peers, lengths, *extra, drop_empty=True)
+        finally:
+            if sync:  # a batch submitted keeps them until it ends (Mooncake's rule)
+                for m in keep:
+                    m.release()
 
     def _sync(self, op: str, target: str, buffers, peers, lengths, hint: str, notify=None) -> int:
-        keep = []
         try:
             wire = notify._wire() if notify is not None else None
-            if self._plain(buffers, peers, lengths):
-                try:
-                    self._native().transfer(op, self._segment(target), buffers, peers, lengths, hint or None, wire)
-                    return 0
-                except TypeError:
-                    pass  # not all numbers: the full path below
-            buffers, peers, lengths = self._without_empty(buffers, peers, lengths)
-            local, keep = self._locals(op, buffers, lengths)
-            self._native().transfer(op, self._segment(target), local, [int(p) for p in peers], lengths, hint or None, wire)
+            self._call(True, op, target, buffers, peers, lengths, hint or None, wire)
             return 0
         except BaseException as e:
             return self._fail(e, f"{op} to {target}")
-        finally:
-            for m in keep:
-                m.release()
 
     def _async(self, op: str, target: str, buffers, peers, lengths, hint: str) -> int:
         # Like Mooncake, the caller keeps the memory alive until the batch ends.
-        if self._plain(buffers, peers, lengths):
-            try:
-                return self._native().submit(op, self._segment(target), buffers, peers, lengths, hint or None)
-            except TypeError:
-                pass  # not all numbers: the full path below
-        buffers, peers, lengths = self._without_empty(buffers, peers, lengths)
-        local, _ = self._locals(op, buffers, lengths)
-        return self._native().submit(op, self._segment(target), local, [int(p) for p in peers], lengths, hint or None)
+        return self._call(False, op, target, buffers, peers, lengths, hint or None)
 
     @staticmethod
     def _op(opcode) -> str:

@@ -190,13 +190,8 @@ def test_objects_are_accepted_where_addresses_are(pair):
     assert te.batch_transfer_sync_write(name, [local, local.ctypes.data], [remote.ctypes.data, 0],
                                         [16, 0]) == 0
     assert te.unregister_memory(local) == 0
-    # A 0-d array converts to an int, but it is memory, not an address:
-    # its 8 bytes are what moves.
-    scalar = np.array(0x0102030405060708, dtype=np.uint64)
-    assert te.register_memory(scalar, 8) == 0
-    assert te.batch_transfer_sync_write(name, [scalar], [remote.ctypes.data], [8]) == 0, te.last_error
-    assert remote[:8].tobytes() == scalar.tobytes()
-    assert te.unregister_memory(scalar) == 0
+    # Integers of any kind (numpy scalars, 0-d arrays) are addresses, never
+    # memory: test_integer_addresses.py.
 
 
 def test_a_listener_other_hosts_reach_needs_the_cluster_token(monkeypatch):
