@@ -2,7 +2,11 @@
 
 Accepted, in this order:
 
-- an ``int``: an address; the length must be given;
+- an integer: an ``int`` or any object with ``__index__`` (numpy integer
+  scalars, 0-d integer arrays): an address; the length must be given.
+  Integers are never taken as memory, even those that export a buffer (a
+  numpy scalar does: its 8 bytes would be moved instead of the memory at
+  the address);
 - an object with ``data_ptr()`` (a torch tensor): ``data_ptr()``,
   ``numel() * element_size()``, and ``cuda:N`` from ``tensor.device``;
 - an object with ``__cuda_array_interface__`` (CuPy, Numba, ...): the
@@ -18,6 +22,7 @@ reason, not silently copied.
 from __future__ import annotations
 
 import ctypes
+import operator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -83,15 +88,34 @@ def _from_cuda_array_interface(obj, cai: dict, writable: bool) -> Resolved:
     return Resolved(int(ptr or 0), _prod(shape) * itemsize, None, keep=obj)
 
 
-def resolve(obj, length: Optional[int] = None, *, writable: bool = False) -> Resolved:
-    """The memory behind ``obj``; ``length`` may shorten it (or gives the
-    size of a raw address). ``writable`` refuses read-only memory."""
+def address_of(obj) -> Optional[int]:
+    """``obj`` as an address when it is an integer (``int``, or an object
+    whose ``__index__`` succeeds: numpy integer scalars, 0-d integer
+    arrays), else None (memory to resolve). A bool is refused."""
+    if type(obj) is int:
+        return obj
     if isinstance(obj, bool):
         raise TypeError("expected an address or a buffer, not a bool")
     if isinstance(obj, int):
+        return int(obj)
+    if getattr(type(obj), "__index__", None) is None:
+        return None
+    try:
+        return operator.index(obj)
+    except TypeError:
+        return None  # e.g. a float array, or one of several items: memory
+
+
+def resolve(obj, length: Optional[int] = None, *, writable: bool = False) -> Resolved:
+    """The memory behind ``obj``; ``length`` may shorten it (or gives the
+    size of a raw address). ``writable`` refuses read-only memory."""
+    addr = address_of(obj)
+    if addr is not None:
         if length is None:
             raise TypeError("a raw address needs a length")
-        return _check_length(Resolved(obj, int(length), None), length)
+        if addr < 0:
+            raise OverflowError(f"address {addr} is negative")
+        return _check_length(Resolved(addr, int(length), None), length)
     if isinstance(obj, Resolved):
         return _check_length(obj, length)
     if callable(getattr(obj, "data_ptr", None)) and callable(getattr(obj, "element_size", None)):

@@ -21,6 +21,9 @@ import ctypes
 import enum
 import ipaddress
 import logging
+import itertools
+import operator
+import sys
 import threading
 from typing import Dict, List, Optional
 
@@ -31,6 +34,11 @@ from .lib import _ferry
 log = logging.getLogger("ferry")
 
 _CODES = {name: code for code, name in _ferry.error_codes()}
+
+#: Ids of batches that failed before anything moved start here, far above
+#: the engine's own (counted from 1), and below 2**64-1 (LMCache's
+#: INVALID_BATCH_ID).
+_FAILED_BATCH_IDS = 1 << 62
 
 
 class TransferOpcode(enum.IntEnum):
@@ -93,9 +101,19 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _is_wildcard(host: str) -> bool:
+    """0.0.0.0 or :: (LMCache's ``listen_url=0.0.0.0:port``): every
+    interface, which no peer can dial."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
 def _listen_address(host: str, port: int) -> str:
     """Where to listen for peers that will dial ``host``: that address when
-    it is one, loopback for "localhost", every interface for a name."""
+    it is one, loopback for "localhost", every interface for a name or a
+    wildcard."""
     if host in ("localhost", ""):
         return f"127.0.0.1:{port}"
     try:
@@ -103,6 +121,15 @@ def _listen_address(host: str, port: int) -> str:
     except ValueError:
         return f"0.0.0.0:{port}"
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def _advertised(host: str) -> Optional[str]:
+    """The host part of this engine's segment name: the host given, never a
+    wildcard (None then: the engine advertises the source address of its
+    route out, which peers on other hosts can dial)."""
+    if not host:
+        return "127.0.0.1"
+    return None if _is_wildcard(host) else host
 
 
 def _no_token_error(local_hostname: str) -> FerryError:
@@ -138,6 +165,12 @@ class TransferEngine:
         self._lock = threading.Lock()
         #: The message of the last failure (Ferry's words), or None.
         self.last_error: Optional[str] = None
+        #: Why initialize() failed, for the calls that need a started engine.
+        self._init_error: Optional[str] = None
+        #: Batches that failed before anything moved: id -> the error. Their
+        #: status reads -1, as Mooncake's batches that fail do.
+        self._failed: Dict[int, FerryError] = {}
+        self._failed_ids = itertools.count(_FAILED_BATCH_IDS)
 
     # -- errors ---------------------------------------------------------
 
@@ -152,9 +185,37 @@ class TransferEngine:
         log.error("%s", self.last_error)
         return int(code) if int(code) < 0 else -1
 
+    def _fail_loudly(self, e: BaseException, what: str) -> int:
+        """``_fail`` for a failure that stops a deployment (the engine did
+        not start): also one line on stderr at error level, whatever the
+        logging setup, where an operator looks first. Once: the "ferry"
+        logger gets it only when a handler is configured (else Python's
+        last-resort handler would print it a second time)."""
+        if isinstance(e, FerryError):
+            code = getattr(e, "code", _CODES["INTERNAL"])
+        elif isinstance(e, (ValueError, TypeError, OverflowError, BufferError)):
+            code = _CODES["INVALID_ARGUMENT"]
+        else:
+            raise e
+        self.last_error = f"{what}: {e}"
+        if log.hasHandlers():
+            log.error("%s", self.last_error)
+        print(f"ferry: ERROR: {self.last_error}", file=sys.stderr, flush=True)
+        return int(code) if int(code) < 0 else -1
+
+    def _not_started(self, what: str) -> FerryError:
+        """The error of a call that needs a started engine, with the reason
+        initialize() failed when it did."""
+        if self._init_error is not None:
+            return _error(
+                "INVALID_ARGUMENT",
+                f"the engine did not start (initialize failed: {self._init_error})",
+            )
+        return _error("INVALID_ARGUMENT", "the engine is not initialized: call initialize() first")
+
     def _native(self):
         if self._engine is None:
-            raise _error("INVALID_ARGUMENT", "the engine is not initialized: call initialize() first")
+            raise self._not_started("")
         return self._engine._native
 
     # -- initialization ---------------------------------------------------
@@ -174,7 +235,10 @@ class TransferEngine:
             host, port = _split_host_port(local_hostname)
             server = (metadata_server or "").strip()
             kind = (metadata_type or "").strip().lower()
-            options = dict(listen=_listen_address(host, port), hostname=host or "127.0.0.1")
+            options = dict(listen=_listen_address(host, port))
+            advertised = _advertised(host)
+            if advertised is not None:
+                options["hostname"] = advertised
             if server.upper() == "P2PHANDSHAKE" or kind == "p2p":
                 pass
             elif server.startswith("etcd://") or (kind in ("", "etcd") and server and "://" not in server):
@@ -196,18 +260,25 @@ class TransferEngine:
                 if getattr(e, "name", None) == "PERMISSION" and not _is_loopback(host):
                     raise _no_token_error(local_hostname) from e
                 raise
+            self._init_error = None
             return 0
         except BaseException as e:
-            return self._fail(e, "initialize")
+            rc = self._fail_loudly(e, "initialize")
+            if self._engine is None:
+                self._init_error = str(e)
+            return rc
 
     def get_rpc_port(self) -> int:
         """The port of this engine's control listener: with P2PHANDSHAKE,
-        peers name this engine "<local_hostname>:<rpc port>". A negative
-        code before initialize()."""
+        peers name this engine "<local_hostname>:<rpc port>". An int, as
+        Mooncake's: a negative code when the engine did not start, with
+        the reason initialize() failed on stderr and in ``last_error`` (a
+        caller that ignored initialize's result, as SGLang's R-fork does,
+        would otherwise build the name "IP:-1" and fail later, elsewhere)."""
         try:
             return self._native().control_port()
         except BaseException as e:
-            return self._fail(e, "get_rpc_port")
+            return self._fail_loudly(e, "get_rpc_port")
 
     def get_engine(self) -> Engine:
         """The underlying ``ferry.Engine`` (Ferry's own API)."""
@@ -219,8 +290,15 @@ class TransferEngine:
         return self.get_engine().metrics()
 
     def get_session_id(self) -> str:
-        """This engine's segment name, as peers open it."""
-        return self._native().segment_name()
+        """This engine's segment name, as peers open it ("host:port" with
+        P2PHANDSHAKE: never a wildcard). Raises FerryError, with the reason
+        initialize() failed, when the engine did not start (there is no
+        name to return)."""
+        try:
+            return self._native().segment_name()
+        except BaseException as e:
+            self._fail_loudly(e, "get_session_id")
+            raise
 
     def close(self) -> None:
         """Stops the engine (Mooncake stops it when the object goes)."""
@@ -234,10 +312,11 @@ class TransferEngine:
         GPU memory. ``location`` ("cpu:0", "cuda:1"; "*" or "": let the
         engine find it, asking the device plugin) says where it is."""
         try:
-            m = _buffers.resolve(buffer_addr, capacity, writable=True) if not isinstance(buffer_addr, int) else None
-            addr = m.addr if m is not None else int(buffer_addr)
+            addr = _buffers.address_of(buffer_addr)
+            m = _buffers.resolve(buffer_addr, capacity, writable=True) if addr is None else None
+            addr = m.addr if m is not None else addr
             where = _location(location) or (m.location if m else None)
-            self._native().register_memory(addr, int(capacity), where)
+            self._native().register_memory(addr, operator.index(capacity), where)
             if m is not None:
                 with self._lock:
                     self._registered[addr] = m
@@ -247,7 +326,8 @@ class TransferEngine:
 
     def unregister_memory(self, buffer_addr) -> int:
         try:
-            addr = buffer_addr if isinstance(buffer_addr, int) else _buffers.resolve(buffer_addr).addr
+            addr = _buffers.address_of(buffer_addr)
+            addr = _buffers.resolve(buffer_addr).addr if addr is None else addr
             self._native().unregister_memory(int(addr))
             with self._lock:
                 m = self._registered.pop(int(addr), None)
@@ -364,73 +444,68 @@ class TransferEngine:
     # -- transfers --------------------------------------------------------
 
     @staticmethod
-    def _without_empty(buffers, peers, lengths):
-        """The requests left once zero-length ones are dropped: Mooncake
-        completes a zero-length request at once, successfully, touching
-        nothing (the peer is still opened, so an unknown one fails)."""
-        lengths = [int(n) for n in lengths]
+    def _as_list(values) -> list:
+        """A list of ints from a list, tuple or array of integers."""
+        if isinstance(values, (list, tuple)):
+            return [operator.index(v) for v in values]
+        return _ferry.int_list(values)
+
+    @staticmethod
+    def _objects(op: str, buffers, peers, lengths):
+        """The slow path, for local buffers given as objects (a list holding
+        a bytearray, a tensor...): each item is an address when it is an
+        integer (``_buffers.address_of``), else memory to resolve. Returns
+        (local addresses, remote addresses, lengths, what keeps the objects
+        exported meanwhile)."""
+        lengths = TransferEngine._as_list(lengths)
         if len(buffers) != len(peers) or len(buffers) != len(lengths):
-            return list(buffers), list(peers), lengths  # the engine says what is wrong
-        kept = [i for i, n in enumerate(lengths) if n != 0]
-        if len(kept) == len(lengths):
-            return list(buffers), list(peers), lengths
-        return [buffers[i] for i in kept], [peers[i] for i in kept], [lengths[i] for i in kept]
+            raise ValueError(
+                f"{len(buffers)} local buffers, {len(peers)} peer addresses and {len(lengths)} "
+                "lengths: one of each per request"
+            )
+        local, keep = [], []
+        for b, n in zip(buffers, lengths):
+            addr = _buffers.address_of(b)
+            if addr is None:
+                m = _buffers.resolve(b, n, writable=op == "read")
+                keep.append(m)
+                addr = m.addr
+            local.append(addr)
+        return local, peers, lengths, keep
 
-    @staticmethod
-    def _locals(op: str, buffers, lengths):
-        """Addresses, and what keeps object buffers exported meanwhile."""
-        if all(isinstance(b, int) for b in buffers):
-            return [int(b) for b in buffers], []
-        keep = [_buffers.resolve(b, n, writable=op == "read") for b, n in zip(buffers, lengths)]
-        return [m.addr for m in keep], keep
-
-    @staticmethod
-    def _plain(buffers, peers, lengths) -> bool:
-        """Local addresses as ints, lists (or tuples) throughout, no zero
-        length: the native call takes them as they are, converting and
-        checking every number (TypeError, before anything moves, when one is
-        not a number; the full path then converts it). Spares a batch of 64
-        about 10 us of Python. Buffers must be ints: an object that converts
-        to one (a 0-d array) is memory to resolve, not an address."""
-        sequences = (list, tuple)
-        return (
-            type(buffers) in sequences
-            and type(peers) in sequences
-            and type(lengths) in sequences
-            and 0 not in lengths
-            and all(type(b) is int for b in buffers)
-        )
+    def _call(self, sync: bool, op: str, target: str, buffers, peers, lengths, *extra):
+        """The native transfer (``sync``) or submit on these requests. Lists
+        of ints and integer arrays go to it as they are (it converts and
+        checks every number, with no Python loop); a list holding objects
+        that are not integers (buffers) takes the slow path. Zero-length
+        requests are dropped: Mooncake completes them at once, touching
+        nothing (the peer is still opened, so an unknown one fails)."""
+        method = self._native().transfer if sync else self._native().submit
+        segment = self._segment(target)
+        try:
+            return method(op, segment, buffers, peers, lengths, *extra, drop_empty=True)
+        except TypeError:
+            if not isinstance(buffers, (list, tuple)):
+                raise  # an array of addresses with the wrong items: said as it is
+        local, peers, lengths, keep = self._objects(op, buffers, peers, lengths)
+        try:
+            return method(op, segment, local, peers, lengths, *extra, drop_empty=True)
+        finally:
+            if sync:  # a batch submitted keeps them until it ends (Mooncake's rule)
+                for m in keep:
+                    m.release()
 
     def _sync(self, op: str, target: str, buffers, peers, lengths, hint: str, notify=None) -> int:
-        keep = []
         try:
             wire = notify._wire() if notify is not None else None
-            if self._plain(buffers, peers, lengths):
-                try:
-                    self._native().transfer(op, self._segment(target), buffers, peers, lengths, hint or None, wire)
-                    return 0
-                except TypeError:
-                    pass  # not all numbers: the full path below
-            buffers, peers, lengths = self._without_empty(buffers, peers, lengths)
-            local, keep = self._locals(op, buffers, lengths)
-            self._native().transfer(op, self._segment(target), local, [int(p) for p in peers], lengths, hint or None, wire)
+            self._call(True, op, target, buffers, peers, lengths, hint or None, wire)
             return 0
         except BaseException as e:
             return self._fail(e, f"{op} to {target}")
-        finally:
-            for m in keep:
-                m.release()
 
     def _async(self, op: str, target: str, buffers, peers, lengths, hint: str) -> int:
         # Like Mooncake, the caller keeps the memory alive until the batch ends.
-        if self._plain(buffers, peers, lengths):
-            try:
-                return self._native().submit(op, self._segment(target), buffers, peers, lengths, hint or None)
-            except TypeError:
-                pass  # not all numbers: the full path below
-        buffers, peers, lengths = self._without_empty(buffers, peers, lengths)
-        local, _ = self._locals(op, buffers, lengths)
-        return self._native().submit(op, self._segment(target), local, [int(p) for p in peers], lengths, hint or None)
+        return self._call(False, op, target, buffers, peers, lengths, hint or None)
 
     @staticmethod
     def _op(opcode) -> str:
@@ -454,16 +529,49 @@ class TransferEngine:
     def batch_transfer_sync(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], opcode, notify=None, transport_hint: str = "") -> int:
         return self._sync(self._op(opcode), target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint, notify)
 
-    def transfer_submit_write(self, target_hostname: str, buffer, peer_buffer_address: int, length: int, transport_hint: str = "") -> int:
-        """Starts a write; its batch id (> 0), or a negative code."""
+    def _submit(self, op: str, target: str, buffers, peers, lengths, hint: str) -> int:
+        """Mooncake's asynchronous rule: 0 when nothing could be submitted
+        for the reasons Mooncake returns 0 (the list lengths differ, the peer
+        cannot be opened); any other failure before anything moves (an
+        address outside the peer's memory, a known peer that died) gives a
+        batch id whose status then reads -1, as Mooncake's do when they
+        fail in flight. The reason is in ``last_error`` either way."""
         try:
-            return self._async("write", target_hostname, [buffer], [peer_buffer_address], [length], transport_hint)
+            sizes = (len(buffers), len(peers), len(lengths))
+            if len(set(sizes)) != 1:
+                raise ValueError(
+                    f"{sizes[0]} local buffers, {sizes[1]} peer addresses and {sizes[2]} lengths: "
+                    "one of each per request"
+                )
+            self._segment(target)
         except BaseException as e:
-            return self._fail(e, f"write to {target_hostname}")
+            self._fail(e, f"{op} to {target}")
+            return 0
+        try:
+            return self._async(op, target, buffers, peers, lengths, hint)
+        except BaseException as e:
+            self._fail(e, f"{op} to {target}")
+            error = e if isinstance(e, FerryError) else _error("INVALID_ARGUMENT", str(e))
+            with self._lock:
+                batch = next(self._failed_ids)
+                self._failed[batch] = error
+            return batch
+
+    def _take_failed(self, batch_id: int) -> Optional[FerryError]:
+        with self._lock:
+            return self._failed.pop(int(batch_id), None)
+
+    def transfer_submit_write(self, target_hostname: str, buffer, peer_buffer_address: int, length: int, transport_hint: str = "") -> int:
+        """Starts a write; its batch id, or 0 (as ``batch_transfer_async_write``)."""
+        return self._submit("write", target_hostname, [buffer], [peer_buffer_address], [length], transport_hint)
 
     def transfer_check_status(self, batch_id: int) -> int:
         """1 done, 0 in progress, -1 failed, -2 timed out; a finished batch
         is freed (its id is then unknown)."""
+        failed = self._take_failed(batch_id)
+        if failed is not None:
+            self._fail(failed, f"batch {batch_id}")
+            return -1
         try:
             s = Status._from(self._native().batch_status(int(batch_id)))
             if not s.done:
@@ -478,18 +586,16 @@ class TransferEngine:
             return -1
 
     def _batch_async(self, op: str, target: str, buffers, peers, lengths, hint: str) -> int:
-        try:
-            return self._async(op, target, buffers, peers, lengths, hint)
-        except BaseException as e:
-            self._fail(e, f"{op} to {target}")
-            return 0
+        return self._submit(op, target, buffers, peers, lengths, hint)
 
     def batch_transfer_async_write(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
-        """Starts a batch of writes; its id, or 0 on failure."""
+        """Starts a batch of writes; its id, or 0 when the lists' lengths
+        differ or the peer cannot be opened (other failures: an id whose
+        status reads -1, as Mooncake's)."""
         return self._batch_async("write", target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
 
     def batch_transfer_async_read(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], transport_hint: str = "") -> int:
-        """Starts a batch of reads; its id, or 0 on failure."""
+        """Starts a batch of reads; as ``batch_transfer_async_write``."""
         return self._batch_async("read", target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
 
     def batch_transfer_async(self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int], lengths: List[int], opcode, transport_hint: str = "") -> int:
@@ -500,6 +606,11 @@ class TransferEngine:
         succeeded, -1 if any failed or did not finish in time."""
         result = 0
         for b in batch_ids:
+            failed = self._take_failed(b)
+            if failed is not None:
+                self._fail(failed, f"batch {b}")
+                result = -1
+                continue
             try:
                 s = Status._from(self._native().wait(int(b), None))
                 if not s.done:

@@ -16,30 +16,71 @@ use std::os::raw::{c_char, c_int, c_void};
 
 /// CPython's `Py_buffer`.
 #[repr(C)]
-struct RawBuffer {
-    buf: *mut c_void,
-    obj: *mut ffi::PyObject,
-    len: ffi::Py_ssize_t,
-    itemsize: ffi::Py_ssize_t,
-    readonly: c_int,
-    ndim: c_int,
-    format: *mut c_char,
-    shape: *mut ffi::Py_ssize_t,
-    strides: *mut ffi::Py_ssize_t,
-    suboffsets: *mut ffi::Py_ssize_t,
-    internal: *mut c_void,
+pub(crate) struct RawBuffer {
+    pub(crate) buf: *mut c_void,
+    pub(crate) obj: *mut ffi::PyObject,
+    pub(crate) len: ffi::Py_ssize_t,
+    pub(crate) itemsize: ffi::Py_ssize_t,
+    pub(crate) readonly: c_int,
+    pub(crate) ndim: c_int,
+    pub(crate) format: *mut c_char,
+    pub(crate) shape: *mut ffi::Py_ssize_t,
+    pub(crate) strides: *mut ffi::Py_ssize_t,
+    pub(crate) suboffsets: *mut ffi::Py_ssize_t,
+    pub(crate) internal: *mut c_void,
 }
 
 const PYBUF_WRITABLE: c_int = 0x0001;
+pub(crate) const PYBUF_FORMAT: c_int = 0x0004;
 const PYBUF_ND: c_int = 0x0008;
 const PYBUF_STRIDES: c_int = 0x0010 | PYBUF_ND;
-const PYBUF_C_CONTIGUOUS: c_int = 0x0020 | PYBUF_STRIDES;
+pub(crate) const PYBUF_C_CONTIGUOUS: c_int = 0x0020 | PYBUF_STRIDES;
 
 // SAFETY: the signatures are CPython's (Include/pybuffer.h); the symbols
 // are resolved from the interpreter that loads this module.
 unsafe extern "C" {
     fn PyObject_GetBuffer(obj: *mut ffi::PyObject, view: *mut RawBuffer, flags: c_int) -> c_int;
     fn PyBuffer_Release(view: *mut RawBuffer);
+}
+
+fn empty_view() -> Box<RawBuffer> {
+    Box::new(RawBuffer {
+        buf: std::ptr::null_mut(),
+        obj: std::ptr::null_mut(),
+        len: 0,
+        itemsize: 0,
+        readonly: 0,
+        ndim: 0,
+        format: std::ptr::null_mut(),
+        shape: std::ptr::null_mut(),
+        strides: std::ptr::null_mut(),
+        suboffsets: std::ptr::null_mut(),
+        internal: std::ptr::null_mut(),
+    })
+}
+
+/// Exports `obj`'s buffer with `flags` (PYBUF_*), runs `f` on it while
+/// attached, and releases the export before returning. `Err(None)` when
+/// `obj` is not an exporter or refuses `flags` (Python's exception taken
+/// and returned as the `Some` of the outer error's cause).
+pub(crate) fn with_exported<R>(
+    obj: &Bound<'_, PyAny>,
+    flags: c_int,
+    f: impl FnOnce(&RawBuffer) -> PyResult<R>,
+) -> Result<PyResult<R>, Option<PyErr>> {
+    let mut view = empty_view();
+    // SAFETY: `obj` is a live object (borrowed for the call); `view` points
+    // to writable memory laid out as Py_buffer; holding a `Bound` proves we
+    // are attached to the interpreter.
+    let rc = unsafe { PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags) };
+    if rc != 0 {
+        return Err(PyErr::take(obj.py()));
+    }
+    let result = f(&view);
+    // SAFETY: `view` was filled by the successful PyObject_GetBuffer above
+    // and is released exactly once, still attached.
+    unsafe { PyBuffer_Release(&mut *view) };
+    Ok(result)
 }
 
 /// An exported buffer, released exactly once.
@@ -86,19 +127,7 @@ impl BufferView {
     #[new]
     #[pyo3(signature = (obj, writable = false))]
     fn new(py: Python<'_>, obj: Bound<'_, PyAny>, writable: bool) -> PyResult<Self> {
-        let mut view = Box::new(RawBuffer {
-            buf: std::ptr::null_mut(),
-            obj: std::ptr::null_mut(),
-            len: 0,
-            itemsize: 0,
-            readonly: 0,
-            ndim: 0,
-            format: std::ptr::null_mut(),
-            shape: std::ptr::null_mut(),
-            strides: std::ptr::null_mut(),
-            suboffsets: std::ptr::null_mut(),
-            internal: std::ptr::null_mut(),
-        });
+        let mut view = empty_view();
         let flags = PYBUF_C_CONTIGUOUS | if writable { PYBUF_WRITABLE } else { 0 };
         // SAFETY: `obj` is a live object (we hold a reference for the call);
         // `view` points to writable memory laid out as Py_buffer; we are

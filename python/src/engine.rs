@@ -10,6 +10,7 @@
 //! go by the engine's own choice to a peer on this host: the protocol names
 //! a network transport, which would stage them through host memory.
 
+use crate::addrs::AddrList;
 use crate::errors::{ferry_err, invalid};
 use ferry_core::{
     BatchId, BatchStatus, Engine, EngineConfig, Error, ErrorCode, Notify, NotifyStatus, Op, Request,
@@ -158,18 +159,17 @@ impl NativeEngine {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn requests(
         &self,
         py: Python<'_>,
         op: &str,
         segment: u64,
-        local: Vec<u64>,
-        remote: Vec<u64>,
-        lengths: Vec<u64>,
+        (local, remote, lengths): (AddrList, AddrList, AddrList),
         transport: Option<String>,
+        drop_empty: bool,
     ) -> PyResult<Vec<Request>> {
         let op = parse_op(py, op)?;
+        let (local, remote, lengths) = (local.0, remote.0, lengths.0);
         if local.len() != remote.len() || local.len() != lengths.len() {
             return Err(invalid(
                 py,
@@ -186,6 +186,9 @@ impl NativeEngine {
             .into_iter()
             .zip(remote)
             .zip(lengths)
+            // Mooncake completes a zero-length request at once, touching
+            // nothing: its API asks for that (`drop_empty`).
+            .filter(|(_, n)| !drop_empty || *n != 0)
             .map(|((l, r), n)| {
                 let mut req = Request::new(op, l, segment, r, n);
                 req.transport = transport.clone();
@@ -390,21 +393,32 @@ impl NativeEngine {
     }
 
     /// Submits one batch of reads or writes to one segment; returns its id.
+    /// `local`, `remote` and `lengths` are lists of ints (or of objects
+    /// with `__index__`) or 1-D arrays of 8-byte integers (`AddrList`).
     /// The requests are checked first: if any is invalid nothing is
-    /// submitted and this raises.
+    /// submitted and this raises. `drop_empty` drops zero-length requests
+    /// (Mooncake's rule: they succeed at once).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (op, segment, local, remote, lengths, transport = None))]
+    #[pyo3(signature = (op, segment, local, remote, lengths, transport = None, drop_empty = false))]
     fn submit(
         &self,
         py: Python<'_>,
         op: &str,
         segment: u64,
-        local: Vec<u64>,
-        remote: Vec<u64>,
-        lengths: Vec<u64>,
+        local: AddrList,
+        remote: AddrList,
+        lengths: AddrList,
         transport: Option<String>,
+        drop_empty: bool,
     ) -> PyResult<u64> {
-        let reqs = self.requests(py, op, segment, local, remote, lengths, transport)?;
+        let reqs = self.requests(
+            py,
+            op,
+            segment,
+            (local, remote, lengths),
+            transport,
+            drop_empty,
+        )?;
         let engine = self.get(py)?;
         py.detach(|| self.submit_preferring(&engine, segment, reqs, None))
             .map_err(|e| ferry_err(py, e))
@@ -414,21 +428,29 @@ impl NativeEngine {
     /// timeout, as `Engine::transfer_sync`); raises on the first failure.
     /// With `notify` (name, message), the peer receives it once all of the
     /// batch's data is in its memory, and this returns once the peer has
-    /// it queued.
+    /// it queued. Lists as `submit` takes them, `drop_empty` too.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (op, segment, local, remote, lengths, transport = None, notify = None))]
+    #[pyo3(signature = (op, segment, local, remote, lengths, transport = None, notify = None, drop_empty = false))]
     fn transfer(
         &self,
         py: Python<'_>,
         op: &str,
         segment: u64,
-        local: Vec<u64>,
-        remote: Vec<u64>,
-        lengths: Vec<u64>,
+        local: AddrList,
+        remote: AddrList,
+        lengths: AddrList,
         transport: Option<String>,
         notify: Option<(String, Vec<u8>)>,
+        drop_empty: bool,
     ) -> PyResult<()> {
-        let reqs = self.requests(py, op, segment, local, remote, lengths, transport)?;
+        let reqs = self.requests(
+            py,
+            op,
+            segment,
+            (local, remote, lengths),
+            transport,
+            drop_empty,
+        )?;
         let notify = notify
             .map(|(name, msg)| Notify::new(name, msg))
             .transpose()

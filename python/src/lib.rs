@@ -14,6 +14,7 @@
 
 use pyo3::prelude::*;
 
+mod addrs;
 mod buffer;
 mod engine;
 mod errors;
@@ -53,6 +54,15 @@ fn effective_config(
     Ok(config.effective().into_iter().collect())
 }
 
+/// `values` as a list of ints: a list or tuple of integers (ints or
+/// objects with `__index__`) or a 1-D array of 8-byte integers, by the one
+/// rule every address and length list follows (`addrs::AddrList`); a
+/// TypeError or OverflowError says which item is wrong.
+#[pyfunction]
+fn int_list(values: addrs::AddrList) -> Vec<u64> {
+    values.0
+}
+
 /// Ferry's error codes: (code, name) pairs.
 #[pyfunction]
 fn error_codes() -> Vec<(i32, &'static str)> {
@@ -90,6 +100,7 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<buffer::BufferView>()?;
     m.add_function(wrap_pyfunction!(info_report, m)?)?;
     m.add_function(wrap_pyfunction!(error_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(int_list, m)?)?;
     m.add_function(wrap_pyfunction!(plugin_search_path, m)?)?;
     m.add_function(wrap_pyfunction!(effective_config, m)?)?;
     Ok(())

@@ -105,8 +105,20 @@ def test_failures_return_negative_codes_with_ferry_messages(pair, caplog):
     assert rc == CODES["OUT_OF_BOUNDS"], te.last_error
     # A segment nobody serves.
     assert te.transfer_sync_write("127.0.0.1:1", local.ctypes.data, 0, 4096) < 0
-    # Failed async submissions are batch id 0.
-    assert te.batch_transfer_async_write(name, [local.ctypes.data], [1], [4096]) == 0
+    # An asynchronous batch that fails before anything moves is a batch id
+    # whose status reads -1, as Mooncake's (it checks in flight); 0 only
+    # where Mooncake returns 0: the lists' lengths differ, or the peer
+    # cannot be opened.
+    bid = te.batch_transfer_async_write(name, [local.ctypes.data], [1], [4096])
+    assert bid > 0 and "OUT_OF_BOUNDS" in te.last_error
+    assert te.transfer_check_status(bid) == -1
+    assert te.transfer_check_status(bid) == -1  # freed: unknown now, still -1
+    bid = te.transfer_submit_write(name, local.ctypes.data, 1, 4096)
+    assert bid > 0 and te.get_batch_transfer_status([bid]) == -1
+    assert te.batch_transfer_async_write(name, [local.ctypes.data], [1, 2], [4096]) == 0
+    assert "one of each per request" in te.last_error
+    assert te.batch_transfer_async_read("127.0.0.1:1", [local.ctypes.data], [1], [4096]) == 0
+    assert te.transfer_submit_write("127.0.0.1:1", local.ctypes.data, 1, 4096) == 0
     # Mismatched lists.
     assert te.batch_transfer_sync_write(name, [local.ctypes.data], [], [4096]) == CODES["INVALID_ARGUMENT"]
     # An oversized notification says the limit (test_notify.py has the rest).
@@ -190,13 +202,8 @@ def test_objects_are_accepted_where_addresses_are(pair):
     assert te.batch_transfer_sync_write(name, [local, local.ctypes.data], [remote.ctypes.data, 0],
                                         [16, 0]) == 0
     assert te.unregister_memory(local) == 0
-    # A 0-d array converts to an int, but it is memory, not an address:
-    # its 8 bytes are what moves.
-    scalar = np.array(0x0102030405060708, dtype=np.uint64)
-    assert te.register_memory(scalar, 8) == 0
-    assert te.batch_transfer_sync_write(name, [scalar], [remote.ctypes.data], [8]) == 0, te.last_error
-    assert remote[:8].tobytes() == scalar.tobytes()
-    assert te.unregister_memory(scalar) == 0
+    # Integers of any kind (numpy scalars, 0-d arrays) are addresses, never
+    # memory: test_integer_addresses.py.
 
 
 def test_a_listener_other_hosts_reach_needs_the_cluster_token(monkeypatch):

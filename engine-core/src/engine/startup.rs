@@ -72,7 +72,19 @@ impl ControlHandler for Shared {
 
 fn advertised_host(config: &EngineConfig, bound: SocketAddr) -> String {
     if let Some(h) = &config.hostname {
-        return h.clone();
+        // A wildcard (0.0.0.0, ::) is where to listen, never a place a peer
+        // can dial: the route out is advertised instead.
+        let wildcard = h
+            .trim_matches(|c| c == '[' || c == ']')
+            .parse::<IpAddr>()
+            .is_ok_and(|ip| ip.is_unspecified());
+        if !wildcard {
+            return h.clone();
+        }
+        log::warn!(
+            "hostname {h} is a wildcard no peer can dial: advertising the address of this \
+             host's route out instead (set FERRY_HOSTNAME to the address peers should use)"
+        );
     }
     let ip = bound.ip();
     if !ip.is_unspecified() {

@@ -248,6 +248,53 @@ def client(session, info):
         [(off, 4 * KiB, sha(src[64 * KiB:68 * KiB].tobytes()))] if rc == 0 else [],
         note="expect-notify" if rc == 0 else "")
 
+    # Asynchronous failures: 0 only where nothing could be submitted (the
+    # list lengths differ, the peer cannot be opened); an address outside
+    # the peer's memory gives a batch id whose status reads -1.
+    def final_status(bid):
+        if bid == 0 or bid >= 1 << 63:
+            return None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            st = engine.transfer_check_status(bid)
+            if st != 0:
+                return st
+            time.sleep(0.001)
+        return "pending"
+
+    far = remote + remote_len + MiB
+    oid = engine.batch_transfer_async_write(session, [src_addr], [far], [4 * KiB])
+    gid = engine.batch_transfer_async_read(session, [back_addr], [far], [4 * KiB])
+    sid = engine.transfer_submit_write(session, src_addr, far, 4 * KiB)
+    row("asynchronous failures", {
+        "batch_transfer_async_write(out of range)": outcome(oid),
+        "transfer_check_status (out of range)": final_status(oid),
+        "batch_transfer_async_read(out of range)": outcome(gid),
+        "get_batch_transfer_status (out of range)": engine.get_batch_transfer_status([gid]) if gid else None,
+        "transfer_submit_write(out of range)": outcome(sid),
+        "transfer_check_status (submit, out of range)": final_status(sid),
+        "batch_transfer_async_write(lengths differ)": outcome(
+            engine.batch_transfer_async_write(session, [src_addr], [remote, remote], [8])),
+        "batch_transfer_async_write(unknown peer)": outcome(
+            engine.batch_transfer_async_write("127.0.0.1:1", [src_addr], [remote], [8])),
+        "transfer_submit_write(unknown peer)": outcome(
+            engine.transfer_submit_write("127.0.0.1:1", src_addr, remote, 8)),
+    })
+
+    # numpy integers as addresses and lengths (scalars and arrays).
+    off = 448 * KiB
+    rc_s = engine.transfer_sync_write(session, np.int64(src_addr + 80 * KiB), np.uint64(remote + off),
+                                      np.int64(8))
+    srcs = np.array([src_addr + 96 * KiB, src_addr + 100 * KiB], dtype=np.uint64)
+    dsts = np.array([remote + off + 4 * KiB, remote + off + 8 * KiB], dtype=np.int64)
+    rc_a = engine.batch_transfer_sync_write(session, srcs, dsts, np.array([4 * KiB, 4 * KiB], dtype=np.int64))
+    row("numpy integers as addresses", {
+        "transfer_sync_write(np.int64, np.uint64, np.int64(8))": outcome(rc_s),
+        "batch_transfer_sync_write(numpy arrays)": outcome(rc_a),
+    }, [(off, 8, sha(src[80 * KiB:80 * KiB + 8].tobytes())),
+        (off + 4 * KiB, 4 * KiB, sha(src[96 * KiB:100 * KiB].tobytes())),
+        (off + 8 * KiB, 4 * KiB, sha(src[100 * KiB:104 * KiB].tobytes()))])
+
     row("unregister", {
         "batch_unregister_memory": outcome(engine.batch_unregister_memory([extra_addr, extra2_addr])),
         "unregister_memory": outcome(engine.unregister_memory(src_addr)),

@@ -1,0 +1,182 @@
+//! Lists of 64-bit integers from Python, the one rule for every argument
+//! that is a list of addresses, lengths or (later) block indices.
+//!
+//! `AddrList` extracts, as a `Vec<u64>`:
+//!
+//! - a `list` or `tuple` whose items are `int`s or objects with
+//!   `__index__` (numpy integer scalars, 0-d integer arrays; pyo3 calls
+//!   `PyNumber_Index`), checked one by one: an item that is no integer is a
+//!   `TypeError` naming its position, a negative one or one over 2**64-1
+//!   an `OverflowError`;
+//! - any other object exporting a C-contiguous, one-dimensional buffer of
+//!   8-byte integers (numpy `int64`/`uint64` arrays, `array.array('q')`,
+//!   memoryviews of them), copied in one pass with no Python per item;
+//!   signed items must not be negative;
+//! - a CPU torch tensor, through its `numpy()` view (no copy on torch's side).
+//!
+//! Anything else is a `TypeError` saying what is accepted, raised before
+//! anything moves, so a caller can fall back to resolving buffer objects.
+//! Floats are refused (no `__index__`): an address is never rounded.
+
+use crate::buffer::{with_exported, RawBuffer, PYBUF_C_CONTIGUOUS, PYBUF_FORMAT};
+use pyo3::exceptions::{PyOverflowError, PyTypeError};
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+use std::ffi::CStr;
+
+/// A list of unsigned 64-bit integers (addresses, lengths, indices), from
+/// any of the Python forms the module documentation lists.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AddrList(pub Vec<u64>);
+
+/// How the items of a buffer of 8-byte integers read.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Signedness {
+    Signed,
+    Unsigned,
+}
+
+/// The struct-module format of a buffer's items, when they are native or
+/// little-endian 8-byte integers (this module runs on little-endian hosts
+/// only: x86_64 and aarch64).
+fn integer_format(format: &str) -> Option<Signedness> {
+    let code = format.strip_prefix(['@', '=', '<']).unwrap_or(format);
+    match code {
+        "q" | "l" => Some(Signedness::Signed),
+        "Q" | "L" => Some(Signedness::Unsigned),
+        _ => None,
+    }
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "object".into())
+}
+
+fn not_a_list(obj: &Bound<'_, PyAny>, why: &str) -> PyErr {
+    PyTypeError::new_err(format!(
+        "{} is not a list of integers ({why}): pass a list or tuple of ints, or a \
+         C-contiguous 1-D array of 8-byte integers (numpy int64/uint64)",
+        type_name(obj)
+    ))
+}
+
+fn from_sequence(items: impl ExactSizeIterator<Item = PyResult<u64>>) -> PyResult<Vec<u64>> {
+    let mut out = Vec::with_capacity(items.len());
+    for item in items {
+        out.push(item?);
+    }
+    Ok(out)
+}
+
+fn item(i: usize, obj: Bound<'_, PyAny>) -> PyResult<u64> {
+    obj.extract::<u64>().map_err(|e| {
+        let py = obj.py();
+        if e.is_instance_of::<PyOverflowError>(py) {
+            PyOverflowError::new_err(format!(
+                "item {i} ({}) is negative or above 2**64-1: not an address or a length",
+                obj.repr()
+                    .map(|r| r.to_string())
+                    .unwrap_or_else(|_| "?".into())
+            ))
+        } else {
+            PyTypeError::new_err(format!(
+                "item {i} is a {}, not an integer (an int or an object with __index__)",
+                type_name(&obj)
+            ))
+        }
+    })
+}
+
+/// The items of an exported buffer, checked to be a 1-D run of 8-byte
+/// integers.
+fn from_buffer(obj: &Bound<'_, PyAny>, view: &RawBuffer) -> PyResult<Vec<u64>> {
+    let format = if view.format.is_null() {
+        "B".to_string() // the buffer protocol's default: unsigned bytes
+    } else {
+        // SAFETY: a non-null format is a NUL-terminated string the exporter
+        // keeps alive until the buffer is released (after this function).
+        unsafe { CStr::from_ptr(view.format) }
+            .to_string_lossy()
+            .into_owned()
+    };
+    let sign = integer_format(&format)
+        .filter(|_| view.itemsize == 8)
+        .ok_or_else(|| not_a_list(obj, &format!("its items are {format:?}")))?;
+    if view.ndim != 1 {
+        return Err(not_a_list(
+            obj,
+            &format!(
+                "it has {} dimensions; a list is one{}",
+                view.ndim,
+                if view.ndim == 0 {
+                    " (a 0-d array is one number: pass it alone, or wrap it in a list)"
+                } else {
+                    ""
+                }
+            ),
+        ));
+    }
+    let count = usize::try_from(view.len).unwrap_or(0) / 8;
+    if count == 0 {
+        return Ok(Vec::new());
+    }
+    // SAFETY: the exporter guarantees `len` readable bytes at `buf`, C
+    // contiguous (requested with PYBUF_C_CONTIGUOUS), alive until the
+    // release after this function; they are read as bytes (no alignment
+    // needed) and copied out before the release.
+    let bytes = unsafe { std::slice::from_raw_parts(view.buf as *const u8, count * 8) };
+    let mut out = Vec::with_capacity(count);
+    for (i, chunk) in bytes.chunks_exact(8).enumerate() {
+        let mut raw = [0u8; 8];
+        raw.copy_from_slice(chunk);
+        let v = u64::from_ne_bytes(raw);
+        if sign == Signedness::Signed && (v as i64) < 0 {
+            return Err(PyOverflowError::new_err(format!(
+                "item {i} ({}) is negative: not an address or a length",
+                v as i64
+            )));
+        }
+        out.push(v);
+    }
+    Ok(out)
+}
+
+impl<'py> FromPyObject<'_, 'py> for AddrList {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(list) = obj.cast::<PyList>() {
+            // A snapshot: items the list gains or loses meanwhile are not seen.
+            let items: Vec<_> = list.iter().collect();
+            return from_sequence(items.into_iter().enumerate().map(|(i, o)| item(i, o)))
+                .map(AddrList);
+        }
+        if let Ok(tuple) = obj.cast::<PyTuple>() {
+            return from_sequence(tuple.iter().enumerate().map(|(i, o)| item(i, o))).map(AddrList);
+        }
+        let obj = obj.to_owned();
+        match with_exported(&obj, PYBUF_C_CONTIGUOUS | PYBUF_FORMAT, |v| {
+            from_buffer(&obj, v)
+        }) {
+            Ok(result) => result.map(AddrList),
+            Err(cause) => {
+                // A CPU torch tensor exports no buffer; its numpy() view does
+                // (and raises for GPU tensors, which hold no host list).
+                if obj.hasattr("data_ptr")? && obj.hasattr("numpy")? {
+                    let array = obj.call_method0("numpy").map_err(|e| {
+                        let err = not_a_list(&obj, "a tensor that has no numpy() view");
+                        err.set_cause(obj.py(), Some(e));
+                        err
+                    })?;
+                    return array.extract::<AddrList>();
+                }
+                let err = not_a_list(&obj, "not a list, tuple or buffer");
+                err.set_cause(obj.py(), cause);
+                Err(err)
+            }
+        }
+    }
+}
