@@ -252,6 +252,13 @@ fn target_process() {
                 let want = pattern(len as usize, seed.parse().unwrap());
                 if back == want { "ok" } else { "bad" }.to_string()
             }
+            ["hash", addr, len] => {
+                let (addr, len): (u64, u64) = (addr.parse().unwrap(), len.parse().unwrap());
+                let mut back = vec![0u8; len as usize];
+                // SAFETY: back is live for len bytes; addr is our device memory.
+                unsafe { e.copy_memory(back.as_mut_ptr() as u64, addr, len) }.unwrap();
+                format!("ok {:016x}", fnv(&back))
+            }
             _ => "unknown".to_string(),
         };
         println!("{reply}");
@@ -335,7 +342,12 @@ impl Target {
                 "the target exited"
             );
             let r = reply.trim();
-            if r == "ok" || r == "bad" || r.starts_with("error") || r == "unknown" {
+            if r == "ok"
+                || r.starts_with("ok ")
+                || r == "bad"
+                || r.starts_with("error")
+                || r == "unknown"
+            {
                 return r.to_string();
             }
         }
@@ -747,4 +759,426 @@ fn scenario_forged() {
     assert!(err.message.contains("no longer registered"), "{err}");
     raw.unregister(handle).unwrap();
     drop(peer);
+}
+
+/// FNV-1a, to compare a buffer at the target with the one expected here.
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// The emulator's count of copy calls: 0 cuMemcpyAsync, 1 kernel launches,
+/// 2 cuMemcpyBatchAsync.
+fn emu_calls(kind: i32) -> i64 {
+    let path = std::ffi::CString::new(std::env::var("FERRY_CUDA_LIBRARY").unwrap()).unwrap();
+    // SAFETY: as in open_imports; the symbol is long (int).
+    unsafe {
+        let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        assert!(!h.is_null(), "the emulator is not loaded");
+        let f = libc::dlsym(h, c"ferry_cuda_emu_calls".as_ptr());
+        assert!(!f.is_null());
+        let f: extern "C" fn(i32) -> libc::c_long = std::mem::transmute(f);
+        let n = f(kind);
+        libc::dlclose(h);
+        n as i64
+    }
+}
+
+#[test]
+fn block_lists_and_many_request_submits_by_the_copy_kernel() {
+    let out = child(
+        "scenario_lists",
+        &[("EXPECT_COPY", "kernel"), ("FERRY_LOG", "info")],
+    );
+    assert!(
+        out.contains("move by the copy kernel"),
+        "logged once: {out}"
+    );
+}
+
+#[test]
+fn block_lists_and_many_request_submits_by_the_batched_copy() {
+    child(
+        "scenario_lists",
+        &[("FERRY_CUDA_IPC_COPY", "batch"), ("EXPECT_COPY", "batch")],
+    );
+}
+
+#[test]
+fn block_lists_and_many_request_submits_one_copy_each() {
+    child(
+        "scenario_lists",
+        &[
+            ("FERRY_CUDA_IPC_COPY", "per-copy"),
+            ("EXPECT_COPY", "per-copy"),
+        ],
+    );
+}
+
+#[test]
+fn where_the_kernel_cannot_load_lists_take_the_batched_copy() {
+    let out = child(
+        "scenario_lists",
+        &[("FERRY_CUDA_EMU_NO_KERNEL", "1"), ("EXPECT_COPY", "batch")],
+    );
+    assert!(out.contains("the copy kernel cannot load"), "{out}");
+}
+
+#[test]
+fn a_forced_kernel_that_cannot_load_fails_with_the_reason() {
+    child(
+        "scenario_forced_kernel_missing",
+        &[
+            ("FERRY_CUDA_EMU_NO_KERNEL", "1"),
+            ("FERRY_CUDA_IPC_COPY", "kernel"),
+        ],
+    );
+}
+
+/// The cuda-ipc plugin without an engine, connected to the target, with
+/// a registered local device buffer of FIRST's length.
+struct Raw {
+    raw: std::sync::Arc<ferry_core::transport::Transport>,
+    peer: ferry_core::transport::PeerHandle,
+    rec: std::sync::Arc<Recorder>,
+    key: Vec<u8>,
+}
+
+impl Raw {
+    fn open(t: &Target, e: &Engine) -> Raw {
+        use ferry_core::transport::Transport;
+        use ferry_plugins_abi::sys;
+        use std::sync::Arc;
+        use std::time::Duration;
+        let seg = e.open_segment(&t.name).unwrap();
+        let d = e.descriptor_of(seg).unwrap();
+        let endpoint = d.endpoint("cuda-ipc").unwrap();
+        let first = d.buffers.iter().find(|b| b.addr == t.first).unwrap();
+        let key = first.key("cuda-ipc").unwrap().to_vec();
+        let token = ferry_tests::user_token();
+        let mut settings: Vec<(String, String)> = token
+            .iter()
+            .map(|t| ("auth.token".to_string(), t.expose()))
+            .collect();
+        if let Ok(v) = std::env::var("FERRY_CUDA_IPC_COPY") {
+            settings.push(("cuda_ipc.copy".into(), v));
+        }
+        let host = ferry_core::host::CoreHost::new(settings.into_iter().collect(), None)
+            .for_engine(
+                "lists:1",
+                ferry_core::control::Link::new(
+                    Duration::from_secs(5),
+                    Duration::from_secs(10),
+                    token,
+                ),
+                Default::default(),
+            );
+        let set = ferry_core::load_plugins(
+            &ferry_core::loader::LoaderConfig::from_env().expect("loader settings"),
+            host,
+        );
+        let plugin = set
+            .enabled(ferry_core::loader::PluginKind::Transport)
+            .find(|p| p.report.name == "cuda-ipc")
+            .expect("cuda-ipc enabled");
+        let rec = Arc::new(Recorder::default());
+        let raw = Arc::new(
+            Transport::init(plugin, "lists:1", "127.0.0.1", rec.clone())
+                .unwrap()
+                .unwrap(),
+        );
+        assert!(raw.takes_block_lists());
+        let peer = raw
+            .connect(&t.name, sys::FERRY_SCOPE_SAME_HOST, &endpoint)
+            .unwrap();
+        Raw {
+            raw,
+            peer,
+            rec,
+            key,
+        }
+    }
+
+    /// A device buffer of `len` bytes on cuda:0 registered with the plugin.
+    fn buffer(&self, e: &Engine, len: u64) -> (u64, u64) {
+        use ferry_plugins_abi::sys;
+        let addr = e.allocate_device(Location::Cuda(0), len).unwrap();
+        let (handle, _) = self
+            .raw
+            .register(&ferry_core::transport::RegionSpec {
+                addr,
+                len,
+                mem_kind: sys::FERRY_MEM_CUDA_IPC,
+                location: "cuda:0",
+                numa_node: None,
+                device_ordinal: Some(0),
+                dmabuf: None,
+                local_only: false,
+                share: None,
+            })
+            .unwrap();
+        (addr, handle)
+    }
+
+    fn wait(&self, token: u64) -> Result<(), ferry_core::Error> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            if let Some(r) = self.rec.0.lock().unwrap().remove(&token) {
+                return r;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no completion for {token}"
+            );
+            self.raw.progress();
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    fn blocks(
+        &self,
+        op: u32,
+        local: (u64, u64),
+        remote: u64,
+        blocks: &[ferry_plugins_abi::sys::ferry_block_t],
+        token: u64,
+    ) -> Result<(), ferry_core::Error> {
+        let list = ferry_plugins_abi::sys::ferry_block_list_t {
+            op,
+            reserved: 0,
+            local_addr: local.0,
+            local_mem: local.1,
+            remote_addr: remote,
+            remote_key: self.key.as_ptr(),
+            remote_key_len: self.key.len(),
+            blocks: blocks.as_ptr(),
+            count: blocks.len(),
+            token,
+        };
+        self.raw.submit_blocks(&self.peer, &list)?;
+        self.wait(token)
+    }
+}
+
+fn block(l: u64, r: u64, n: u64) -> ferry_plugins_abi::sys::ferry_block_t {
+    ferry_plugins_abi::sys::ferry_block_t {
+        local_offset: l,
+        remote_offset: r,
+        length: n,
+    }
+}
+
+/// A permutation of 0..n from a seed (no rand dependency).
+fn shuffled(n: u64, seed: u64) -> Vec<u64> {
+    let mut v: Vec<u64> = (0..n).collect();
+    let mut x = seed | 1;
+    for i in (1..v.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
+/// Block lists written and read through the plugin's submit_blocks, and a
+/// many-request submit with bad requests among good ones, verified byte
+/// for byte at both ends; the emulator's counts show how the lists moved
+/// (EXPECT_COPY: kernel, batch or per-copy).
+#[test]
+#[ignore]
+fn scenario_lists() {
+    use ferry_core::ErrorCode;
+    use ferry_plugins_abi::sys;
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    ferry_core::init_logging();
+    let expect = std::env::var("EXPECT_COPY").unwrap();
+    let mut t = Target::start();
+    let e = engine();
+    let r = Raw::open(&t, &e);
+    let len = FIRST.1;
+    let src = r.buffer(&e, len);
+    let dst = r.buffer(&e, len);
+    let data = pattern(len as usize, 31);
+    fill(&e, src.0, &data);
+    fill(&e, dst.0, &vec![0u8; len as usize]);
+    // What the target holds: its fill from its allocation's start.
+    let mut remote = pattern(TARGET_ALLOC as usize, 7)[..len as usize].to_vec();
+    let apply = |to: &mut [u8], from: &[u8], blocks: &[sys::ferry_block_t], write: bool| {
+        for b in blocks {
+            let (l, rr, n) = (
+                b.local_offset as usize,
+                b.remote_offset as usize,
+                b.length as usize,
+            );
+            if write {
+                to[rr..rr + n].copy_from_slice(&from[l..l + n]);
+            } else {
+                to[l..l + n].copy_from_slice(&from[rr..rr + n]);
+            }
+        }
+    };
+    // 4 KiB blocks shuffled over the first 4 MiB on both sides, then odd
+    // lengths and offsets and one block longer than the kernel's piece in
+    // the last MiB.
+    let slots = 4 * MIB / 4096;
+    let (ls, rs) = (shuffled(slots, 3), shuffled(slots, 5));
+    let mut list: Vec<sys::ferry_block_t> = (0..slots as usize / 2)
+        .map(|i| block(ls[i] * 4096, rs[i] * 4096, 4096))
+        .collect();
+    let tail = 4 * MIB;
+    list.extend([
+        block(tail + 3, tail + 3, 77),
+        block(tail + 101, tail + 5000, 4093),
+        block(tail + 10_000, tail + 10_008, 1),
+        block(tail + 20_000, tail + 20_004, 12_345),
+        block(tail + 65_536, tail + 131_072, 300 * 1024 + 9),
+    ]);
+    let calls = || [emu_calls(0), emu_calls(1), emu_calls(2)];
+    let before = calls();
+    r.blocks(sys::FERRY_OP_WRITE, src, t.first, &list, 1)
+        .unwrap();
+    let after = calls();
+    apply(&mut remote, &data, &list, true);
+    assert_eq!(
+        t.ask(&format!("hash {} {len}", t.first)),
+        format!("ok {:016x}", fnv(&remote)),
+        "the blocks written, and nothing else"
+    );
+    let moved = [
+        after[0] - before[0],
+        after[1] - before[1],
+        after[2] - before[2],
+    ];
+    let want = match expect.as_str() {
+        "kernel" => [0, 1, 0],
+        "batch" => [0, 0, 1],
+        _ => [list.len() as i64, 0, 0],
+    };
+    assert_eq!(
+        moved, want,
+        "copy calls (memcpy, launches, batches) for one list"
+    );
+    // Read them back into zeros: reads as writes.
+    r.blocks(sys::FERRY_OP_READ, dst, t.first, &list, 2)
+        .unwrap();
+    let mut local = vec![0u8; len as usize];
+    apply(&mut local, &remote, &list, false);
+    assert!(read(&e, dst.0, len) == local, "the blocks read");
+
+    // A list with one block outside the peer's registration, or outside
+    // the local one, or empty, is refused whole: nothing moves.
+    let before = calls();
+    for (bad, code) in [
+        (block(0, len - 4096, 4097), ErrorCode::OutOfBounds),
+        (block(len - 1, 0, 2), ErrorCode::OutOfBounds),
+        (block(0, 0, 0), ErrorCode::InvalidArgument),
+    ] {
+        let mut mixed = list[..64].to_vec();
+        mixed.insert(10, bad);
+        let err = r
+            .blocks(sys::FERRY_OP_WRITE, (src.0, src.1), t.first, &mixed, 3)
+            .unwrap_err();
+        assert_eq!(err.code, code, "{err}");
+        assert!(
+            r.rec.0.lock().unwrap().is_empty(),
+            "a refused list completes nothing"
+        );
+    }
+    assert_eq!(calls(), before, "nothing was queued");
+    assert_eq!(
+        t.ask(&format!("hash {} {len}", t.first)),
+        format!("ok {:016x}", fnv(&remote)),
+        "nothing was touched"
+    );
+
+    // A many-request submit: good requests with bad ones among them
+    // (outside the peer's registration, outside the local one, a key that
+    // does not decode, breaking the run); each completes with its own
+    // status, the good ones land, all in one list.
+    let data2 = pattern(len as usize, 41);
+    fill(&e, src.0, &data2);
+    let mut reqs = Vec::new();
+    let mut good = Vec::new();
+    let garbage = b"\xff\x00garbage".to_vec();
+    for i in 0..64u64 {
+        let (l, rr) = (ls[i as usize] * 4096, rs[i as usize] * 4096);
+        let (key, laddr, raddr, token): (&[u8], u64, u64, u64) = match i {
+            7 => (&r.key, src.0 + l, t.first + len - 100, 100 + i),
+            20 => (&r.key, src.0 + len - 100, t.first + rr, 100 + i),
+            33 => (&garbage, src.0 + l, t.first + rr, 100 + i),
+            _ => {
+                good.push(block(l, rr, 4096));
+                (&r.key, src.0 + l, t.first + rr, 100 + i)
+            }
+        };
+        reqs.push(sys::ferry_transfer_request_t {
+            op: sys::FERRY_OP_WRITE,
+            reserved: 0,
+            local_addr: laddr,
+            local_mem: src.1,
+            remote_addr: raddr,
+            length: 4096,
+            remote_key: key.as_ptr(),
+            remote_key_len: key.len(),
+            token,
+        });
+    }
+    let before = calls();
+    r.raw.submit(&r.peer, &reqs).unwrap();
+    for req in &reqs {
+        let result = r.wait(req.token);
+        match req.token - 100 {
+            7 | 20 => assert_eq!(result.unwrap_err().code, ErrorCode::OutOfBounds),
+            33 => assert_eq!(result.unwrap_err().code, ErrorCode::Protocol),
+            i => result.unwrap_or_else(|e| panic!("request {i}: {e}")),
+        }
+    }
+    let after = calls();
+    let moved = [
+        after[0] - before[0],
+        after[1] - before[1],
+        after[2] - before[2],
+    ];
+    let want = match expect.as_str() {
+        "kernel" => [0, 1, 0],
+        "batch" => [0, 0, 1],
+        _ => [good.len() as i64, 0, 0],
+    };
+    assert_eq!(moved, want, "copy calls for one submission");
+    apply(&mut remote, &data2, &good, true);
+    assert_eq!(
+        t.ask(&format!("hash {} {len}", t.first)),
+        format!("ok {:016x}", fnv(&remote)),
+        "the good requests landed, the bad ones did not"
+    );
+    let detail = r.raw.describe(&r.peer).unwrap_or_default();
+    assert!(detail.contains("lists of GPU copies by"), "{detail}");
+    drop(r);
+    drop(t);
+}
+
+/// cuda_ipc.copy=kernel where the kernel cannot load: a list fails with
+/// the reason (no silent fallback), and `describe` says so.
+#[test]
+#[ignore]
+fn scenario_forced_kernel_missing() {
+    use ferry_plugins_abi::sys;
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    ferry_core::init_logging();
+    let t = Target::start();
+    let e = engine();
+    let r = Raw::open(&t, &e);
+    let src = r.buffer(&e, MIB);
+    let list = [block(0, 0, 4096), block(8192, 4096, 4096)];
+    let err = r
+        .blocks(sys::FERRY_OP_WRITE, src, t.first, &list, 1)
+        .unwrap_err();
+    assert!(err.message.contains("cuda_ipc.copy=kernel"), "{err}");
+    assert_eq!(emu_calls(1), 0);
 }

@@ -26,11 +26,21 @@
  * recorded (default 0), so completion polling is exercised.
  *
  * Other settings: FERRY_CUDA_EMU_DEVICES (default 1), FERRY_CUDA_EMU_PEER=0
- * (no peer access between devices).
+ * (no peer access between devices), FERRY_CUDA_EMU_NO_KERNEL=1
+ * (cuModuleLoadData refuses every image, as a driver too old for the PTX).
+ *
+ * Ferry's copy kernel: cuModuleLoadData accepts an image that declares the
+ * entry ferry_copy_list (the cuda-ipc plugin's PTX) and nothing else;
+ * cuLaunchKernel of it performs the copies its descriptor array names
+ * (struct ferry_copy: src, dst, len) on the CPU, in stream order (as every
+ * copy here, when queued). cuMemcpyBatchAsync (the CUDA 12.8 ABI, with
+ * failIdx) copies each entry likewise.
  *
  * Test hooks: ferry_cuda_emu_open_imports() counts what this process has
- * open of other processes' memory (IPC handles, mapped VMM chunks) and
- * ferry_cuda_emu_host_registrations() its cuMemHostRegister ranges.
+ * open of other processes' memory (IPC handles, mapped VMM chunks),
+ * ferry_cuda_emu_host_registrations() its cuMemHostRegister ranges, and
+ * ferry_cuda_emu_calls(kind) the copy calls so far: 0 cuMemcpyAsync, 1
+ * kernel launches, 2 cuMemcpyBatchAsync.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -725,10 +735,124 @@ EXPORT CUresult cuStreamDestroy_v2(void *s) {
 }
 /* Both ranges must be memory this process may touch: host memory or
  * "device" memory (ours, or opened from a peer). */
+static long copy_calls[3];
+EXPORT long ferry_cuda_emu_calls(int kind) {
+    if (kind < 0 || kind > 2) return -1;
+    pthread_mutex_lock(&lock);
+    long n = copy_calls[kind];
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+static void count_call(int kind) {
+    pthread_mutex_lock(&lock);
+    copy_calls[kind]++;
+    pthread_mutex_unlock(&lock);
+}
 EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *s) {
     CUresult r = stream_check(s);
     if (r) return r;
+    count_call(0);
     memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    return SUCCESS;
+}
+EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *s) {
+    CUresult r = stream_check(s);
+    if (r) return r;
+    memcpy((void *)(uintptr_t)dst, src, n);
+    return SUCCESS;
+}
+
+typedef struct {
+    int type, id;
+} CUmemLocation;
+typedef struct {
+    int srcAccessOrder;
+    CUmemLocation srcLocHint, dstLocHint;
+    unsigned int flags;
+} CUmemcpyAttributes;
+
+EXPORT CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+                                   CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs,
+                                   size_t *failIdx, void *s) {
+    CUresult r = stream_check(s);
+    if (r) return r;
+    if (!dsts || !srcs || !sizes || !count || !attrs || !attrsIdxs || !numAttrs || numAttrs > count ||
+        attrsIdxs[0] != 0)
+        return INVALID_VALUE;
+    for (size_t i = 0; i < numAttrs; i++)
+        if (attrs[i].srcAccessOrder < 1 || attrs[i].srcAccessOrder > 3) return INVALID_VALUE;
+    count_call(2);
+    for (size_t i = 0; i < count; i++) {
+        if (!sizes[i]) {
+            if (failIdx) *failIdx = i;
+            return INVALID_VALUE;
+        }
+        memmove((void *)(uintptr_t)dsts[i], (const void *)(uintptr_t)srcs[i], sizes[i]);
+    }
+    return SUCCESS;
+}
+
+/* ------------------------------------------------ modules, the copy kernel */
+
+struct module {
+    char magic[8]; /* "FERRYMOD" */
+    struct ctx *ctx;
+};
+struct function {
+    char magic[8]; /* "FERRYFUN" */
+    struct module *module;
+};
+struct ferry_copy {
+    uint64_t src, dst, len;
+};
+
+EXPORT CUresult cuModuleLoadData(void **m, const void *image) {
+    if (!current) return INVALID_CONTEXT;
+    if (!m || !image) return INVALID_VALUE;
+    if (getenv("FERRY_CUDA_EMU_NO_KERNEL")) return 218; /* CUDA_ERROR_INVALID_PTX */
+    if (!strstr(image, ".entry ferry_copy_list(")) return 218;
+    struct module *mod = calloc(1, sizeof *mod);
+    if (!mod) return OUT_OF_MEMORY;
+    memcpy(mod->magic, "FERRYMOD", 8);
+    mod->ctx = current;
+    *m = mod;
+    return SUCCESS;
+}
+EXPORT CUresult cuModuleUnload(void *m) {
+    struct module *mod = m;
+    if (!mod || memcmp(mod->magic, "FERRYMOD", 8)) return INVALID_HANDLE;
+    memset(mod->magic, 0, 8);
+    free(mod);
+    return SUCCESS;
+}
+EXPORT CUresult cuModuleGetFunction(void **f, void *m, const char *name) {
+    struct module *mod = m;
+    if (!f || !name) return INVALID_VALUE;
+    if (!mod || memcmp(mod->magic, "FERRYMOD", 8)) return INVALID_HANDLE;
+    if (strcmp(name, "ferry_copy_list")) return 500; /* CUDA_ERROR_NOT_FOUND */
+    struct function *fn = calloc(1, sizeof *fn);
+    if (!fn) return OUT_OF_MEMORY;
+    memcpy(fn->magic, "FERRYFUN", 8);
+    fn->module = mod;
+    *f = fn;
+    return SUCCESS;
+}
+/* ferry_copy_list(const struct ferry_copy *list, unsigned int count). */
+EXPORT CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                               unsigned bz, unsigned shared, void *s, void **params, void **extra) {
+    struct function *fn = f;
+    CUresult r = stream_check(s);
+    if (r) return r;
+    if (!fn || memcmp(fn->magic, "FERRYFUN", 8) || fn->module->ctx != current) return INVALID_HANDLE;
+    if (!gx || gy != 1 || gz != 1 || bx != 256 || by != 1 || bz != 1 || shared || !params || extra)
+        return INVALID_VALUE;
+    const struct ferry_copy *list = *(const struct ferry_copy **)params[0];
+    unsigned count = *(const unsigned *)params[1];
+    if (!list || !count || gx > 65535 || (uint64_t)gx * 8 < (count < 65535 * 8 ? count : 65535 * 8))
+        return INVALID_VALUE;
+    count_call(1);
+    for (unsigned i = 0; i < count; i++)
+        memmove((void *)(uintptr_t)list[i].dst, (const void *)(uintptr_t)list[i].src, list[i].len);
     return SUCCESS;
 }
 EXPORT CUresult cuStreamSynchronize(void *s) { return stream_check(s); }

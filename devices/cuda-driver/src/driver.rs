@@ -27,6 +27,8 @@ pub type CUdeviceptr = u64;
 pub type CUcontext = *mut c_void;
 pub type CUstream = *mut c_void;
 pub type CUevent = *mut c_void;
+pub type CUmodule = *mut c_void;
+pub type CUfunction = *mut c_void;
 /// `CUmemGenericAllocationHandle`: a VMM physical allocation.
 pub type CUmemGenericAllocationHandle = u64;
 
@@ -59,6 +61,20 @@ pub struct CUmemAccessDesc {
     pub location: CUmemLocation,
     pub flags: c_int,
 }
+
+/// `CUmemcpyAttributes` (CUDA 12.8): how cuMemcpyBatchAsync orders and
+/// places a group of copies.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CUmemcpyAttributes {
+    pub src_access_order: c_int,
+    pub src_loc_hint: CUmemLocation,
+    pub dst_loc_hint: CUmemLocation,
+    pub flags: c_uint,
+}
+
+/// Sources are read in stream order (after earlier work on the stream).
+pub const CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: c_int = 1;
 
 /// `CUuuid`: 16 bytes.
 #[repr(C)]
@@ -129,6 +145,14 @@ pub struct Symbol {
     pub query: &'static CStr,
     pub exports: &'static [&'static str],
     pub need: Need,
+    /// The CUDA version whose ABI of it we call: [`ABI_VERSION`], or the
+    /// release that introduced a newer function.
+    pub since: c_int,
+}
+
+/// The first of `versions` (the symbol's own, else [`ABI_VERSION`]).
+const fn since(versions: &[c_int]) -> c_int {
+    versions[0]
 }
 
 impl Symbol {
@@ -140,7 +164,8 @@ impl Symbol {
 
 macro_rules! driver_api {
     ($(
-        $field:ident: $need:ident $query:literal [$($export:literal),+] fn($($arg:ty),* $(,)?);
+        $field:ident: $need:ident $query:literal [$($export:literal),+] $(since $since:literal)?
+            fn($($arg:ty),* $(,)?);
     )*) => {
         /// The driver functions this plugin calls; `None` where libcuda has
         /// no such symbol.
@@ -155,7 +180,12 @@ macro_rules! driver_api {
 
         /// Every symbol of [`Api`], in field order.
         pub const SYMBOLS: &[Symbol] = &[
-            $( Symbol { query: $query, exports: &[$($export),+], need: Need::$need } ),*
+            $( Symbol {
+                query: $query,
+                exports: &[$($export),+],
+                need: Need::$need,
+                since: since(&[$($since,)? ABI_VERSION]),
+            } ),*
         ];
 
         impl Api {
@@ -268,6 +298,23 @@ driver_api! {
     cu_event_destroy: Optional c"cuEventDestroy" ["cuEventDestroy_v2"] fn(CUevent);
     cu_device_can_access_peer: Optional c"cuDeviceCanAccessPeer" ["cuDeviceCanAccessPeer"]
         fn(*mut c_int, CUdevice, CUdevice);
+    // The cuda-ipc transport's list copies: its kernel (PTX loaded at run
+    // time), the descriptors' upload, and the driver's batched copy where
+    // the kernel cannot load. cuMemcpyBatchAsync is asked for at 12.8, the
+    // ABI with failIdx (CUDA 13's default drops it).
+    cu_module_load_data: Optional c"cuModuleLoadData" ["cuModuleLoadData"]
+        fn(*mut CUmodule, *const c_void);
+    cu_module_unload: Optional c"cuModuleUnload" ["cuModuleUnload"] fn(CUmodule);
+    cu_module_get_function: Optional c"cuModuleGetFunction" ["cuModuleGetFunction"]
+        fn(*mut CUfunction, CUmodule, *const c_char);
+    cu_launch_kernel: Optional c"cuLaunchKernel" ["cuLaunchKernel"]
+        fn(CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CUstream,
+           *mut *mut c_void, *mut *mut c_void);
+    cu_memcpy_htod_async: Optional c"cuMemcpyHtoDAsync" ["cuMemcpyHtoDAsync_v2"]
+        fn(CUdeviceptr, *const c_void, usize, CUstream);
+    cu_memcpy_batch_async: Optional c"cuMemcpyBatchAsync" ["cuMemcpyBatchAsync"] since 12080
+        fn(*mut CUdeviceptr, *mut CUdeviceptr, *mut usize, usize, *mut CUmemcpyAttributes,
+           *mut usize, usize, *mut usize, CUstream);
 }
 
 type GetProcAddressV2 = unsafe extern "C" fn(
@@ -400,7 +447,7 @@ impl Driver {
                     gpa(
                         symbol.query.as_ptr(),
                         &mut address,
-                        ABI_VERSION,
+                        symbol.since,
                         CU_GET_PROC_ADDRESS_DEFAULT,
                         &mut status,
                     )

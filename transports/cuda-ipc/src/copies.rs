@@ -13,12 +13,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Duration;
 
-/// A copy queued on a GPU, until its event says it is done.
+/// Copies queued on a GPU (one request's, a block list's, or a whole
+/// submission's for that GPU), until the event behind them says they are
+/// done; then every token completes.
 pub struct InFlight {
     pub event: Event,
-    pub token: u64,
-    /// Keeps the peer's mapping open until the copy is done.
-    pub import: Arc<Import>,
+    pub tokens: Vec<u64>,
+    /// Keep the peer's mappings open until the copies are done.
+    pub imports: Vec<Arc<Import>>,
 }
 
 pub struct Copies {
@@ -79,9 +81,11 @@ impl Copies {
         let n = done.len();
         for (f, err) in done {
             self.gpus.recycle(f.event);
-            drop(f.import);
-            self.completer
-                .complete(f.token, err.as_ref().map_or(Ok(()), Err));
+            drop(f.imports);
+            for token in f.tokens {
+                self.completer
+                    .complete(token, err.as_ref().map_or(Ok(()), Err));
+            }
         }
         n
     }
@@ -120,14 +124,12 @@ impl Copies {
         self.gpus.sync_all();
         self.progress();
         let left: Vec<InFlight> = lock(&self.inflight).drain(..).collect();
-        for f in left {
-            self.completer.complete(
-                f.token,
-                Err(&PluginError::new(
-                    ErrorCode::Cancelled,
-                    "cuda-ipc: shut down with the copy unfinished",
-                )),
-            );
+        let cancelled = PluginError::new(
+            ErrorCode::Cancelled,
+            "cuda-ipc: shut down with the copy unfinished",
+        );
+        for token in left.into_iter().flat_map(|f| f.tokens) {
+            self.completer.complete(token, Err(&cancelled));
         }
     }
 }

@@ -7,10 +7,12 @@
 //! length and puts back what was current (the application's threads keep
 //! their device).
 
+use crate::kernel::Kernel;
+use crate::lists::CopySetting;
 use crate::wire::{Piece, KIND_IPC, KIND_VMM};
 use ferry_cuda_driver::driver::*;
 use ferry_cuda_driver::PrimaryContext;
-use ferry_plugins_abi::sdk::{PluginError, PluginResult};
+use ferry_plugins_abi::sdk::{Host, PluginError, PluginResult};
 use ferry_plugins_abi::ErrorCode;
 use std::ffi::{c_int, c_void};
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -75,9 +77,12 @@ pub struct Gpu {
     next_stream: AtomicUsize,
     /// Events ready for reuse (they belong to this device's context).
     spare_events: Mutex<Vec<usize>>,
+    /// The copy kernel in this GPU's context, loaded on first use, or why
+    /// it cannot be.
+    pub(crate) kernel: OnceLock<Result<Kernel, String>>,
 }
 
-struct Stream(CUstream);
+pub(crate) struct Stream(pub(crate) CUstream);
 
 // SAFETY: a CUstream is a process-wide handle; the driver takes work on it
 // from any thread, and every use here makes its context current first.
@@ -91,6 +96,10 @@ pub struct Gpus {
     pub list: Vec<Gpu>,
     pub vmm: bool,
     streams_per_gpu: usize,
+    /// How lists of copies move (`cuda_ipc.copy`).
+    pub copy: CopySetting,
+    /// Where the one-time decisions per GPU are logged (none in the probe).
+    pub log: Option<Host<'static>>,
 }
 
 /// A copy in flight: query it until it is done.
@@ -128,6 +137,7 @@ impl Gpus {
                 streams: OnceLock::new(),
                 next_stream: AtomicUsize::new(0),
                 spare_events: Mutex::new(Vec::new()),
+                kernel: OnceLock::new(),
             });
         }
         Ok(Gpus {
@@ -135,6 +145,8 @@ impl Gpus {
             list,
             vmm: has_vmm(driver),
             streams_per_gpu: streams_per_gpu.clamp(1, 64),
+            copy: CopySetting::default(),
+            log: None,
         })
     }
 
@@ -179,7 +191,7 @@ impl Gpus {
         }
     }
 
-    fn context(&self, gpu: usize) -> PluginResult<&Arc<PrimaryContext>> {
+    pub(crate) fn context(&self, gpu: usize) -> PluginResult<&Arc<PrimaryContext>> {
         let g = &self.list[gpu];
         if let Some(c) = g.ctx.get() {
             return Ok(c);
@@ -455,7 +467,7 @@ impl Gpus {
         d.check("cuMemHostUnregister", unsafe { f(addr as *mut c_void) })
     }
 
-    fn streams(&self, gpu: usize) -> PluginResult<&[Stream]> {
+    pub(crate) fn streams(&self, gpu: usize) -> PluginResult<&[Stream]> {
         let g = &self.list[gpu];
         if let Some(s) = g.streams.get() {
             return Ok(s);
@@ -479,37 +491,30 @@ impl Gpus {
         Ok(g.streams.get().map(Vec::as_slice).unwrap_or_default())
     }
 
-    /// Queues a copy of `len` bytes on one of GPU `gpu`'s streams and an
-    /// event after it.
-    pub fn copy(&self, gpu: usize, dst: u64, src: u64, len: u64) -> PluginResult<Event> {
-        let d = self.driver;
-        let memcpy = d.function(d.api.cu_memcpy_async, "cuMemcpyAsync")?;
-        let record = d.function(d.api.cu_event_record, "cuEventRecord")?;
+    /// The next of GPU `gpu`'s copy streams, round robin (so the lists of
+    /// a batch overlap).
+    pub(crate) fn next_stream(&self, gpu: usize) -> PluginResult<CUstream> {
         let streams = self.streams(gpu)?;
         let g = &self.list[gpu];
-        let stream = &streams[g.next_stream.fetch_add(1, Ordering::Relaxed) % streams.len()];
-        let _current = self.context(gpu)?.enter()?;
-        let event = self.event(gpu)?;
-        // SAFETY: dst and src are ranges the caller checked against live
-        // registrations and mappings (unified addressing: the driver finds
-        // the direction); the stream belongs to this context.
-        let r = unsafe { memcpy(dst, src, len as usize, stream.0) };
-        if r != CUDA_SUCCESS {
-            self.recycle(event);
-            return Err(d.error("cuMemcpyAsync", r));
-        }
-        // SAFETY: event and stream belong to this context.
-        let r = unsafe { record(event.raw as CUevent, stream.0) };
-        if r != CUDA_SUCCESS {
-            // The copy is queued but cannot be waited for: wait here.
-            let _ = self.sync_streams(gpu);
-            self.recycle(event);
-            return Err(d.error("cuEventRecord", r));
-        }
-        Ok(event)
+        Ok(streams[g.next_stream.fetch_add(1, Ordering::Relaxed) % streams.len()].0)
     }
 
-    fn event(&self, gpu: usize) -> PluginResult<Event> {
+    /// Records `event` on `stream` (both of GPU `gpu`'s context, current);
+    /// when that fails the work before it cannot be waited for, so this
+    /// waits for it here and says so.
+    pub(crate) fn record(&self, gpu: usize, event: Event, stream: CUstream) -> PluginResult<()> {
+        let d = self.driver;
+        let record = d.function(d.api.cu_event_record, "cuEventRecord")?;
+        // SAFETY: event and stream belong to this context.
+        let r = unsafe { record(event.raw as CUevent, stream) };
+        if r != CUDA_SUCCESS {
+            let _ = self.sync_streams(gpu);
+            return Err(d.error("cuEventRecord", r));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn event(&self, gpu: usize) -> PluginResult<Event> {
         if let Some(raw) = self.list[gpu]
             .spare_events
             .lock()
@@ -589,6 +594,9 @@ impl Drop for Gpus {
                     // SAFETY: created in this context, destroyed once.
                     unsafe { destroy(s.0) };
                 }
+            }
+            if let Some(Ok(k)) = g.kernel.get() {
+                k.free(d);
             }
             if let Some(destroy) = d.api.cu_event_destroy {
                 for e in g

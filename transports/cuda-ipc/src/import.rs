@@ -18,7 +18,7 @@ use ferry_plugins_abi::ErrorCode;
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, Weak};
 
 /// Mappings of peers' memory open in this process (IPC handles, VMM
 /// reservations, host files), for `describe_peer` and leak checks.
@@ -160,42 +160,23 @@ impl Import {
         })
     }
 
-    /// Runs `f` with this process's address of the peer's
-    /// `[remote_addr, + len)`, which must lie inside the registration; the
-    /// mapping stays open while `f` runs.
-    pub fn with_local<T>(
-        &self,
-        remote_addr: u64,
-        len: u64,
-        f: impl FnOnce(u64) -> PluginResult<T>,
-    ) -> PluginResult<T> {
-        let end = remote_addr.checked_add(len);
-        if remote_addr < self.addr || end.is_none_or(|e| e > self.addr + self.len) {
-            return Err(PluginError::new(
-                ErrorCode::OutOfBounds,
-                format!(
-                    "cuda-ipc: [{remote_addr:#x}, +{len}) is outside the peer's registration \
-                     [{:#x}, +{}); nothing was copied",
-                    self.addr, self.len
-                ),
-            ));
-        }
+    /// Whether the peer's memory is GPU memory (which the copy kernel
+    /// reaches), not host memory.
+    pub fn is_device(&self) -> bool {
+        self.kind != KIND_HOST
+    }
+
+    /// The mapping, held open (a revocation waits) until the view drops:
+    /// copies that use its addresses are queued before that.
+    pub fn view(&self) -> PluginResult<View<'_>> {
         let guard = self.mapped.read().unwrap_or_else(PoisonError::into_inner);
-        let local = match guard.as_ref() {
-            None => return Err(revoked(self.id)),
-            Some(Mapped::SameProcess) => remote_addr,
-            Some(Mapped::Ipc { remote_base, base }) => base.ptr + (remote_addr - remote_base),
-            Some(Mapped::Vmm {
-                remote_base, va, ..
-            }) => va + (remote_addr - remote_base),
-            Some(Mapped::Host {
-                remote_base,
-                map,
-                skip,
-                ..
-            }) => map + skip + (remote_addr - remote_base),
-        };
-        f(local)
+        if guard.is_none() {
+            return Err(revoked(self.id));
+        }
+        Ok(View {
+            import: self,
+            guard,
+        })
     }
 
     /// Closes the mapping after every copy queued on it finished; later
@@ -234,6 +215,45 @@ impl Import {
                 OPEN_MAPPINGS.fetch_sub(1, Ordering::SeqCst);
             }
         }
+    }
+}
+
+/// An import's mapping, held open.
+pub struct View<'a> {
+    import: &'a Import,
+    guard: RwLockReadGuard<'a, Option<Mapped>>,
+}
+
+impl View<'_> {
+    /// This process's address of the peer's `[remote_addr, + len)`, which
+    /// must lie inside the registration the exporter reported.
+    pub fn local(&self, remote_addr: u64, len: u64) -> PluginResult<u64> {
+        let i = self.import;
+        let end = remote_addr.checked_add(len);
+        if remote_addr < i.addr || end.is_none_or(|e| e > i.addr + i.len) {
+            return Err(PluginError::new(
+                ErrorCode::OutOfBounds,
+                format!(
+                    "cuda-ipc: [{remote_addr:#x}, +{len}) is outside the peer's registration \
+                     [{:#x}, +{}); nothing was copied",
+                    i.addr, i.len
+                ),
+            ));
+        }
+        Ok(match self.guard.as_ref() {
+            None => return Err(revoked(i.id)),
+            Some(Mapped::SameProcess) => remote_addr,
+            Some(Mapped::Ipc { remote_base, base }) => base.ptr + (remote_addr - remote_base),
+            Some(Mapped::Vmm {
+                remote_base, va, ..
+            }) => va + (remote_addr - remote_base),
+            Some(Mapped::Host {
+                remote_base,
+                map,
+                skip,
+                ..
+            }) => map + skip + (remote_addr - remote_base),
+        })
     }
 }
 

@@ -23,23 +23,33 @@
 //!   device plugin).
 //! - `cuda_ipc.streams` / `FERRY_CUDA_IPC_STREAMS`: copy streams per GPU
 //!   (default 4).
+//! - `cuda_ipc.copy` / `FERRY_CUDA_IPC_COPY`: how lists of copies (a block
+//!   list, the requests of one submission for one GPU) move: `auto` (the
+//!   copy kernel, one launch per list, where it loads and both ends are GPU
+//!   memory; else cuMemcpyBatchAsync where the driver has it; else one
+//!   cuMemcpyAsync per copy), or `kernel`, `batch`, `per-copy` to force one.
 
+mod batch;
 mod channel;
 mod copies;
 mod gpu;
 mod import;
+mod kernel;
+mod lists;
+mod submit;
 pub mod wire;
 
 use channel::{Client, ClientEvents, Exported, Server};
-use copies::{Copies, InFlight};
+use copies::Copies;
 use ferry_cuda_driver::driver::{self, Driver};
 use ferry_plugins_abi::sdk::{
-    Completer, Host, InitParams, MemRegion, Op, PeerInfo, PluginError, PluginResult, ProbeDevice,
-    ProbeReport, Registration, TransferRequest, TransportInstance,
+    BlockList, Completer, Host, InitParams, MemRegion, PeerInfo, PluginError, PluginResult,
+    ProbeDevice, ProbeReport, Registration, TransferRequest, TransportInstance,
 };
 use ferry_plugins_abi::{sys, ErrorCode};
 use gpu::Gpus;
 use import::{Import, IpcCache, OPEN_MAPPINGS};
+use lists::CopySetting;
 use std::collections::{HashMap, HashSet};
 use std::ffi::CStr;
 use std::os::fd::BorrowedFd;
@@ -124,11 +134,13 @@ impl ferry_plugins_abi::sdk::TransportPlugin for CudaIpcTransport {
     const VERSION: &'static CStr = ferry_plugins_abi::c_version!();
     const DESCRIPTION: &'static CStr =
         c"GPU memory between processes of one host: CUDA IPC handles or VMM fds, copy engines";
+    const BLOCK_LISTS: bool = true;
     type Instance = CudaIpcInstance;
 
     fn probe(host: &Host<'_>, report: &mut ProbeReport<'_>) -> PluginResult<()> {
         let d = open_driver(host)?;
-        let gpus = Gpus::new(d, 1)?;
+        let mut gpus = Gpus::new(d, 1)?;
+        gpus.copy = CopySetting::parse(host.config("cuda_ipc.copy").as_deref())?;
         if gpus.list.is_empty() {
             return Err(unavailable(format!(
                 "no CUDA device visible ({})",
@@ -153,6 +165,21 @@ impl ferry_plugins_abi::sdk::TransportPlugin for CudaIpcTransport {
             });
         }
         report.add_note("peer access", &peer_matrix(&gpus));
+        // Loads the kernel here, in the probe's process, so `ferry info`
+        // says what this host's GPUs actually get.
+        let (_, how) = gpus.list_method(0);
+        report.add_note(
+            "copies",
+            &format!(
+                "lists of GPU copies (cuda_ipc.copy={}): {how}; host memory by {}",
+                gpus.copy.name(),
+                if gpus.has_batch() {
+                    "cuMemcpyBatchAsync"
+                } else {
+                    "one cuMemcpyAsync per copy"
+                }
+            ),
+        );
         if !gpus.vmm {
             report.add_missing(
                 "cuda-vmm",
@@ -237,7 +264,10 @@ impl CudaIpcInstance {
             .config("cuda_ipc.streams")
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(4);
-        let gpus = Arc::new(Gpus::new(d, streams)?);
+        let mut gpus = Gpus::new(d, streams)?;
+        gpus.copy = CopySetting::parse(host.config("cuda_ipc.copy").as_deref())?;
+        gpus.log = Some(host);
+        let gpus = Arc::new(gpus);
         // SAFETY: getpid/getuid have no preconditions.
         let (pid, uid) = unsafe { (libc::getpid(), libc::getuid()) };
         let socket = format!("ferry-cuda-ipc-{pid}-{:016x}", random_u64()).into_bytes();
@@ -281,11 +311,20 @@ impl CudaIpcInstance {
             )
         })?;
         host.info(&format!(
-            "cuda-ipc: ready for engine {} ({} GPU(s), {} copy streams each{})",
+            "cuda-ipc: ready for engine {} ({} GPU(s), {} copy streams each{}); lists of copies \
+             (cuda_ipc.copy={}): {}",
             params.engine_name,
             gpus.list.len(),
             streams,
-            if gpus.vmm { "" } else { "; no VMM export" }
+            if gpus.vmm { "" } else { "; no VMM export" },
+            gpus.copy.name(),
+            match (gpus.copy, gpus.has_batch()) {
+                (CopySetting::Force(m), _) => m.name(),
+                (CopySetting::Auto, true) =>
+                    "the copy kernel where it loads, else cuMemcpyBatchAsync",
+                (CopySetting::Auto, false) =>
+                    "the copy kernel where it loads, else one cuMemcpyAsync per copy",
+            }
         ));
         Ok(CudaIpcInstance {
             host,
@@ -348,47 +387,6 @@ impl CudaIpcInstance {
             (LocalMemory::Device(g), Memory::Host { shared: true }) => Ok(g),
             (LocalMemory::Host, Memory::Device { gpu }) => remote_gpu(gpu),
         }
-    }
-
-    /// Queues one request's copy, or says why not.
-    fn queue(&self, peer: &CudaIpcPeer, r: &TransferRequest<'_>) -> PluginResult<InFlight> {
-        let key = Key::decode(r.remote_key)
-            .ok_or_else(|| PluginError::new(ErrorCode::Protocol, "malformed cuda-ipc key"))?;
-        let local = self.local(r.local_mem).ok_or_else(|| {
-            PluginError::new(
-                ErrorCode::InvalidArgument,
-                "cuda-ipc: the local buffer is not registered with cuda-ipc",
-            )
-        })?;
-        let inside = r.local_addr >= local.addr
-            && r.local_addr
-                .checked_add(r.length)
-                .is_some_and(|e| e <= local.addr + local.len);
-        if !inside {
-            return Err(PluginError::new(
-                ErrorCode::OutOfBounds,
-                format!(
-                    "cuda-ipc: local [{:#x}, +{}) is outside its registration",
-                    r.local_addr, r.length
-                ),
-            ));
-        }
-        let gpu = self
-            .pair_verdict(local.memory, &key)
-            .map_err(|why| PluginError::new(ErrorCode::Unavailable, format!("cuda-ipc: {why}")))?;
-        let import = peer.import(self, &key, gpu)?;
-        import.with_local(r.remote_addr, r.length, |remote| {
-            let (dst, src) = match r.op {
-                Op::Write => (remote, r.local_addr),
-                Op::Read => (r.local_addr, remote),
-            };
-            let event = self.gpus.copy(gpu, dst, src, r.length)?;
-            Ok(InFlight {
-                event,
-                token: r.token,
-                import: import.clone(),
-            })
-        })
     }
 }
 
@@ -754,14 +752,17 @@ impl TransportInstance for CudaIpcInstance {
         if peer.client.is_dead() {
             return Err(peer.gone());
         }
-        let mut queued = Vec::with_capacity(requests.len());
-        for r in requests {
-            match self.queue(peer, r) {
-                Ok(f) => queued.push(f),
-                Err(e) => self.completer.complete(r.token, Err(&e)),
-            }
-        }
+        let queued = self.queue(peer, requests);
         self.copies.add(queued);
+        self.copies.progress();
+        Ok(())
+    }
+
+    fn submit_blocks(&self, peer: &CudaIpcPeer, list: &BlockList<'_>) -> PluginResult<()> {
+        if peer.client.is_dead() {
+            return Err(peer.gone());
+        }
+        self.queue_blocks(peer, list)?;
         self.copies.progress();
         Ok(())
     }
@@ -777,9 +778,16 @@ impl TransportInstance for CudaIpcInstance {
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .len();
+        let lists = match self.gpus.list.is_empty() {
+            true => String::new(),
+            false => {
+                let (method, how) = self.gpus.list_method(0);
+                format!("; lists of GPU copies by {}: {how}", method.name())
+            }
+        };
         Some(format!(
             "cuda-ipc to pid {}{}: {} of its registrations open here, {} mappings open in this \
-             process, {} opens asked",
+             process, {} opens asked{lists}",
             peer.endpoint.pid,
             if peer.same_process {
                 " (this process: no mapping needed)"
