@@ -97,6 +97,11 @@ pub(crate) type DoneHook = Box<dyn FnOnce(Option<(usize, Error)>) + Send>;
 struct Group {
     start: usize,
     count: usize,
+    /// Completions still expected from the transport: 1, or one per part
+    /// when the group went as several requests under one token.
+    parts: usize,
+    /// The first failure of a part, reported when the last part ends.
+    failed_part: Option<Error>,
     local: Arc<LocalBuffer>,
     done: bool,
     observer: Option<Arc<dyn GroupObserver>>,
@@ -173,12 +178,29 @@ impl Batch {
         local: Arc<LocalBuffer>,
         tally: Option<Tally<'_>>,
     ) -> u64 {
+        self.add_group_of_parts(start, count, 1, local, tally)
+    }
+
+    /// Adds a group of `count` requests starting at `start` that a
+    /// transport completes in `parts` completions of one token (requests
+    /// handed over one by one under a shared token); it finishes with the
+    /// last of them, failed if any part failed.
+    pub(crate) fn add_group_of_parts(
+        &self,
+        start: usize,
+        count: usize,
+        parts: usize,
+        local: Arc<LocalBuffer>,
+        tally: Option<Tally<'_>>,
+    ) -> u64 {
         local.inflight.fetch_add(count, Ordering::SeqCst);
         let mut st = self.state.lock();
         let tally = tally.map(|t| st.tally.add(t));
         st.groups.push(Group {
             start,
             count,
+            parts: parts.max(1),
+            failed_part: None,
             local,
             done: false,
             observer: None,
@@ -203,6 +225,15 @@ impl Batch {
         }
     }
 
+    /// Fails a whole group whatever parts it still expects (the engine,
+    /// when its transport accepted none of them).
+    pub(crate) fn abort_group(&self, group: usize, e: Error) {
+        if let Some(g) = self.state.lock().groups.get_mut(group) {
+            g.parts = 1;
+        }
+        self.complete_group(group, Err(e));
+    }
+
     /// Finishes a group (from a plugin, or the engine when submit failed).
     pub(crate) fn complete_group(&self, group: usize, result: std::result::Result<(), Error>) {
         let mut st = self.state.lock();
@@ -220,6 +251,17 @@ impl Batch {
             );
             return;
         }
+        if g.parts > 1 {
+            g.parts -= 1;
+            if let Err(e) = result {
+                g.failed_part.get_or_insert(e);
+            }
+            return;
+        }
+        let result = match g.failed_part.take() {
+            Some(e) => Err(e),
+            None => result,
+        };
         g.done = true;
         let (start, count) = (g.start, g.count);
         let local = g.local.clone();

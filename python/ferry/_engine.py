@@ -45,6 +45,20 @@ class RemoteBuffer:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """A pool of equal blocks (a KV cache's blocks of one layer): ``count``
+    blocks of ``block_size`` bytes, block i at ``base + i * stride``. A
+    local one comes from :meth:`Engine.register_layout`; a peer's from
+    :attr:`Segment.layouts`. Transfers name its blocks by index."""
+
+    id: int
+    base: int
+    block_size: int
+    stride: int
+    count: int
+
+
+@dataclass(frozen=True)
 class Status:
     """A batch's progress; ``error`` is the first failure as a FerryError."""
 
@@ -289,6 +303,41 @@ class Segment:
             raise
         return Transfer(self, batch, keep)
 
+    @property
+    def layouts(self) -> List[Layout]:
+        """The block layouts the peer registered, as last fetched."""
+        return [Layout(*t) for t in self._engine._native.segment_layouts(self.id)]
+
+    @staticmethod
+    def _layout_id(layout) -> int:
+        return int(layout.id if isinstance(layout, Layout) else layout)
+
+    def _blocks(self, op: str, local, local_ids, remote, remote_ids, transport, submit: bool):
+        f = self._engine._native.submit_blocks if submit else self._engine._native.transfer_blocks
+        return f(op, self.id, self._layout_id(local), local_ids, self._layout_id(remote), remote_ids, transport)
+
+    def write_blocks(self, local_layout, local_ids, remote_layout, remote_ids, *, transport: Optional[str] = None) -> None:
+        """Writes block ``local_ids[i]`` of ``local_layout`` to block
+        ``remote_ids[i]`` of the peer's ``remote_layout``, and waits. The
+        index lists are lists of ints or 1-D int64 arrays (numpy, CPU torch),
+        read without a Python loop. An index out of range raises and moves
+        nothing."""
+        self._blocks("write", local_layout, local_ids, remote_layout, remote_ids, transport, False)
+
+    def read_blocks(self, local_layout, local_ids, remote_layout, remote_ids, *, transport: Optional[str] = None) -> None:
+        """Reads the peer's blocks into local ones (see ``write_blocks``)."""
+        self._blocks("read", local_layout, local_ids, remote_layout, remote_ids, transport, False)
+
+    def submit_write_blocks(self, local_layout, local_ids, remote_layout, remote_ids, *, transport: Optional[str] = None) -> Transfer:
+        """Starts ``write_blocks``; returns at once. Request i of the
+        transfer is block i. The layouts' memory must stay registered until
+        it ends."""
+        return Transfer(self, self._blocks("write", local_layout, local_ids, remote_layout, remote_ids, transport, True), [])
+
+    def submit_read_blocks(self, local_layout, local_ids, remote_layout, remote_ids, *, transport: Optional[str] = None) -> Transfer:
+        """Starts ``read_blocks``; returns at once."""
+        return Transfer(self, self._blocks("read", local_layout, local_ids, remote_layout, remote_ids, transport, True), [])
+
     def write(self, src: Local, remote_addr: int, length: Optional[int] = None, *, transport: Optional[str] = None) -> None:
         """Copies ``src`` (registered local memory) to the peer at ``remote_addr``."""
         self._transfer("write", [(src, remote_addr, length)], transport)
@@ -434,6 +483,30 @@ class Engine:
         with self._lock:
             self._owned[id(reg)] = reg
         return reg
+
+    def register_layout(self, memory, block_size: int, count: Optional[int] = None, *, stride: Optional[int] = None) -> Layout:
+        """Registers a block layout over registered memory and publishes
+        it: ``memory`` is a Registration, a registered object (tensor,
+        array) or an address; blocks of ``block_size`` bytes every
+        ``stride`` (default: ``block_size``), ``count`` of them (default:
+        as many as fit). Peers then name its blocks by index."""
+        if isinstance(memory, int):
+            if count is None:
+                raise TypeError("a layout at a raw address needs its count")
+            base, nbytes = memory, None
+        else:
+            m = _resolve(memory)
+            base, nbytes = m.addr, m.nbytes
+            m.release()
+        stride = int(stride or block_size)
+        if count is None:
+            count = (nbytes - int(block_size)) // stride + 1 if nbytes >= int(block_size) else 0
+        lid = self._native.register_layout(int(base), int(block_size), stride, int(count))
+        return Layout(lid, int(base), int(block_size), stride, int(count))
+
+    def unregister_layout(self, layout) -> None:
+        """Withdraws a layout (peers naming it are refused from then on)."""
+        self._native.unregister_layout(int(layout.id if isinstance(layout, Layout) else layout))
 
     def allocate(self, nbytes: int, *, numa_node: Optional[int] = None) -> Allocation:
         """Allocates and registers ``nbytes`` of host memory."""

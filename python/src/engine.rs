@@ -13,7 +13,8 @@
 use crate::addrs::AddrList;
 use crate::errors::{ferry_err, invalid};
 use ferry_core::{
-    BatchId, BatchStatus, Engine, EngineConfig, Error, ErrorCode, Notify, NotifyStatus, Op, Request,
+    BatchId, BatchStatus, BlockLayout, BlockTransfer, Engine, EngineConfig, Error, ErrorCode,
+    Notify, NotifyStatus, Op, Request,
 };
 use parking_lot::{Mutex, RwLock};
 use pyo3::prelude::*;
@@ -541,6 +542,126 @@ impl NativeEngine {
         self.get(py)?
             .free_batch(batch)
             .map_err(|e| ferry_err(py, e))
+    }
+
+    /// Registers a block layout over registered memory (`count` blocks of
+    /// `block_size` bytes, block i at `base + i * stride`) and publishes
+    /// it; returns its id.
+    fn register_layout(
+        &self,
+        py: Python<'_>,
+        base: u64,
+        block_size: u64,
+        stride: u64,
+        count: u64,
+    ) -> PyResult<u32> {
+        let engine = self.get(py)?;
+        py.detach(|| {
+            engine.register_layout(BlockLayout {
+                base,
+                block_size,
+                stride,
+                count,
+            })
+        })
+        .map_err(|e| ferry_err(py, e))
+    }
+
+    fn unregister_layout(&self, py: Python<'_>, layout: u32) -> PyResult<()> {
+        let engine = self.get(py)?;
+        py.detach(|| engine.unregister_layout(layout))
+            .map_err(|e| ferry_err(py, e))
+    }
+
+    /// The peer's layouts as last fetched: (id, base, block_size, stride,
+    /// count).
+    fn segment_layouts(
+        &self,
+        py: Python<'_>,
+        segment: u64,
+    ) -> PyResult<Vec<(u32, u64, u64, u64, u64)>> {
+        let d = self
+            .get(py)?
+            .descriptor_of(segment)
+            .map_err(|e| ferry_err(py, e))?;
+        Ok(d.layouts
+            .iter()
+            .map(|l| (l.id, l.base, l.block_size, l.stride, l.count))
+            .collect())
+    }
+
+    /// Submits blocks by index (block `local_ids[i]` of `local_layout` to
+    /// or from block `remote_ids[i]` of the peer's `remote_layout`) as one
+    /// batch; returns its id. Index lists are lists of ints or 1-D arrays
+    /// of 8-byte integers (numpy, CPU torch), read with no Python per item.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (op, segment, local_layout, local_ids, remote_layout, remote_ids, transport = None))]
+    fn submit_blocks(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        segment: u64,
+        local_layout: u32,
+        local_ids: AddrList,
+        remote_layout: u32,
+        remote_ids: AddrList,
+        transport: Option<String>,
+    ) -> PyResult<u64> {
+        let op = parse_op(py, op)?;
+        let engine = self.get(py)?;
+        let transport = transport.filter(|t| !t.is_empty());
+        py.detach(|| {
+            let batch = engine.allocate_batch(local_ids.0.len().max(1))?;
+            let t = BlockTransfer {
+                op,
+                segment,
+                local: local_layout,
+                local_ids: &local_ids.0,
+                remote: remote_layout,
+                remote_ids: &remote_ids.0,
+                transport: transport.as_deref(),
+            };
+            match engine.submit_blocks(batch, &t) {
+                Ok(()) => Ok(batch),
+                Err(e) => {
+                    let _ = engine.free_batch(batch);
+                    Err(e)
+                }
+            }
+        })
+        .map_err(|e| ferry_err(py, e))
+    }
+
+    /// [`submit_blocks`] waited for (the GIL released); raises on the first
+    /// failed block.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (op, segment, local_layout, local_ids, remote_layout, remote_ids, transport = None))]
+    fn transfer_blocks(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        segment: u64,
+        local_layout: u32,
+        local_ids: AddrList,
+        remote_layout: u32,
+        remote_ids: AddrList,
+        transport: Option<String>,
+    ) -> PyResult<()> {
+        let op = parse_op(py, op)?;
+        let engine = self.get(py)?;
+        let transport = transport.filter(|t| !t.is_empty());
+        py.detach(|| {
+            engine.transfer_blocks(&BlockTransfer {
+                op,
+                segment,
+                local: local_layout,
+                local_ids: &local_ids.0,
+                remote: remote_layout,
+                remote_ids: &remote_ids.0,
+                transport: transport.as_deref(),
+            })
+        })
+        .map_err(|e| ferry_err(py, e))
     }
 
     /// Stops the engine: its listener closes, peers can no longer reach its

@@ -3,7 +3,7 @@
 //! and turned into one block list; the route is chosen once for the whole
 //! list (its buffers are the same for every block); a transport that takes
 //! block lists gets it in one call and completes it once, and any other
-//! gets the blocks as requests.
+//! gets the blocks as requests in one call, completed as one group.
 
 use super::dispatch::{BlockGroup, Flows};
 use super::layouts::{block_list, unknown, BlockLayout, LayoutId};
@@ -118,11 +118,11 @@ impl Shared {
             let local_ok = local
                 .extent()
                 .is_ok_and(|e| local.base >= p.local.addr && local.base + e <= p.local.end());
-            remote_ok && local_ok && self.transports[p.transport].takes_block_lists()
+            remote_ok && local_ok
         });
         let Some(p) = whole else {
-            // Staged, or a transport without block lists: one request per
-            // (coalesced) block.
+            // Staged (or layouts across several buffers): one request per
+            // (coalesced) block, each planned.
             let requests: Vec<Request> = blocks
                 .iter()
                 .map(|b| {
@@ -153,6 +153,9 @@ impl Shared {
                 local_base: local.base,
                 remote_base: remote.base,
                 remote_key: &p.remote_key,
+                // A transport without block lists gets the same blocks as
+                // single requests, in one call, under one completion group.
+                single_requests: !self.transports[p.transport].takes_block_lists(),
             },
             blocks,
         );
@@ -171,7 +174,7 @@ impl Shared {
                     p.local.addr
                 ),
             );
-            batch.complete_group(group_of(list.token()), Err(e.clone()));
+            batch.abort_group(group_of(list.token()), e.clone());
             return Err(e);
         }
         self.hand_over_list(&batch, &list)

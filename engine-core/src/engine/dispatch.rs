@@ -320,6 +320,9 @@ pub(crate) struct ListGroup {
     blocks: Vec<sys::ferry_block_t>,
     /// Keeps `raw.remote_key` alive.
     _key: Arc<[u8]>,
+    /// Handed over as one request per block under the list's token (a
+    /// transport without block lists), not as a list.
+    single_requests: bool,
     token: u64,
     bytes: u64,
 }
@@ -364,6 +367,7 @@ impl Shared {
                 local_base: p.local.addr,
                 remote_base,
                 remote_key: &p.remote_key,
+                single_requests: false,
             },
             blocks,
         );
@@ -392,7 +396,8 @@ impl Shared {
             g.segment,
             bytes,
         );
-        let token = batch.add_group(g.start, g.requests, g.local.clone(), tally);
+        let parts = if g.single_requests { blocks.len() } else { 1 };
+        let token = batch.add_group_of_parts(g.start, g.requests, parts, g.local.clone(), tally);
         self.metrics
             .route_used(g.segment.id, mem_kind, g.transport, || {
                 g.segment.name.clone()
@@ -416,6 +421,7 @@ impl Shared {
             raw,
             blocks,
             _key: g.remote_key.clone(),
+            single_requests: g.single_requests,
             token,
             bytes,
         }
@@ -436,7 +442,25 @@ impl Shared {
                 l.bytes,
             );
             batch.observe([group_of(l.token)], &flight);
-            t.submit_blocks(&peer, &raw)
+            if !l.single_requests {
+                return t.submit_blocks(&peer, &raw);
+            }
+            let requests: Vec<sys::ferry_transfer_request_t> = l
+                .blocks
+                .iter()
+                .map(|b| sys::ferry_transfer_request_t {
+                    op: raw.op,
+                    reserved: 0,
+                    local_addr: raw.local_addr + b.local_offset,
+                    local_mem: raw.local_mem,
+                    remote_addr: raw.remote_addr + b.remote_offset,
+                    length: b.length,
+                    remote_key: raw.remote_key,
+                    remote_key_len: raw.remote_key_len,
+                    token: raw.token,
+                })
+                .collect();
+            t.submit(&peer, &requests)
         });
         if let Err(e) = &result {
             if e.code == ErrorCode::Connection {
@@ -445,7 +469,7 @@ impl Shared {
                 l.segment.routes.clear();
             }
             log::debug!("segment {}: {e}", l.segment.id);
-            batch.complete_group(group_of(l.token), Err(e.clone()));
+            batch.abort_group(group_of(l.token), e.clone());
         }
         result
     }
@@ -463,4 +487,6 @@ pub(crate) struct BlockGroup<'a> {
     pub(crate) local_base: u64,
     pub(crate) remote_base: u64,
     pub(crate) remote_key: &'a Arc<[u8]>,
+    /// See [`ListGroup`]: one request per block under one token.
+    pub(crate) single_requests: bool,
 }
