@@ -1,14 +1,16 @@
 //! Dispatch: a plan handed to the transports. The batch's slots are
 //! reserved, each coalesced request becomes a completion group, and each
 //! transport gets its groups in one call; what it refuses fails in the
-//! batch. Staged requests get their groups here and run elsewhere.
+//! batch, but for a refusal of the peer's key (retried once, retry.rs).
+//! Staged requests get their groups here and run elsewhere.
 
 use super::measure::Flight;
-use super::plan::{Plan, StagedItem};
+use super::plan::{Pending, Plan, StagedItem};
 use super::request::{Op, SegmentId};
+use super::retry::Resend;
 use super::segments::RemoteSegment;
 use super::shared::Shared;
-use crate::batch::{group_of, Batch, GroupObserver};
+use crate::batch::{group_of, Batch, GroupObserver, Retry};
 use crate::error::{Error, ErrorCode, Result};
 use crate::memory::{LocalBuffer, Visibility};
 use crate::metrics::{memory_label, FlowCache, FlowKey, FlowLabels, Stamp, Tally, STAGING_SLOT};
@@ -28,13 +30,15 @@ impl Shared {
     /// Starts a plan's requests in `batch` and returns its staged requests,
     /// each with its completion group, for a staging job to run. Fails,
     /// with nothing left in flight, when a local buffer was unregistered
-    /// meanwhile, or when every routed request failed and none is staged.
-    pub(crate) fn dispatch(&self, batch: &Batch, plan: Plan) -> Result<Vec<StagedItem>> {
+    /// meanwhile, or when every routed request failed and none is staged
+    /// or being retried (retry.rs).
+    pub(crate) fn dispatch(self: &Arc<Self>, batch: &Batch, plan: Plan) -> Result<Vec<StagedItem>> {
         let Plan {
             requests,
             empty,
             routed,
             mut staged,
+            retry,
         } = plan;
         // Reserve the batch slots and create one completion group per
         // coalesced request; requests of length 0 are done.
@@ -58,13 +62,45 @@ impl Shared {
             );
             item.group = group_of(batch.add_group(base + *i, 1, item.local.clone(), tally));
         }
+        let by_target = self.group_by_target(batch, base, &routed, &mut flows);
+        if let Some(e) = self.unregistered_meanwhile(&routed, &staged) {
+            for (_, list) in &by_target {
+                for (r, _) in list {
+                    batch.complete_group(group_of(r.token), Err(e.clone()));
+                }
+            }
+            for (_, it) in &staged {
+                batch.complete_group(it.group, Err(e.clone()));
+            }
+            return Err(e);
+        }
+        // What the peer refuses is retried once with its descriptor read
+        // again; not staging's host legs, whose keys are slots it lent.
+        let resend: Option<Arc<dyn Retry>> =
+            retry.then(|| Arc::new(Resend::new(self, &routed)) as Arc<dyn Retry>);
+        let (failures, first_failure) = self.hand_over(batch, by_target, &routed, resend.as_ref());
+        match first_failure {
+            Some(e) if failures == routed.len() && staged.is_empty() => Err(e),
+            _ => Ok(staged.into_iter().map(|(_, it)| it).collect()),
+        }
+    }
+
+    /// One completion group per routed request, gathered by the (segment,
+    /// transport) they go to.
+    fn group_by_target(
+        &self,
+        batch: &Batch,
+        base: usize,
+        routed: &[Pending],
+        flows: &mut Flows,
+    ) -> SmallVec<[TargetGroup; 1]> {
         let mut by_target: SmallVec<[TargetGroup; 1]> = SmallVec::new();
         for (n, p) in routed.iter().enumerate() {
             let registration = p.local.registration(p.transport);
             let local_mem = registration.map(|r| r.handle).unwrap_or(0);
             let mem_kind = registration.map_or(p.local.mem_kind, |r| r.mem_kind);
             let tally = self.tally(
-                &mut flows,
+                flows,
                 Some(p.transport),
                 p.op,
                 &p.local,
@@ -96,7 +132,16 @@ impl Shared {
                 }
             }
         }
+        by_target
+    }
 
+    /// The error for the first request whose local buffer was unregistered
+    /// since it was planned, if one was.
+    fn unregistered_meanwhile(
+        &self,
+        routed: &[Pending],
+        staged: &[(usize, StagedItem)],
+    ) -> Option<Error> {
         // Every group now counts in its local buffer's `inflight`.
         // `unregister_memory` first removes a buffer from the registry and
         // then waits for its `inflight` to drain; a buffer found while
@@ -107,7 +152,7 @@ impl Shared {
         // the other: either the buffer is still registered here (and its
         // unregister waits for these requests), or nothing is handed to a
         // transport.
-        let gone = routed
+        let (i, addr) = routed
             .iter()
             .map(|p| (p.first, &p.local))
             .chain(staged.iter().map(|(i, it)| (*i, &it.local)))
@@ -118,27 +163,25 @@ impl Shared {
                         .find(local.addr, 1)
                         .is_some_and(|b| Arc::ptr_eq(&b, local))
             })
-            .map(|(i, local)| (i, local.addr));
-        if let Some((i, addr)) = gone {
-            let e = Error::new(
-                ErrorCode::OutOfBounds,
-                format!(
-                    "request {i}: the local buffer at {addr:#x} was unregistered while the \
-                     request was being submitted"
-                ),
-            );
-            for (_, list) in &by_target {
-                for (r, _) in list {
-                    batch.complete_group(group_of(r.token), Err(e.clone()));
-                }
-            }
-            for (_, it) in &staged {
-                batch.complete_group(it.group, Err(e.clone()));
-            }
-            return Err(e);
-        }
+            .map(|(i, local)| (i, local.addr))?;
+        Some(Error::new(
+            ErrorCode::OutOfBounds,
+            format!(
+                "request {i}: the local buffer at {addr:#x} was unregistered while the request \
+                 was being submitted"
+            ),
+        ))
+    }
 
-        // Hand each group list to its transport.
+    /// Hands each group list to its transport; returns how many groups
+    /// failed for good, and the first error.
+    fn hand_over(
+        &self,
+        batch: &Batch,
+        by_target: SmallVec<[TargetGroup; 1]>,
+        routed: &[Pending],
+        retry: Option<&Arc<dyn Retry>>,
+    ) -> (usize, Option<Error>) {
         let mut failures = 0usize;
         let mut first_failure = None;
         for ((seg_id, transport), list) in by_target {
@@ -159,7 +202,8 @@ impl Shared {
                     raw.len(),
                     raw.iter().map(|r| r.length).sum(),
                 );
-                batch.observe(raw.iter().map(|r| group_of(r.token)), &flight);
+                let groups = list.iter().map(|(r, n)| (group_of(r.token), *n));
+                batch.observe(groups, &flight, retry);
                 t.submit(&peer, &raw)
             });
             if let Err(e) = result {
@@ -171,17 +215,16 @@ impl Shared {
                     seg.routes.clear();
                 }
                 log::debug!("segment {seg_id}: {e}");
+                // A refusal of the peer's key goes to its retry instead.
                 for r in &raw {
-                    batch.complete_group(group_of(r.token), Err(e.clone()));
+                    if batch.complete_group(group_of(r.token), Err(e.clone())) {
+                        failures += 1;
+                    }
                 }
-                failures += raw.len();
                 first_failure.get_or_insert(e);
             }
         }
-        match first_failure {
-            Some(e) if failures == routed.len() && staged.is_empty() => Err(e),
-            _ => Ok(staged.into_iter().map(|(_, it)| it).collect()),
-        }
+        (failures, first_failure)
     }
 }
 

@@ -13,6 +13,7 @@
 //! - `request`: what applications ask (requests) and are told (routes);
 //! - `node`: who this engine is to peers, the metadata store;
 //! - `segments`: peers' segments, their views and connections;
+//! - `refused`: requests a peer refused, waiting for their retry;
 //! - `cost`: how long a route would take, from what transports declare;
 //! - `measure`: what completions showed, per peer and transport;
 //! - `select`: the transports and which one serves a request, and why;
@@ -21,7 +22,7 @@
 //!   is, the GPU-direct ladder, memory the engine allocates;
 //! - `staging/{protocol,slots,state}`: staging's messages, slots and state;
 //! - `shared`: the state all of the above make up, behind one `Arc`;
-//! - `registration`, `publish`, `peers`, `dispatch`, `submit`, `notify`,
+//! - `registration`, `publish`, `peers`, `retry`, `dispatch`, `submit`, `notify`,
 //!   `route`, `staging/{target,initiator,job}`: what the engine does with it;
 //! - `observe`: the metrics as the engine reads them out, and its endpoint;
 //! - `startup` and `api`: `Engine::new` and the rest of the public API.
@@ -39,8 +40,10 @@ mod observe;
 mod peers;
 mod plan;
 mod publish;
+mod refused;
 mod registration;
 mod request;
+mod retry;
 mod route;
 mod route_memo;
 mod segments;
