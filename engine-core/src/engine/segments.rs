@@ -139,9 +139,14 @@ impl RemoteSegment {
 
     /// Takes a newly read descriptor as the current view. A peer that
     /// restarted (new engine id) has lost every connection: drop ours.
+    /// Remembered routes and acceptance verdicts go with the old view:
+    /// they hold its keys, which the peer may have revoked (a buffer
+    /// registered again has new ones).
     pub(crate) fn replace_view(&self, descriptor: SegmentDescriptor) -> Arc<RemoteView> {
         let view = Arc::new(RemoteView::new(descriptor));
         let mut current = self.view.write();
+        self.routes.clear();
+        self.verdicts.lock().clear();
         if current.descriptor.engine_id != view.descriptor.engine_id {
             log::info!(
                 "segment {} restarted (engine {} -> {}); reconnecting",
@@ -150,7 +155,6 @@ impl RemoteSegment {
                 view.descriptor.engine_id
             );
             self.peers.lock().clear();
-            self.verdicts.lock().clear();
         }
         *current = view.clone();
         view
