@@ -36,6 +36,8 @@ pub struct Outcome {
     /// Batches that overlapped one, and of those, how many failed.
     pub overlapped: usize,
     pub overlapped_failed: usize,
+    /// What the first of those said.
+    pub first_failure: Option<String>,
 }
 
 /// Re-registrations begun and completed, as the writers read them.
@@ -110,10 +112,11 @@ pub fn register_again_under_load(
     }
     stop.store(true, Ordering::SeqCst);
     for w in writers {
-        let (clean, overlapped, failed) = w.join().expect("a writer panicked");
+        let (clean, overlapped, failed, first) = w.join().expect("a writer panicked");
         outcome.clean += clean;
         outcome.overlapped += overlapped;
         outcome.overlapped_failed += failed;
+        outcome.first_failure = outcome.first_failure.or(first);
     }
     // Everything written landed where it was meant to.
     initiator.transfer_sync(&reqs).unwrap();
@@ -128,16 +131,17 @@ pub fn register_again_under_load(
 }
 
 /// Submits two batches of `reqs` at a time until `stop`; returns how many
-/// were clean, how many overlapped a re-registration, and how many of
-/// those failed. Panics when a clean batch fails.
+/// were clean, how many overlapped a re-registration, how many of those
+/// failed and the first failure. Panics when a clean batch fails.
 fn write_until(
     e: &Engine,
     reqs: &[Request],
     state: &Swaps,
     stop: &AtomicBool,
     batches: &AtomicU64,
-) -> (usize, usize, usize) {
+) -> (usize, usize, usize, Option<String>) {
     let (mut clean, mut overlapped, mut failed) = (0, 0, 0);
+    let mut first = None;
     while !stop.load(Ordering::SeqCst) {
         let done = state.done.load(Ordering::SeqCst);
         let begun = state.begun.load(Ordering::SeqCst);
@@ -165,11 +169,12 @@ fn write_until(
                     assert!(!e.message.is_empty());
                     overlapped += 1;
                     failed += 1;
+                    first.get_or_insert(e.to_string());
                 }
             }
         }
     }
-    (clean, overlapped, failed)
+    (clean, overlapped, failed, first)
 }
 
 /// Waits for a submitted batch and frees it: its first error, if any.
