@@ -265,6 +265,8 @@ impl Batch {
             }
         }
         g.done = true;
+        // Nothing left to retry (dropping it is cheap: see retry.rs's Sent).
+        g.retry = None;
         let (start, count) = (g.start, g.count);
         let local = g.local.clone();
         let observer = g.observer.take();
