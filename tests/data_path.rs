@@ -279,3 +279,14 @@ fn the_c_plugin_carries_a_real_transfer_between_engines_of_one_process() {
     hinted.transport = Some("memcpy".into());
     initiator.transfer_sync(&[hinted]).unwrap();
 }
+
+/// vLLM's sleep and wake-up over TCP: the target registers the same
+/// addresses again and again with writes in flight; nothing submitted
+/// after a re-registration fails.
+#[test]
+fn registering_the_same_memory_again_fails_nothing_after_it() {
+    let target = engine();
+    let initiator = std::sync::Arc::new(engine());
+    let seen = ferry_tests::reregister::register_again_under_load(&target, &initiator, 12);
+    assert_eq!(seen.swaps, 12);
+}

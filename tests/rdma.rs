@@ -2,8 +2,8 @@
 //! (tests/verbs-emulator, a test-only libibverbs.so.1) on a DGX-like fake
 //! sysfs tree: processes with eight emulated NICs, transfers verified both
 //! ways, NIC choice from the topology, a NIC failing mid-transfer, forged
-//! keys, a vanishing peer, GPU memory by DMA-BUF (the fake GPU plugin), and
-//! hostile plugin messages.
+//! keys, memory registered again under load, a vanishing peer, GPU memory
+//! by DMA-BUF (the fake GPU plugin), and hostile plugin messages.
 //!
 //! libibverbs is loaded when the plugin loads, through the dynamic loader's
 //! search path, so the emulator must be on LD_LIBRARY_PATH when a process
@@ -709,6 +709,27 @@ fn child_notify() {
     assert!(e.message.contains("register_memory first"), "{e}");
     assert!(e.message.contains("rdma"), "{e}");
     drop(remote);
+}
+
+#[test]
+fn registering_the_same_memory_again_fails_nothing_after_it() {
+    child("child_register_again", &[]);
+}
+
+/// vLLM's sleep and wake-up over RDMA: the target deregisters its memory
+/// region and registers the same addresses again (new rkeys) with writes in
+/// flight; the initiator reads the new keys and retries, so nothing
+/// submitted after a re-registration fails.
+#[test]
+#[ignore = "runs in a child process with the verbs emulator (see child())"]
+fn child_register_again() {
+    if !in_child() {
+        return;
+    }
+    let target = engine(&[]);
+    let initiator = Arc::new(engine(&[]));
+    let seen = ferry_tests::reregister::register_again_under_load(&target, &initiator, 8);
+    assert_eq!(seen.swaps, 8);
 }
 
 #[test]

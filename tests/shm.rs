@@ -177,6 +177,17 @@ fn unregistering_during_transfers_has_a_defined_result() {
     assert!(refused > 0, "batches after the unregister were refused");
 }
 
+/// vLLM's sleep and wake-up: the target registers the same addresses again
+/// and again with writes in flight; a refused key is read again and
+/// retried, so nothing after a re-registration fails (it did for good).
+#[test]
+fn registering_the_same_memory_again_fails_nothing_after_it() {
+    let target = engine("shm");
+    let initiator = Arc::new(engine("shm"));
+    let seen = ferry_tests::reregister::register_again_under_load(&target, &initiator, 12);
+    assert_eq!(seen.swaps, 12);
+}
+
 /// Whether this test runs as root, able to start processes as other users
 /// who can run the build: a checkout under a private directory (root's
 /// 0700 home, as on a fresh machine) is out of their reach, and then the

@@ -78,6 +78,25 @@ pub(crate) trait GroupObserver: Send + Sync {
     fn finished(&self, ok: bool);
 }
 
+/// Takes over a group the peer refused as outside its registered memory
+/// ([`refused_by_peer`]): the registration its key names may have been
+/// revoked or replaced since the key was read. Called at most once per
+/// group, outside the batch's lock, from whatever thread completed it; it
+/// must not block, and must complete the group (by its token) exactly once
+/// later. The group stays pending and keeps its local buffer in flight
+/// meanwhile.
+pub(crate) trait Retry: Send + Sync {
+    /// Group `token`, the hand-over's request `index`, failed with `error`.
+    fn retry(self: Arc<Self>, token: u64, index: usize, error: Error);
+}
+
+/// Whether a failure may come from a stale key: every transport reports a
+/// remote range its peer does not serve (never registered, unregistered,
+/// or a revoked registration) as FERRY_ERR_OUT_OF_BOUNDS (plugin.h).
+pub(crate) fn refused_by_peer(e: &Error) -> bool {
+    e.code == ErrorCode::OutOfBounds
+}
+
 /// What became of a batch's notification.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NotifyStatus {
@@ -105,6 +124,9 @@ struct Group {
     local: Arc<LocalBuffer>,
     done: bool,
     observer: Option<Arc<dyn GroupObserver>>,
+    /// Who retries it once if the peer refuses its key, and its index in
+    /// that hand-over (taken at the first refusal).
+    retry: Option<(Arc<dyn Retry>, usize)>,
     /// Where its completion counts (none with metrics off).
     tally: Option<GroupTally>,
 }
@@ -204,23 +226,26 @@ impl Batch {
             local,
             done: false,
             observer: None,
+            retry: None,
             tally,
         });
         token(self.id, st.groups.len() - 1)
     }
 
-    /// Has `observer` told when each of `groups` finishes (under one
-    /// lock for a whole hand-over); set before they are handed to a
-    /// transport.
+    /// Has `observer` told when each of `groups` finishes, and `retry`
+    /// (with each group's index in it) retry a refused one (under one lock
+    /// for a whole hand-over); set before they are handed to a transport.
     pub(crate) fn observe(
         &self,
-        groups: impl IntoIterator<Item = usize>,
+        groups: impl IntoIterator<Item = (usize, usize)>,
         observer: &Arc<dyn GroupObserver>,
+        retry: Option<&Arc<dyn Retry>>,
     ) {
         let mut st = self.state.lock();
-        for group in groups {
+        for (group, index) in groups {
             if let Some(g) = st.groups.get_mut(group) {
                 g.observer = Some(observer.clone());
+                g.retry = retry.map(|r| (r.clone(), index));
             }
         }
     }
@@ -231,38 +256,59 @@ impl Batch {
         if let Some(g) = self.state.lock().groups.get_mut(group) {
             g.parts = 1;
         }
-        self.complete_group(group, Err(e));
+        let _ = self.complete_group(group, Err(e));
     }
 
     /// Finishes a group (from a plugin, or the engine when submit failed).
-    pub(crate) fn complete_group(&self, group: usize, result: std::result::Result<(), Error>) {
+    /// Returns false when the group is still pending: a refusal went to its
+    /// [`Retry`] instead, or other parts of it are still expected.
+    pub(crate) fn complete_group(
+        &self,
+        group: usize,
+        result: std::result::Result<(), Error>,
+    ) -> bool {
         let mut st = self.state.lock();
         let Some(g) = st.groups.get_mut(group) else {
             log::warn!(
                 "completion for unknown request group {group} of batch {}",
                 self.id
             );
-            return;
+            return true;
         };
         if g.done {
             log::warn!(
                 "a transport completed request group {group} of batch {} twice; ignored",
                 self.id
             );
-            return;
+            return true;
+        }
+        if let Err(e) = &result {
+            if let Some((retry, index)) = refused_by_peer(e).then(|| g.retry.take()).flatten() {
+                // The first attempt ends here (it is no measurement); the
+                // group, its slots and its local buffer's count stay.
+                let observer = g.observer.take();
+                drop(st);
+                if let Some(o) = observer {
+                    o.finished(false);
+                }
+                retry.retry(token(self.id, group), index, e.clone());
+                return false;
+            }
         }
         if g.parts > 1 {
             g.parts -= 1;
             if let Err(e) = result {
                 g.failed_part.get_or_insert(e);
             }
-            return;
+            return false;
         }
         let result = match g.failed_part.take() {
             Some(e) => Err(e),
             None => result,
         };
         g.done = true;
+        // Nothing left to retry (dropping it is cheap: see retry.rs's Sent).
+        g.retry = None;
         let (start, count) = (g.start, g.count);
         let local = g.local.clone();
         let observer = g.observer.take();
@@ -273,6 +319,7 @@ impl Batch {
         }
         local.inflight.fetch_sub(count, Ordering::SeqCst);
         self.finish(st, start, count, result, observer);
+        true
     }
 
     /// Marks `count` requests from `start` finished, tells the group's
@@ -528,7 +575,9 @@ impl CompletionSink for BatchTable {
         let (id, group) = split_token(token);
         let batch = self.batches.read().get(&id).cloned();
         match batch {
-            Some(b) => b.complete_group(group, result),
+            Some(b) => {
+                b.complete_group(group, result);
+            }
             None => log::warn!("completion for unknown batch {id}; ignored"),
         }
     }
@@ -645,7 +694,7 @@ mod tests {
             arrived: arrived.clone(),
             in_window: in_window.clone(),
         });
-        b.observe([g], &gate);
+        b.observe([(g, 0)], &gate, None);
         WINDOW.set(Some(in_window));
         let b2 = b.clone();
         let completer = std::thread::spawn(move || b2.complete_group(g, Ok(())));
@@ -675,5 +724,73 @@ mod tests {
         let st = b.status();
         assert!(st.is_done() && !st.succeeded());
         assert!(matches!(st.notify, Some(NotifyStatus::Failed(_))));
+    }
+
+    /// Records what it was asked to retry.
+    #[derive(Default)]
+    struct Retrier(Mutex<Vec<(u64, usize, ErrorCode)>>);
+
+    impl Retry for Retrier {
+        fn retry(self: Arc<Self>, token: u64, index: usize, error: Error) {
+            self.0.lock().push((token, index, error.code));
+        }
+    }
+
+    /// A refusal of the peer's key goes to the group's retry, once: the
+    /// group stays pending and its local buffer in flight; its next result
+    /// is final. Other failures, and groups with no retry, finish at once.
+    #[test]
+    fn a_refused_group_is_retried_once_and_stays_pending_meanwhile() {
+        let table = BatchTable::default();
+        let b = table.allocate(3).unwrap();
+        let start = b.reserve(3).unwrap();
+        let buf = local();
+        let g0 = group_of(b.add_group(start, 2, buf.clone(), None));
+        let g1 = group_of(b.add_group(start + 2, 1, buf.clone(), None));
+        let retrier = Arc::new(Retrier::default());
+        let retry: Arc<dyn Retry> = retrier.clone();
+        let flight = Arc::new(Counted::default());
+        let observer: Arc<dyn GroupObserver> = flight.clone();
+        b.observe([(g0, 0), (g1, 1)], &observer, Some(&retry));
+        let refused = || Err(Error::new(ErrorCode::OutOfBounds, "revoked"));
+        assert!(!b.complete_group(g0, refused()));
+        assert_eq!(
+            *retrier.0.lock(),
+            [(token(b.id, g0), 0, ErrorCode::OutOfBounds)]
+        );
+        // The first attempt told its observer it failed (no measurement).
+        assert_eq!(*flight.0.lock(), [false]);
+        let st = b.status();
+        assert_eq!((st.pending, st.failed), (3, 0));
+        assert_eq!(buf.inflight.load(Ordering::SeqCst), 3);
+        assert_eq!(table.free(b.id).unwrap_err().code, ErrorCode::Busy);
+        // The retry's refusal is final.
+        assert!(b.complete_group(g0, refused()));
+        assert_eq!(retrier.0.lock().len(), 1);
+        // Another failure is not retried.
+        let gone = Error::new(ErrorCode::Connection, "gone");
+        assert!(b.complete_group(g1, Err(gone)));
+        assert_eq!(retrier.0.lock().len(), 1);
+        let st = b.status();
+        assert_eq!((st.pending, st.failed), (0, 3));
+        assert_eq!(st.first_error.unwrap().1.code, ErrorCode::OutOfBounds);
+        assert_eq!(buf.inflight.load(Ordering::SeqCst), 0);
+        // A retried group that then succeeds counts as completed.
+        let b = table.allocate(1).unwrap();
+        let start = b.reserve(1).unwrap();
+        let g = group_of(b.add_group(start, 1, buf.clone(), None));
+        b.observe([(g, 0)], &observer, Some(&retry));
+        assert!(!b.complete_group(g, refused()));
+        assert!(b.complete_group(g, Ok(())));
+        assert!(b.status().succeeded());
+    }
+
+    #[derive(Default)]
+    struct Counted(Mutex<Vec<bool>>);
+
+    impl GroupObserver for Counted {
+        fn finished(&self, ok: bool) {
+            self.0.lock().push(ok);
+        }
     }
 }

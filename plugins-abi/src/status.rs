@@ -12,6 +12,9 @@ pub enum ErrorCode {
     Unsupported = sys::FERRY_ERR_UNSUPPORTED,
     Unavailable = sys::FERRY_ERR_UNAVAILABLE,
     NotFound = sys::FERRY_ERR_NOT_FOUND,
+    /// Outside registered memory; from a transport, a remote range its peer
+    /// does not serve (unregistered, or a revoked key): the engine re-reads
+    /// the peer's descriptor and retries the request once.
     OutOfBounds = sys::FERRY_ERR_OUT_OF_BOUNDS,
     Timeout = sys::FERRY_ERR_TIMEOUT,
     Connection = sys::FERRY_ERR_CONNECTION,

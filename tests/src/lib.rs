@@ -8,6 +8,7 @@ pub mod etcd;
 pub mod fuzz;
 pub mod node;
 pub mod ordering;
+pub mod reregister;
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};

@@ -1,14 +1,16 @@
 //! Dispatch: a plan handed to the transports. The batch's slots are
 //! reserved, each coalesced request becomes a completion group, and each
 //! transport gets its groups in one call; what it refuses fails in the
-//! batch. Staged requests get their groups here and run elsewhere.
+//! batch, but for a refusal of the peer's key (retried once, retry.rs).
+//! Staged requests get their groups here and run elsewhere.
 
 use super::measure::Flight;
 use super::plan::{Pending, Plan, StagedItem};
 use super::request::{Op, SegmentId};
+use super::retry::Resend;
 use super::segments::RemoteSegment;
 use super::shared::Shared;
-use crate::batch::{group_of, Batch, GroupObserver};
+use crate::batch::{group_of, Batch, GroupObserver, Retry};
 use crate::error::{Error, ErrorCode, Result};
 use crate::memory::{LocalBuffer, Visibility};
 use crate::metrics::{memory_label, FlowCache, FlowKey, FlowLabels, Stamp, Tally, STAGING_SLOT};
@@ -28,13 +30,15 @@ impl Shared {
     /// Starts a plan's requests in `batch` and returns its staged requests,
     /// each with its completion group, for a staging job to run. Fails,
     /// with nothing left in flight, when a local buffer was unregistered
-    /// meanwhile, or when every routed request failed and none is staged.
-    pub(crate) fn dispatch(&self, batch: &Batch, plan: Plan) -> Result<Vec<StagedItem>> {
+    /// meanwhile, or when every routed request failed and none is staged
+    /// or being retried (retry.rs).
+    pub(crate) fn dispatch(self: &Arc<Self>, batch: &Batch, plan: Plan) -> Result<Vec<StagedItem>> {
         let Plan {
             requests,
             empty,
             routed,
             mut staged,
+            retry,
         } = plan;
         // Reserve the batch slots and create one completion group per
         // coalesced request; requests of length 0 are done.
@@ -55,17 +59,64 @@ impl Shared {
             );
             item.group = group_of(batch.add_group(base + *i, 1, item.local.clone(), tally));
         }
+        let (by_target, lists) = self.group_by_target(batch, base, &routed, &mut flows);
+        if let Some(e) = self.unregistered_meanwhile(&routed, &staged) {
+            for (_, list) in &by_target {
+                for (r, _) in list {
+                    batch.complete_group(group_of(r.token), Err(e.clone()));
+                }
+            }
+            for (_, it) in &staged {
+                batch.complete_group(it.group, Err(e.clone()));
+            }
+            for l in &lists {
+                batch.abort_group(group_of(l.token), e.clone());
+            }
+            return Err(e);
+        }
+        // Block lists are not retried: one completion stands for many
+        // requests, and a refused list fails them together.
+        let mut list_failures = 0usize;
+        let mut list_failure = None;
+        for l in lists {
+            if let Err(e) = self.hand_over_list(batch, &l) {
+                list_failures += l.pendings;
+                list_failure.get_or_insert(e);
+            }
+        }
+        // What the peer refuses is retried once with its descriptor read
+        // again; not staging's host legs, whose keys are slots it lent.
+        let resend: Option<Arc<dyn Retry>> =
+            retry.then(|| Arc::new(Resend::new(self, &routed)) as Arc<dyn Retry>);
+        let (failures, first_failure) = self.hand_over(batch, by_target, &routed, resend.as_ref());
+        let failures = failures + list_failures;
+        let first_failure = list_failure.or(first_failure);
+        match first_failure {
+            Some(e) if failures == routed.len() && staged.is_empty() => Err(e),
+            _ => Ok(staged.into_iter().map(|(_, it)| it).collect()),
+        }
+    }
+
+    /// One completion group per routed request, gathered by the (segment,
+    /// transport) they go to.
+    fn group_by_target(
+        &self,
+        batch: &Batch,
+        base: usize,
+        routed: &[Pending],
+        flows: &mut Flows,
+    ) -> (SmallVec<[TargetGroup; 1]>, Vec<ListGroup>) {
         let mut by_target: SmallVec<[TargetGroup; 1]> = SmallVec::new();
         // Runs of requests between one pair of buffers, for a transport
         // that takes block lists: one list and one completion each.
-        let runs = block_runs(&routed, |t| self.transports[t].takes_block_lists());
+        let runs = block_runs(routed, |t| self.transports[t].takes_block_lists());
         let mut lists: Vec<ListGroup> = Vec::with_capacity(runs.len());
         let mut in_run = runs.iter().peekable();
         for (n, p) in routed.iter().enumerate() {
             if let Some(&&(first, len)) = in_run.peek() {
                 if n == first {
                     let run = &routed[first..first + len];
-                    lists.push(self.list_group(batch, &mut flows, base, run));
+                    lists.push(self.list_group(batch, flows, base, run));
                 }
                 if n >= first && n < first + len {
                     if n == first + len - 1 {
@@ -78,7 +129,7 @@ impl Shared {
             let local_mem = registration.map(|r| r.handle).unwrap_or(0);
             let mem_kind = registration.map_or(p.local.mem_kind, |r| r.mem_kind);
             let tally = self.tally(
-                &mut flows,
+                flows,
                 Some(p.transport),
                 p.op,
                 &p.local,
@@ -110,7 +161,16 @@ impl Shared {
                 }
             }
         }
+        (by_target, lists)
+    }
 
+    /// The error for the first request whose local buffer was unregistered
+    /// since it was planned, if one was.
+    fn unregistered_meanwhile(
+        &self,
+        routed: &[Pending],
+        staged: &[(usize, StagedItem)],
+    ) -> Option<Error> {
         // Every group now counts in its local buffer's `inflight`.
         // `unregister_memory` first removes a buffer from the registry and
         // then waits for its `inflight` to drain; a buffer found while
@@ -121,7 +181,7 @@ impl Shared {
         // the other: either the buffer is still registered here (and its
         // unregister waits for these requests), or nothing is handed to a
         // transport.
-        let gone = routed
+        let (i, addr) = routed
             .iter()
             .map(|p| (p.first, &p.local))
             .chain(staged.iter().map(|(i, it)| (*i, &it.local)))
@@ -132,38 +192,27 @@ impl Shared {
                         .find(local.addr, 1)
                         .is_some_and(|b| Arc::ptr_eq(&b, local))
             })
-            .map(|(i, local)| (i, local.addr));
-        if let Some((i, addr)) = gone {
-            let e = Error::new(
-                ErrorCode::OutOfBounds,
-                format!(
-                    "request {i}: the local buffer at {addr:#x} was unregistered while the \
-                     request was being submitted"
-                ),
-            );
-            for (_, list) in &by_target {
-                for (r, _) in list {
-                    batch.complete_group(group_of(r.token), Err(e.clone()));
-                }
-            }
-            for (_, it) in &staged {
-                batch.complete_group(it.group, Err(e.clone()));
-            }
-            for l in &lists {
-                batch.complete_group(group_of(l.token), Err(e.clone()));
-            }
-            return Err(e);
-        }
+            .map(|(i, local)| (i, local.addr))?;
+        Some(Error::new(
+            ErrorCode::OutOfBounds,
+            format!(
+                "request {i}: the local buffer at {addr:#x} was unregistered while the request \
+                 was being submitted"
+            ),
+        ))
+    }
+
+    /// Hands each group list to its transport; returns how many groups
+    /// failed for good, and the first error.
+    fn hand_over(
+        &self,
+        batch: &Batch,
+        by_target: SmallVec<[TargetGroup; 1]>,
+        routed: &[Pending],
+        retry: Option<&Arc<dyn Retry>>,
+    ) -> (usize, Option<Error>) {
         let mut failures = 0usize;
         let mut first_failure = None;
-        for l in lists {
-            if let Err(e) = self.hand_over_list(batch, &l) {
-                failures += l.pendings;
-                first_failure.get_or_insert(e);
-            }
-        }
-
-        // Hand each group list to its transport.
         for ((seg_id, transport), list) in by_target {
             let Some(p) = list.first().map(|(_, n)| &routed[*n]) else {
                 continue;
@@ -182,7 +231,8 @@ impl Shared {
                     raw.len(),
                     raw.iter().map(|r| r.length).sum(),
                 );
-                batch.observe(raw.iter().map(|r| group_of(r.token)), &flight);
+                let groups = list.iter().map(|(r, n)| (group_of(r.token), *n));
+                batch.observe(groups, &flight, retry);
                 t.submit(&peer, &raw)
             });
             if let Err(e) = result {
@@ -194,17 +244,16 @@ impl Shared {
                     seg.routes.clear();
                 }
                 log::debug!("segment {seg_id}: {e}");
+                // A refusal of the peer's key goes to its retry instead.
                 for r in &raw {
-                    batch.complete_group(group_of(r.token), Err(e.clone()));
+                    if batch.complete_group(group_of(r.token), Err(e.clone())) {
+                        failures += 1;
+                    }
                 }
-                failures += raw.len();
                 first_failure.get_or_insert(e);
             }
         }
-        match first_failure {
-            Some(e) if failures == routed.len() && staged.is_empty() => Err(e),
-            _ => Ok(staged.into_iter().map(|(_, it)| it).collect()),
-        }
+        (failures, first_failure)
     }
 }
 
@@ -441,7 +490,7 @@ impl Shared {
                 l.blocks.len(),
                 l.bytes,
             );
-            batch.observe([group_of(l.token)], &flight);
+            batch.observe([(group_of(l.token), 0)], &flight, None);
             if !l.single_requests {
                 return t.submit_blocks(&peer, &raw);
             }

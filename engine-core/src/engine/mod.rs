@@ -14,6 +14,7 @@
 //! - `node`: who this engine is to peers, the metadata store;
 //! - `layouts`: block layouts and the block lists made from their indices;
 //! - `segments`: peers' segments, their views and connections;
+//! - `refused`: requests a peer refused, waiting for their retry;
 //! - `cost`: how long a route would take, from what transports declare;
 //! - `measure`: what completions showed, per peer and transport;
 //! - `select`: the transports and which one serves a request, and why;
@@ -22,7 +23,8 @@
 //!   is, the GPU-direct ladder, memory the engine allocates;
 //! - `staging/{protocol,slots,state}`: staging's messages, slots and state;
 //! - `shared`: the state all of the above make up, behind one `Arc`;
-//! - `registration`, `publish`, `peers`, `dispatch`, `submit`, `blocks`, `notify`,
+//! - `registration`, `publish`, `peers`, `retry`, `dispatch`, `submit`, `blocks`,
+//!   `notify`,
 //!   `route`, `staging/{target,initiator,job}`: what the engine does with it;
 //! - `observe`: the metrics as the engine reads them out, and its endpoint;
 //! - `startup` and `api`: `Engine::new` and the rest of the public API.
@@ -42,8 +44,10 @@ mod observe;
 mod peers;
 mod plan;
 mod publish;
+mod refused;
 mod registration;
 mod request;
+mod retry;
 mod route;
 mod route_memo;
 mod segments;

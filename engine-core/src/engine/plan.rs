@@ -78,6 +78,10 @@ pub(crate) struct Plan {
     pub(crate) routed: SmallVec<[Pending; 1]>,
     /// Staged requests, each with its index in the submitted list.
     pub(crate) staged: Vec<(usize, StagedItem)>,
+    /// Whether a request the peer refuses as outside its registered memory
+    /// is retried with its descriptor read again (retry.rs): not when the
+    /// remote addresses are staging slots the peer lent.
+    pub(crate) retry: bool,
 }
 
 /// A segment as one plan sees it: its view, and whether it was re-read.
@@ -344,6 +348,7 @@ impl<T: Candidate> Planner<'_, T> {
             empty,
             routed,
             staged,
+            retry: slots.is_none(),
         })
     }
 }

@@ -139,9 +139,14 @@ impl RemoteSegment {
 
     /// Takes a newly read descriptor as the current view. A peer that
     /// restarted (new engine id) has lost every connection: drop ours.
+    /// Remembered routes and acceptance verdicts go with the old view:
+    /// they hold its keys, which the peer may have revoked (a buffer
+    /// registered again has new ones).
     pub(crate) fn replace_view(&self, descriptor: SegmentDescriptor) -> Arc<RemoteView> {
         let view = Arc::new(RemoteView::new(descriptor));
         let mut current = self.view.write();
+        self.routes.clear();
+        self.verdicts.lock().clear();
         if current.descriptor.engine_id != view.descriptor.engine_id {
             log::info!(
                 "segment {} restarted (engine {} -> {}); reconnecting",
@@ -150,7 +155,6 @@ impl RemoteSegment {
                 view.descriptor.engine_id
             );
             self.peers.lock().clear();
-            self.verdicts.lock().clear();
         }
         *current = view.clone();
         view
@@ -265,4 +269,45 @@ pub(crate) fn remote_out_of_bounds(
             seg.name
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::route_memo::Kind;
+    use super::super::select::fakes::{descriptor, host_buffer, segment};
+    use super::*;
+
+    /// A buffer the peer registered again has new keys: the routes and
+    /// verdicts holding the old view's keys go with it.
+    #[test]
+    fn a_new_view_keeps_no_route_or_verdict_of_the_old_one() {
+        let shm: &[&str] = &["shm"];
+        let seg = segment(
+            1,
+            Scope::SameHost,
+            descriptor("e1", shm, &[(0x1000, 4096, "cpu:0", shm)]),
+        );
+        let old = seg.view.read().clone();
+        let local = host_buffer(0x10_0000, 4096, &[0]);
+        let kind = |view| Kind {
+            view,
+            remote: 0,
+            local: &local,
+            bytes: 64,
+            hint: None,
+        };
+        let key = old.buffers[0].keys["shm"].clone();
+        seg.routes.put(&kind(&old), 0, &key);
+        seg.verdicts
+            .lock()
+            .entry(0)
+            .or_default()
+            .insert(key.to_vec(), Ok(()));
+        assert!(seg.routes.get(&kind(&old)).is_some());
+        // The same engine (no restart), the same range registered again.
+        let new = seg.replace_view(descriptor("e1", shm, &[(0x1000, 4096, "cpu:0", shm)]));
+        assert!(seg.routes.get(&kind(&old)).is_none());
+        assert!(seg.routes.get(&kind(&new)).is_none());
+        assert!(seg.verdicts.lock().is_empty());
+    }
 }

@@ -7,6 +7,7 @@ use super::devices::Devices;
 use super::ladder::GpuDirect;
 use super::layouts::Layouts;
 use super::node::Node;
+use super::refused::RefusedQueue;
 use super::segments::Segments;
 use super::select::Transports;
 use super::staging::Staging;
@@ -41,6 +42,8 @@ pub(crate) struct Shared {
     /// Open remote segments.
     pub(crate) segments: Segments,
     pub(crate) batches: Arc<BatchTable>,
+    /// Requests peers refused on a stale key, waiting for their retry.
+    pub(crate) refused: Arc<RefusedQueue>,
     /// Memory this engine allocated for the application, by address.
     pub(crate) allocations: Mutex<HashMap<u64, Allocation>>,
     /// How each GPU's memory is registered for RDMA, and what failed.

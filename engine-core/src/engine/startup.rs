@@ -8,6 +8,7 @@ use super::api::Engine;
 use super::devices::Devices;
 use super::ladder::GpuDirect;
 use super::node::Node;
+use super::refused::RefusedQueue;
 use super::segments::Segments;
 use super::select::Transports;
 use super::shared::Shared;
@@ -293,6 +294,7 @@ impl Engine {
             allocations: Mutex::new(HashMap::new()),
             segments: Segments::new(peer_controls),
             staging,
+            refused: Arc::new(RefusedQueue::new(&batches)),
             batches,
             metrics,
         });

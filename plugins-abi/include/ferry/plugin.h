@@ -98,7 +98,11 @@ typedef int32_t ferry_status_t;
 #define FERRY_ERR_UNSUPPORTED (-2)      /* not implemented by this plugin/host */
 #define FERRY_ERR_UNAVAILABLE (-3)      /* cleanly not usable here (probe) */
 #define FERRY_ERR_NOT_FOUND (-4)        /* unknown segment, buffer, key */
-#define FERRY_ERR_OUT_OF_BOUNDS (-5)    /* address outside registered memory */
+/* Address outside registered memory. A transport answers it for a remote
+ * range its peer does not serve (never registered, unregistered, or a key
+ * naming a revoked registration): the engine then reads the peer's
+ * descriptor again and retries the request once with the current key. */
+#define FERRY_ERR_OUT_OF_BOUNDS (-5)
 #define FERRY_ERR_TIMEOUT (-6)
 #define FERRY_ERR_CONNECTION (-7)   /* peer unreachable, reset or gone */
 #define FERRY_ERR_PROTOCOL (-8)     /* malformed or unexpected bytes */

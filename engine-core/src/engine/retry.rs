@@ -1,0 +1,203 @@
+//! Requests a peer refused as outside its registered memory, retried once.
+//!
+//! A peer that unregisters a buffer and registers the same addresses again
+//! (vLLM's sleep and wake-up, a weight update) publishes a new key for it,
+//! and its transports refuse the old one for good: shm and cuda-ipc revoke
+//! the registration id, RDMA NICs the rkey, each reporting
+//! FERRY_ERR_OUT_OF_BOUNDS. Such a refusal does not fail the request: its
+//! group is handed here (batch.rs's `Retry`), the peer's descriptor is read
+//! again (once per round for every request refused before the read began,
+//! so each one sees what the peer registered after its refusal), and the
+//! request is submitted again on the same transport and completion group
+//! with the key the peer now publishes for its range. The second result is
+//! final: a request is retried once. The new view serves later submissions
+//! too, and replacing a view drops the segment's remembered routes and
+//! acceptance verdicts (segments.rs), so none keeps the revoked key.
+
+use super::plan::Pending;
+use super::refused::{Refused, RefusedQueue, Sent};
+use super::request::SegmentId;
+use super::segments::{RemoteSegment, RemoteView};
+use super::shared::Shared;
+use crate::batch::Retry;
+use crate::error::{Error, ErrorCode, Result};
+use crate::transport::CompletionSink;
+use ferry_plugins_abi::sys;
+use smallvec::SmallVec;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+
+/// One dispatch's routed requests, kept for a retry of any the peer
+/// refuses.
+pub(crate) struct Resend {
+    engine: Weak<Shared>,
+    queue: Arc<RefusedQueue>,
+    sent: SmallVec<[Sent; 1]>,
+}
+
+impl Resend {
+    pub(crate) fn new(engine: &Arc<Shared>, routed: &[Pending]) -> Resend {
+        Resend {
+            engine: Arc::downgrade(engine),
+            queue: engine.refused.clone(),
+            sent: routed
+                .iter()
+                .map(|p| Sent {
+                    segment: p.segment.id,
+                    transport: p.transport,
+                    op: p.op,
+                    local_addr: p.local_addr,
+                    local_mem: p.local.registration(p.transport).map_or(0, |r| r.handle),
+                    remote_addr: p.remote_addr,
+                    length: p.length,
+                })
+                .collect(),
+        }
+    }
+}
+
+impl Retry for Resend {
+    fn retry(self: Arc<Self>, token: u64, index: usize, error: Error) {
+        let Some(&sent) = self.sent.get(index) else {
+            return self.queue.fail(token, error);
+        };
+        if !self.queue.push(Refused { sent, token, error }) {
+            return;
+        }
+        let (engine, queue) = (self.engine.clone(), self.queue.clone());
+        let spawned = std::thread::Builder::new()
+            .name("ferry-retry".into())
+            .spawn(move || {
+                while let Some(round) = queue.next_round() {
+                    match engine.upgrade() {
+                        Some(shared) => shared.retry_round(round),
+                        None => round.into_iter().for_each(|r| queue.fail(r.token, r.error)),
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            self.queue
+                .fail_waiting(&format!("cannot start a thread: {e}"));
+        }
+    }
+}
+
+/// Requests to submit again to one (segment, transport), each with its
+/// completion token and the key it now carries.
+type Again = ((SegmentId, usize), SmallVec<[(Sent, u64, Arc<[u8]>); 4]>);
+
+/// A segment and its view just read, or why it could not be read.
+type Seen = Result<(Arc<RemoteSegment>, Arc<RemoteView>)>;
+
+impl Shared {
+    /// Reads again the descriptor of every segment in `round` (each request
+    /// in it was refused before this point) and submits each request again
+    /// with the key its range has now, or fails it saying why not.
+    fn retry_round(&self, round: Vec<Refused>) {
+        let mut views: SmallVec<[(SegmentId, Seen); 1]> = SmallVec::new();
+        let mut again: SmallVec<[Again; 1]> = SmallVec::new();
+        for r in &round {
+            let s = r.sent;
+            let seen = match views.iter().find(|(id, _)| *id == s.segment) {
+                Some((_, v)) => v.clone(),
+                None => {
+                    let v = self.segments.get(s.segment).and_then(|seg| {
+                        let n = round.iter().filter(|o| o.sent.segment == s.segment).count();
+                        log::info!(
+                            "segment {}: {n} requests refused as outside its registered memory \
+                             ({}); reading its descriptor again to retry them once",
+                            seg.name,
+                            r.error.message
+                        );
+                        let view = self.segments.refresh(&seg, &self.node)?;
+                        Ok((seg, view))
+                    });
+                    views.push((s.segment, v.clone()));
+                    v
+                }
+            };
+            match self.current_key(&s, seen, &r.error) {
+                Ok(key) => {
+                    let target = (s.segment, s.transport);
+                    match again.iter_mut().find(|(k, _)| *k == target) {
+                        Some((_, list)) => list.push((s, r.token, key)),
+                        None => again.push((target, smallvec::smallvec![(s, r.token, key)])),
+                    }
+                }
+                Err(e) => self.batches.complete(r.token, Err(e)),
+            }
+        }
+        for ((segment, transport), list) in again {
+            self.submit_again(segment, transport, &list);
+        }
+    }
+
+    /// The key the peer publishes now for the remote range and transport of
+    /// `s`, in its view just read; or the refusal, saying why it stands.
+    fn current_key(&self, s: &Sent, seen: Seen, refused: &Error) -> Result<Arc<[u8]>> {
+        let fail = |why: String| Error::new(refused.code, format!("{}; {why}", refused.message));
+        let (seg, view) = seen.map_err(|e| {
+            fail(format!(
+                "reading the peer's descriptor again to retry failed: {e}"
+            ))
+        })?;
+        let range = format!(
+            "[{:#x}, {:#x})",
+            s.remote_addr,
+            s.remote_addr.saturating_add(s.length)
+        );
+        let Some(b) = view.find(s.remote_addr, s.length) else {
+            return Err(fail(format!(
+                "segment {} no longer registers {range} (its descriptor, read again after the \
+                 refusal, has {} buffers)",
+                seg.name,
+                view.buffers.len()
+            )));
+        };
+        let name = &self.transports[s.transport].name;
+        view.buffers[b].keys.get(name).cloned().ok_or_else(|| {
+            fail(format!(
+                "segment {} registers {range} again, but not with {name}",
+                seg.name
+            ))
+        })
+    }
+
+    /// Submits refused requests of one (segment, transport) again, with the
+    /// keys read just now, under their own completion groups.
+    fn submit_again(&self, segment: SegmentId, transport: usize, list: &[(Sent, u64, Arc<[u8]>)]) {
+        let raw: SmallVec<[sys::ferry_transfer_request_t; 4]> = list
+            .iter()
+            .map(|(s, token, key)| sys::ferry_transfer_request_t {
+                op: s.op.raw(),
+                reserved: 0,
+                local_addr: s.local_addr,
+                local_mem: s.local_mem,
+                remote_addr: s.remote_addr,
+                length: s.length,
+                remote_key: key.as_ptr(),
+                remote_key_len: key.len(),
+                token: *token,
+            })
+            .collect();
+        let t = &self.transports[transport];
+        let result = self.segments.get(segment).and_then(|seg| {
+            seg.peer(transport, t)
+                .and_then(|peer| t.submit(&peer, &raw))
+                .inspect_err(|e| {
+                    if e.code == ErrorCode::Connection {
+                        // As dispatch does: a broken handle is not reused.
+                        seg.peers.lock().remove(&transport);
+                        seg.stale.store(true, Ordering::Relaxed);
+                        seg.routes.clear();
+                    }
+                })
+        });
+        if let Err(e) = result {
+            let e = Error::new(e.code, format!("retrying a refused request: {}", e.message));
+            for r in &raw {
+                self.batches.complete(r.token, Err(e.clone()));
+            }
+        }
+    }
+}
