@@ -20,6 +20,8 @@ pub struct TargetArgs {
     pub allocate: bool,
     /// Serve device memory instead.
     pub device: Option<Location>,
+    /// Block sizes to publish a layout of the whole buffer for (kv pattern).
+    pub layout_blocks: Vec<u64>,
 }
 
 pub fn target(args: TargetArgs) -> Result<(), String> {
@@ -29,27 +31,36 @@ pub fn target(args: TargetArgs) -> Result<(), String> {
     }
     let engine = Engine::new(config).map_err(|e| e.to_string())?;
     // Device memory, the engine's own memory, or plain application memory.
-    let _buffer = if let Some(loc) = args.device {
+    let (addr, _buffer) = if let Some(loc) = args.device {
         let a = engine
             .allocate_device(loc, args.buffer_size)
             .map_err(|e| e.to_string())?;
         engine
             .register_memory(a, args.buffer_size, None)
             .map_err(|e| e.to_string())?;
-        None
+        (a, None)
     } else if args.allocate {
-        engine
+        let a = engine
             .allocate_memory(args.buffer_size, None)
             .map_err(|e| e.to_string())?;
-        None
+        (a, None)
     } else {
         let buffer = Buffer::new(args.buffer_size as usize)?;
         engine
             .register_memory(buffer.addr(), args.buffer_size, None)
             .map_err(|e| e.to_string())?;
-        Some(buffer)
+        (buffer.addr(), Some(buffer))
     };
-    println!("segment {}", engine.segment_name());
+    let layouts = crate::bench_kv::register_target_layouts(
+        &engine,
+        addr,
+        args.buffer_size,
+        &args.layout_blocks,
+    )?;
+    // One write: callers that read only the first line may close the pipe
+    // right after it.
+    let _ = std::io::stdout()
+        .write_all(format!("segment {}\n{layouts}", engine.segment_name()).as_bytes());
     let _ = std::io::stdout().flush();
     eprintln!(
         "ferry bench target: serving {} of {} memory at {}; transports: {}. Stop with Ctrl-C.",
@@ -76,7 +87,7 @@ pub fn target(args: TargetArgs) -> Result<(), String> {
 
 /// Bytes a benchmark cycles through on each side, so that it measures
 /// memory rather than cache (the memcpy limit uses the same).
-const WORKING_SET: u64 = 64 << 20;
+pub(crate) const WORKING_SET: u64 = 64 << 20;
 
 pub struct InitiatorArgs {
     pub segment: String,
@@ -467,7 +478,7 @@ pub fn memcpy_limit(block: u64, duration: f64, threads: usize, json: bool) -> Re
 
 /// GB/s of `threads` threads copying `block`-sized pieces of their own
 /// slices of one working set at once, for `duration`.
-fn memcpy_run(block: usize, duration: f64, threads: usize) -> Result<f64, String> {
+pub(crate) fn memcpy_run(block: usize, duration: f64, threads: usize) -> Result<f64, String> {
     let per_thread = (WORKING_SET as usize).max(block);
     let slice = per_thread.min((1usize << 30) / threads).max(block);
     let src = Buffer::new(slice * threads)?;
@@ -580,7 +591,7 @@ pub fn device_limit(
 
 /// Copies of `size` bytes between two buffers of `device`, through its
 /// plugin (cuMemcpyAsync device to device), in GB/s of bytes copied.
-fn device_to_device(
+pub(crate) fn device_to_device(
     engine: &Engine,
     device: Location,
     size: u64,

@@ -4,6 +4,7 @@
 //! `FERRY_LOG=info` or `FERRY_LOG=ferry=debug`); the default shows warnings.
 
 mod bench;
+mod bench_kv;
 mod demo;
 mod plot;
 mod sweep;
@@ -105,6 +106,27 @@ enum OpArg {
     Write,
 }
 
+impl From<OpArg> for Op {
+    fn from(op: OpArg) -> Op {
+        match op {
+            OpArg::Read => Op::Read,
+            OpArg::Write => Op::Write,
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum PatternArg {
+    Seq,
+    Kv,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ApiArg {
+    Layout,
+    Requests,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Show this build, the plugin search path and every plugin with its state and why.
@@ -176,7 +198,8 @@ enum Command {
 
 #[derive(Subcommand)]
 enum BenchMode {
-    /// Serve a buffer; prints `segment NAME` on its first line.
+    /// Serve a buffer; prints `segment NAME` on its first line (then
+    /// `layout ID block SIZE count N` per --layout-block).
     Target {
         /// Control listener address; its port is in the segment name.
         #[arg(long)]
@@ -193,6 +216,10 @@ enum BenchMode {
         /// Serve device memory (e.g. cuda:0) instead of host memory.
         #[arg(long, value_parser = parse_location)]
         device: Option<Location>,
+        /// Publish a block layout of the whole buffer in blocks of this size
+        /// (comma separated for several), for `initiator --pattern kv`.
+        #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+        layout_block: Vec<u64>,
     },
     /// Drive reads or writes against a target and report.
     Initiator {
@@ -220,6 +247,26 @@ enum BenchMode {
         /// Print one JSON object (gb_per_s, ops_per_s, latency_us{p50,p90,p99}, ...).
         #[arg(long)]
         json: bool,
+        /// seq: blocks in order, --batch-size per batch; kv: KV-cache-shaped
+        /// batches of --blocks (or --batch-bytes) blocks from shuffled local
+        /// to shuffled remote blocks, with the same run's contiguous copy
+        /// as the limit (device to device with --device, else memcpy).
+        #[arg(long, value_enum, default_value = "seq")]
+        pattern: PatternArg,
+        /// kv: blocks per batch.
+        #[arg(long, conflicts_with = "batch_bytes")]
+        blocks: Option<u64>,
+        /// kv: bytes per batch, in blocks of --block-size (default 256M).
+        #[arg(long, value_parser = parse_size)]
+        batch_bytes: Option<u64>,
+        /// kv: one block-layout transfer per batch (the target needs
+        /// --layout-block of this size), or one request per block.
+        #[arg(long, value_enum, default_value = "layout")]
+        api: ApiArg,
+        /// kv: before timing, write a pattern, read it back by other block
+        /// pairs and compare every local block.
+        #[arg(long)]
+        verify: bool,
     },
     /// This machine's single-stream TCP loopback limit, for ratios.
     TcpLimit {
@@ -349,12 +396,14 @@ fn main() -> ExitCode {
                 duration,
                 allocate,
                 device,
+                layout_block,
             } => bench::target(bench::TargetArgs {
                 listen,
                 buffer_size,
                 duration,
                 allocate,
                 device,
+                layout_blocks: layout_block,
             }),
             BenchMode::MemcpyLimit {
                 block,
@@ -366,12 +415,52 @@ fn main() -> ExitCode {
                 segment,
                 op,
                 block_size,
+                batch_size: _,
+                threads,
+                duration,
+                transport,
+                device,
+                json,
+                pattern: PatternArg::Kv,
+                blocks,
+                batch_bytes,
+                api,
+                verify,
+            } => {
+                if threads != 1 {
+                    Err("--pattern kv runs one submitting thread: leave --threads at 1".into())
+                } else {
+                    bench_kv::initiator(bench_kv::KvArgs {
+                        segment,
+                        op: op.into(),
+                        block_size,
+                        blocks,
+                        batch_bytes,
+                        api: match api {
+                            ApiArg::Layout => bench_kv::KvApi::Layout,
+                            ApiArg::Requests => bench_kv::KvApi::Requests,
+                        },
+                        duration,
+                        json,
+                        transport,
+                        device,
+                        verify,
+                    })
+                }
+            }
+            BenchMode::Initiator {
+                segment,
+                op,
+                block_size,
                 batch_size,
                 threads,
                 duration,
                 transport,
                 device,
                 json,
+                pattern: PatternArg::Seq,
+                verify: false,
+                ..
             } => bench::initiator(bench::InitiatorArgs {
                 segment,
                 op: match op {
@@ -386,6 +475,12 @@ fn main() -> ExitCode {
                 transport,
                 device,
             }),
+            BenchMode::Initiator {
+                pattern: PatternArg::Seq,
+                ..
+            } => Err(
+                "--verify checks --pattern kv runs (`ferry demo` checks sequential ones)".into(),
+            ),
             BenchMode::TcpLimit {
                 duration,
                 block,

@@ -221,6 +221,103 @@ else
 fi
 rm -rf "$tmp_ipc"
 
+section "KV-shaped transfers: 256 MiB batches of shuffled blocks, two processes, verified (issue 30)"
+# `ferry bench initiator --pattern kv`: N blocks of S bytes per batch from
+# shuffled local blocks to shuffled blocks of the target's layout (a
+# fixed-seed sample per batch), through the block-layout API (one
+# submit_blocks of index arrays) and the list API (N requests). Each run
+# writes a pattern, reads it back by other pairs and compares, untimed,
+# before its KV_DURATION (default 1) seconds. Ratios: to this section's
+# contiguous 256 MiB device-to-device copy, and to the same path with 1 MiB
+# blocks. Goals are the issue's; a run below its goal is not a failure here
+# (only a run that fails or is not verified is).
+KVD=${KV_DURATION:-1}
+$B bench device-limit --device cuda:0 --block 16M --duration 1 --dtod 256M --json | tee "$OUT/kv-dtod-limit.json"
+kv_dtod=$(field device_to_device_gb_per_s < "$OUT/kv-dtod-limit.json")
+tmp_kv=$(mktemp -d)
+kv_target() { # name "VAR=value ..." args...
+    local name=$1 envs=$2; shift 2
+    env $envs $B bench target --buffer-size 1G "$@" > "$tmp_kv/$name" 2>"$tmp_kv/$name.err" &
+    echo $! >> "$tmp_kv/pids"
+    for _ in $(seq 300); do grep -q '^segment ' "$tmp_kv/$name" && break; sleep 0.1; done
+    sed -n 's/^segment //p' "$tmp_kv/$name"
+}
+declare -A kv_gbps
+rm -f "$OUT/kv.jsonl"
+kv_fail=0
+# kv_run KEY "VAR=value ..." initiator-args...: one verified run, its JSON kept.
+kv_run() {
+    local key=$1 envs=$2 j; shift 2
+    j=$(env $envs $B bench initiator --pattern kv --batch-bytes 256M --duration "$KVD" --verify --json "$@" \
+        2> "$tmp_kv/initiator.err")
+    if ! echo "$j" | grep -q '"verified":true'; then
+        echo "FAILED kv run $key: $(tail -n 3 "$tmp_kv/initiator.err")"; kv_fail=$((kv_fail + 1)); return
+    fi
+    echo "$j" >> "$OUT/kv.jsonl"
+    kv_gbps[$key]=$(echo "$j" | field gb_per_s)
+    KV_LAST=$j
+}
+printf '| path | op | API | block | blocks/batch | GB/s | x 256 MiB dtod copy (%.0f GB/s) | x 1 MiB blocks | submit p50 us | batch p50 ms | route | goal |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n' "${kv_dtod:-0}" > "$OUT/kv.md"
+# kv_row PATH OP API BLOCK KEY KEY_OF_1M GOAL
+kv_row() {
+    local j=${KV_ROWS[$5]:-}
+    awk -v p="$1" -v o="$2" -v a="$3" -v b="$4" -v g="${kv_gbps[$5]:-0}" -v g1="${kv_gbps[$6]:-0}" -v d="${kv_dtod:-0}" \
+        -v goal="$7" -v line="$j" 'BEGIN {
+        n = 0; if (match(line, /"blocks_per_batch":[0-9]+/)) n = substr(line, RSTART + 19, RLENGTH - 19) + 0
+        s = 0; if (match(line, /"submit_p50_us":[0-9.eE+-]+/)) s = substr(line, RSTART + 16, RLENGTH - 16) + 0
+        l = 0; if (match(line, /"p50":[0-9.eE+-]+/)) l = substr(line, RSTART + 6, RLENGTH - 6) + 0
+        t = "?"; if (match(line, /"transport":"[^"]*"/)) t = substr(line, RSTART + 13, RLENGTH - 14)
+        printf "| %s | %s | %s | %s | %d | %.2f | %.3f | %s | %.0f | %.1f | %s | %s |\n", p, o, a, b, n, g,
+            (d > 0) ? g / d : 0, (g1 > 0) ? sprintf("%.2f", g / g1) : "-", s, l / 1000, t, goal }' >> "$OUT/kv.md"
+}
+declare -A KV_ROWS
+# cuda:0 -> cuda:0 over cuda-ipc: the issue's table.
+kv_seg=$(kv_target dev "FERRY_TRANSPORTS=cuda-ipc,shm,tcp" --device cuda:0 --layout-block 4K,16K,64K,256K,1M)
+declare -A kv_goal=([layout/4K]=">= 0.25" [layout/16K]=">= 0.5" [layout/64K]=">= 0.7" [layout/256K]=">= 0.75"
+                    [requests/4K]=">= 0.02" [requests/16K]=">= 0.1" [requests/64K]=">= 0.35" [requests/256K]=">= 0.6")
+for api in layout requests; do
+    for op in write read; do
+        for block in 4K 16K 64K 256K; do
+            KV_LAST=""
+            kv_run "ipc/$api/$op/$block" "FERRY_TRANSPORTS=cuda-ipc,tcp" --segment "$kv_seg" --device cuda:0 \
+                --api $api --op $op --block-size $block
+            KV_ROWS[ipc/$api/$op/$block]=$KV_LAST
+            kv_row "cuda-ipc cuda:0 -> cuda:0" $op $api $block "ipc/$api/$op/$block" none "x dtod ${kv_goal[$api/$block]}"
+        done
+    done
+done
+# Staged tcp and shm, cuda:0 memory on both sides: 16 KiB against 1 MiB blocks.
+for t in tcp shm; do
+    for op in write read; do
+        for block in 1M 16K; do
+            KV_LAST=""
+            kv_run "staged-$t/$op/$block" "FERRY_TRANSPORTS=shm,tcp" --segment "$kv_seg" --device cuda:0 \
+                --transport $t --api layout --op $op --block-size $block
+            KV_ROWS[staged-$t/$op/$block]=$KV_LAST
+            goal="-"; [ "$block" = 16K ] && goal=">= 0.8 x 1 MiB"
+            kv_row "$t, staged, cuda:0 both sides" $op layout $block "staged-$t/$op/$block" "staged-$t/$op/1M" "$goal"
+        done
+    done
+done
+# Host memory (engine-allocated, shm maps it): 4 KiB and 16 KiB against 1 MiB.
+host_kv_seg=$(kv_target host "FERRY_TRANSPORTS=shm,tcp" --allocate --layout-block 4K,16K,1M)
+for t in shm tcp; do
+    for op in write read; do
+        for block in 1M 4K 16K; do
+            KV_LAST=""
+            kv_run "host-$t/$op/$block" "FERRY_TRANSPORTS=shm,tcp" --segment "$host_kv_seg" \
+                --transport $t --api layout --op $op --block-size $block
+            KV_ROWS[host-$t/$op/$block]=$KV_LAST
+            goal="-"; [ "$block" != 1M ] && goal=">= 0.8 x 1 MiB"
+            kv_row "$t, host memory" $op layout $block "host-$t/$op/$block" "host-$t/$op/1M" "$goal"
+        done
+    done
+done
+kill $(cat "$tmp_kv/pids") 2>/dev/null
+rm -rf "$tmp_kv"
+cat "$OUT/kv.md"
+check "KV-shaped runs all completed and verified ($kv_fail failed)" test "$kv_fail" -eq 0
+
 section "Python wheel: torch CUDA tensors between two processes; throughput vs ferry bench"
 # The wheel from prepare.sh, installed (no index: no network here) into a
 # venv that sees torch. Skipped, with the reason, when either is missing.
@@ -288,5 +385,6 @@ section "summary"
 echo "pinned copy limit: host->device ${h2d:-?} GB/s, device->host ${d2h:-?} GB/s"
 echo "same-GPU copy limit (1 GiB): ${dtod:-?} GB/s"
 [ -f "$OUT/cuda-ipc.md" ] && cat "$OUT/cuda-ipc.md"
+[ -f "$OUT/kv.md" ] && cat "$OUT/kv.md"
 echo "$failures check(s) failed"
 exit $((failures > 0))
