@@ -239,7 +239,14 @@ impl<T: Candidate> Planner<'_, T> {
             // Device memory on either side that no transport moves directly
             // goes through staging.
             let remote_on_device = !view.buffers[remote].location.starts_with("cpu");
+            // Requests of one batch mostly share their buffers: route the
+            // first of a run, reuse the answer for the rest.
+            let memo_key = (r.segment, remote, Arc::as_ptr(&local), hint);
+            // A run already routed between these buffers needs no staging
+            // (asking selection per request cost microseconds per block).
+            let routed_before = matches!(&last_route, Some((k, _, _)) if *k == memo_key);
             if (local.device.is_some() || remote_on_device)
+                && !routed_before
                 && self
                     .select(&local, &entry.0, &view, remote, r.length, hint, false)
                     .is_err()
@@ -263,9 +270,6 @@ impl<T: Candidate> Planner<'_, T> {
                 ));
                 continue;
             }
-            // Requests of one batch mostly share their buffers: route the
-            // first of a run, reuse the answer for the rest.
-            let memo_key = (r.segment, remote, Arc::as_ptr(&local), hint);
             // Small host requests: the route chosen for the same kind in an
             // earlier submission (see route_memo.rs).
             let small =
