@@ -54,6 +54,9 @@ fn parse_op(py: Python<'_>, op: &str) -> PyResult<Op> {
     }
 }
 
+/// A layout as Python sees it: (id, base, block_size, stride, count).
+type LayoutTuple = (u32, u64, u64, u64, u64);
+
 #[pyclass(name = "NativeEngine", module = "ferry", frozen)]
 pub struct NativeEngine {
     engine: RwLock<Option<Arc<Engine>>>,
@@ -575,11 +578,7 @@ impl NativeEngine {
 
     /// The peer's layouts as last fetched: (id, base, block_size, stride,
     /// count).
-    fn segment_layouts(
-        &self,
-        py: Python<'_>,
-        segment: u64,
-    ) -> PyResult<Vec<(u32, u64, u64, u64, u64)>> {
+    fn segment_layouts(&self, py: Python<'_>, segment: u64) -> PyResult<Vec<LayoutTuple>> {
         let d = self
             .get(py)?
             .descriptor_of(segment)
