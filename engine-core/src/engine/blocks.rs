@@ -6,7 +6,7 @@
 //! gets the blocks as requests in one call, completed as one group.
 
 use super::dispatch::{BlockGroup, Flows};
-use super::layouts::{block_list, unknown, BlockLayout, LayoutId};
+use super::layouts::{block_list, recycle_blocks, unknown, BlockLayout, LayoutId};
 use super::request::{Op, Request, SegmentId};
 use super::segments::RemoteSegment;
 use super::shared::Shared;
@@ -175,8 +175,11 @@ impl Shared {
                 ),
             );
             batch.abort_group(group_of(list.token()), e.clone());
+            recycle_blocks(list.into_blocks());
             return Err(e);
         }
-        self.hand_over_list(&batch, &list)
+        let handed = self.hand_over_list(&batch, &list);
+        recycle_blocks(list.into_blocks());
+        handed
     }
 }

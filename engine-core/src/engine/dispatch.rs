@@ -380,6 +380,11 @@ impl ListGroup {
     pub(crate) fn token(&self) -> u64 {
         self.token
     }
+
+    /// The list's blocks, for their memory to be used again.
+    pub(crate) fn into_blocks(self) -> Vec<sys::ferry_block_t> {
+        self.blocks
+    }
 }
 
 impl Shared {
