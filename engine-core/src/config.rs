@@ -188,7 +188,7 @@ pub const KEYS: &[Key] = &[
         "metadata",
         "FERRY_METADATA",
         "p2p",
-        "where segments are found by name: p2p or etcd://host:port[,host:port]",
+        "where segments are found by name: p2p, etcd://host:port[,host:port] or etcds:// (TLS)",
     ),
     key(
         "metadata_prefix",
@@ -201,6 +201,27 @@ pub const KEYS: &[Key] = &[
         "FERRY_METADATA_TTL_S",
         "10",
         "lease TTL in etcd, seconds (2 to 3600)",
+    ),
+    // Named as etcdctl's --cacert, --cert, --key and --user.
+    key(
+        "metadata_cacert",
+        "FERRY_METADATA_CACERT",
+        "",
+        "etcds://: CA bundle that signed etcd's certificates (default: the system's)",
+    ),
+    key(
+        "metadata_cert",
+        "FERRY_METADATA_CERT",
+        "",
+        "etcds://: Ferry's client certificate (PEM), for etcd's --client-cert-auth",
+    ),
+    key("metadata_key", "FERRY_METADATA_KEY", "", "etcds://: the client certificate's key (PEM)"),
+    key("metadata_user", "FERRY_METADATA_USER", "", "the etcd user Ferry authenticates as"),
+    key(
+        "metadata_password_file",
+        "FERRY_METADATA_PASSWORD_FILE",
+        "",
+        "a file whose first line is the etcd user's password",
     ),
     key(
         "name",
@@ -377,15 +398,18 @@ pub fn parse_size_text(text: &str) -> Option<u64> {
     n.checked_mul(mult)
 }
 
-/// `etcd://a:1,b:2` for an etcd store, `p2p` otherwise.
+/// `etcd://a:1,b:2` (or `etcds://`) for an etcd store, `p2p` otherwise.
 fn metadata_text(m: &MetadataConfig) -> String {
     match m {
         MetadataConfig::P2p => "p2p".into(),
-        MetadataConfig::Etcd { endpoints, .. } => format!(
-            "etcd://{}",
+        MetadataConfig::Etcd {
+            endpoints, access, ..
+        } => format!(
+            "{}://{}",
+            if access.tls { "etcds" } else { "etcd" },
             endpoints
                 .iter()
-                .map(|e| e.trim_start_matches("http://"))
+                .map(|e| e.split_once("://").map_or(e.as_str(), |(_, hp)| hp))
                 .collect::<Vec<_>>()
                 .join(",")
         ),
@@ -500,20 +524,43 @@ impl EngineConfig {
                 })?;
                 let old = std::mem::replace(&mut self.metadata, new);
                 if let (
-                    MetadataConfig::Etcd { prefix, ttl_s, .. },
+                    MetadataConfig::Etcd {
+                        prefix,
+                        ttl_s,
+                        access,
+                        ..
+                    },
                     MetadataConfig::Etcd {
                         prefix: p,
                         ttl_s: t,
+                        access: a,
                         ..
                     },
                 ) = (&mut self.metadata, old)
                 {
                     *prefix = p;
                     *ttl_s = t;
+                    // The scheme comes with the new store; files and user stay.
+                    *access = crate::metadata::EtcdAccess {
+                        tls: access.tls,
+                        ..a
+                    };
                 }
             }
-            "metadata_prefix" | "metadata_ttl_s" => {
-                let MetadataConfig::Etcd { prefix, ttl_s, .. } = &mut self.metadata else {
+            "metadata_prefix"
+            | "metadata_ttl_s"
+            | "metadata_cacert"
+            | "metadata_cert"
+            | "metadata_key"
+            | "metadata_user"
+            | "metadata_password_file" => {
+                let MetadataConfig::Etcd {
+                    prefix,
+                    ttl_s,
+                    access,
+                    ..
+                } = &mut self.metadata
+                else {
                     return Err(Error::new(
                         ErrorCode::InvalidArgument,
                         format!(
@@ -522,12 +569,39 @@ impl EngineConfig {
                         ),
                     ));
                 };
+                // A file must be readable now, so that a typo is caught here
+                // (its contents are checked when the store connects).
+                let file = || -> Result<Option<PathBuf>> {
+                    if v.is_empty() {
+                        return Ok(None);
+                    }
+                    match std::fs::File::open(v) {
+                        Ok(_) => Ok(Some(PathBuf::from(v))),
+                        Err(e) => Err(Error::new(
+                            ErrorCode::InvalidArgument,
+                            format!("setting {key} = {value:?} rejected: cannot read it: {e}"),
+                        )),
+                    }
+                };
+                match key {
+                    "metadata_cacert" => access.cacert = file()?,
+                    "metadata_cert" => access.cert = file()?,
+                    "metadata_key" => access.key = file()?,
+                    "metadata_password_file" => access.password_file = file()?,
+                    "metadata_user" => {
+                        if v.chars().any(|c| c.is_control()) {
+                            return Err(bad(key, value, "an etcd user name"));
+                        }
+                        access.user = Some(v.to_string()).filter(|v| !v.is_empty());
+                    }
+                    _ => {}
+                }
                 if key == "metadata_prefix" {
                     if v.is_empty() || v.contains(char::is_whitespace) {
                         return Err(bad(key, value, "a key prefix such as /ferry/cluster-a"));
                     }
                     *prefix = format!("/{}", v.trim_matches('/'));
-                } else {
+                } else if key == "metadata_ttl_s" {
                     *ttl_s = number(key, value, 2..=3600, "seconds")?;
                 }
             }
@@ -652,6 +726,10 @@ impl EngineConfig {
             MetadataConfig::Etcd { prefix, ttl_s, .. } => Some((prefix.clone(), *ttl_s)),
             MetadataConfig::P2p => None,
         };
+        let access = match &self.metadata {
+            MetadataConfig::Etcd { access, .. } => access.clone(),
+            MetadataConfig::P2p => Default::default(),
+        };
         let path_text = |p: &Option<PathBuf>| {
             p.as_ref()
                 .map(|p| p.display().to_string())
@@ -696,6 +774,11 @@ impl EngineConfig {
             "metadata" => metadata_text(&self.metadata),
             "metadata_prefix" => etcd.map(|(p, _)| p).unwrap_or_default(),
             "metadata_ttl_s" => etcd.map(|(_, t)| t.to_string()).unwrap_or_default(),
+            "metadata_cacert" => path_text(&access.cacert),
+            "metadata_cert" => path_text(&access.cert),
+            "metadata_key" => path_text(&access.key),
+            "metadata_user" => access.user.clone().unwrap_or_default(),
+            "metadata_password_file" => path_text(&access.password_file),
             "name" => self.name.clone().unwrap_or_default(),
             "auth_token_file" => path_text(&self.auth_token_file),
             "auth_token" => if self.auth_token.is_some() {

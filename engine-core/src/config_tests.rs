@@ -76,6 +76,31 @@ fn samples(token_file: &str) -> Vec<(&'static str, String, String, Vec<&'static 
             vec!["a b"],
         ),
         ("metadata_ttl_s", s("30"), s("30"), vec!["1", "3601", "x"]),
+        (
+            "metadata_cacert",
+            s(token_file),
+            s(token_file),
+            vec!["/nonexistent/ca.crt"],
+        ),
+        (
+            "metadata_cert",
+            s(token_file),
+            s(token_file),
+            vec!["/nonexistent/c.crt"],
+        ),
+        (
+            "metadata_key",
+            s(token_file),
+            s(token_file),
+            vec!["/nonexistent/c.key"],
+        ),
+        ("metadata_user", s("ferry"), s("ferry"), vec!["a\u{1}"]),
+        (
+            "metadata_password_file",
+            s(token_file),
+            s(token_file),
+            vec!["/nonexistent/pw"],
+        ),
         ("name", s("prefill-0"), s("prefill-0"), vec!["a/b", "\u{1}"]),
         (
             "auth_token_file",

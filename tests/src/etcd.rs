@@ -40,6 +40,10 @@ struct Member {
 pub struct EtcdCluster {
     dir: tempfile::TempDir,
     members: Vec<Member>,
+    /// Client port with TLS and --client-cert-auth (`start_secure`).
+    tls: Option<Pki>,
+    /// etcdctl's own flags: certificates, and --user once auth is on.
+    ctl: Vec<String>,
 }
 
 impl EtcdCluster {
@@ -63,7 +67,68 @@ impl EtcdCluster {
                     child: None,
                 })
                 .collect(),
+            tls: None,
+            ctl: Vec::new(),
         }
+    }
+
+    /// Starts `n` members serving clients over TLS only, with
+    /// --client-cert-auth, trusting `pki`'s CA; peers talk plain HTTP.
+    pub fn start_secure(n: usize, pki: &Pki) -> EtcdCluster {
+        let mut c = EtcdCluster::planned(n);
+        c.ctl = pki.etcdctl_flags();
+        c.tls = Some(pki.clone());
+        c.start_all();
+        c
+    }
+
+    /// Turns etcd's users on: root (for etcdctl from now on), `user` with
+    /// readwrite on every key under `prefix` (a role of its own), and each
+    /// of `strangers` with no role. Every password is "<name>-password".
+    pub fn enable_auth(&mut self, user: &str, prefix: &str, strangers: &[&str]) {
+        let role = format!("{user}-rw");
+        let mut steps: Vec<Vec<String>> = vec![
+            vec![
+                "user",
+                "add",
+                "root",
+                "--new-user-password",
+                "root-password",
+            ],
+            vec!["user", "grant-role", "root", "root"],
+            vec!["user", "add", user, "--new-user-password"],
+            vec!["role", "add", &role],
+            vec![
+                "role",
+                "grant-permission",
+                &role,
+                "readwrite",
+                prefix,
+                "--prefix=true",
+            ],
+            vec!["user", "grant-role", user, &role],
+        ]
+        .into_iter()
+        .map(|v| v.into_iter().map(str::to_string).collect())
+        .collect();
+        steps[2].push(format!("{user}-password"));
+        for s in strangers {
+            steps.push(vec![
+                "user".into(),
+                "add".into(),
+                s.to_string(),
+                "--new-user-password".into(),
+                format!("{s}-password"),
+            ]);
+        }
+        steps.push(vec!["auth".into(), "enable".into()]);
+        for step in &steps {
+            let args: Vec<&str> = step.iter().map(String::as_str).collect();
+            self.etcdctl(&args)
+                .unwrap_or_else(|e| panic!("etcdctl {}: {e}", step.join(" ")));
+        }
+        self.ctl
+            .extend(["--user".into(), "root:root-password".into()]);
     }
 
     /// Starts every member; returns once the cluster answers.
@@ -86,9 +151,20 @@ impl EtcdCluster {
         // mistake each other's members for theirs.
         let token = format!("ferry-{}-{}", std::process::id(), self.members[0].peer);
         let m = &mut self.members[i];
-        let client = format!("http://127.0.0.1:{}", m.client);
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let client = format!("{scheme}://127.0.0.1:{}", m.client);
         let peer = format!("http://127.0.0.1:{}", m.peer);
-        let child = Command::new(bin)
+        let mut cmd = Command::new(bin);
+        if let Some(pki) = &self.tls {
+            cmd.arg("--cert-file")
+                .arg(pki.file("server.crt"))
+                .arg("--key-file")
+                .arg(pki.file("server.key"))
+                .arg("--trusted-ca-file")
+                .arg(pki.file("ca.crt"))
+                .arg("--client-cert-auth");
+        }
+        let child = cmd
             .args(["--name", &m.name, "--data-dir"])
             .arg(self.dir.path().join(&m.name))
             .args(["--listen-client-urls", &client])
@@ -107,7 +183,8 @@ impl EtcdCluster {
 
     /// FERRY_METADATA for this cluster.
     pub fn url(&self) -> String {
-        format!("etcd://{}", self.endpoints())
+        let scheme = if self.tls.is_some() { "etcds" } else { "etcd" };
+        format!("{scheme}://{}", self.endpoints())
     }
 
     /// "127.0.0.1:A,127.0.0.1:B,..." (etcdctl --endpoints).
@@ -153,7 +230,7 @@ impl EtcdCluster {
 
     /// etcdctl against every member, with a 1 s command timeout.
     pub fn etcdctl(&self, args: &[&str]) -> Result<String, String> {
-        etcdctl(&self.endpoints(), args)
+        etcdctl(&self.endpoints(), &self.ctl, args)
     }
 
     /// Whether a linearizable read succeeds now (the cluster has quorum).
@@ -183,7 +260,12 @@ impl EtcdCluster {
             .filter(|&i| self.members[i].child.is_some())
             .map(|i| self.endpoint(i))
             .collect();
-        let text = etcdctl(&live.join(","), &["endpoint", "status", "-w", "json"]).ok()?;
+        let text = etcdctl(
+            &live.join(","),
+            &self.ctl,
+            &["endpoint", "status", "-w", "json"],
+        )
+        .ok()?;
         let v: serde_json::Value = serde_json::from_str(&text).ok()?;
         let leader = v
             .as_array()?
@@ -219,9 +301,10 @@ impl Drop for EtcdCluster {
 }
 
 /// etcdctl against `endpoints`, with a 1 s command timeout.
-fn etcdctl(endpoints: &str, args: &[&str]) -> Result<String, String> {
+fn etcdctl(endpoints: &str, flags: &[String], args: &[&str]) -> Result<String, String> {
     let out = Command::new(tool("etcdctl", "etcd-client"))
         .env("ETCDCTL_API", "3")
+        .args(flags)
         .args(["--endpoints", endpoints, "--command-timeout", "1s"])
         .args(["--dial-timeout", "500ms"])
         .args(args)
@@ -237,9 +320,15 @@ fn etcdctl(endpoints: &str, args: &[&str]) -> Result<String, String> {
 /// `ferry segments --json` against `url`, with a deadline of `timeout_ms`
 /// for each etcd call: the registered names, or the error it printed.
 pub fn segments(url: &str, timeout_ms: u64) -> Result<Vec<String>, String> {
+    segments_with(&[("FERRY_METADATA", url)], timeout_ms)
+}
+
+/// `segments` with the settings of `envs` (FERRY_METADATA and, for a
+/// secure cluster, its certificates and user).
+pub fn segments_with(envs: &[(&str, &str)], timeout_ms: u64) -> Result<Vec<String>, String> {
     let out = Command::new(ferry_bin())
         .args(["segments", "--json"])
-        .env("FERRY_METADATA", url)
+        .envs(envs.iter().copied())
         .env("FERRY_CONNECT_TIMEOUT_MS", timeout_ms.to_string())
         .output()
         .map_err(|e| e.to_string())?;
@@ -425,5 +514,124 @@ impl Drop for Watcher {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Certificates made for a test with the openssl command (Debian's openssl,
+/// on every machine this project runs on; scripts/test installs it where
+/// missing): a CA, etcd's server certificate (127.0.0.1 and localhost; for
+/// client use too, as etcd's gateway presents it to etcd itself), Ferry's
+/// client certificate, one of the same name from another CA, and one that
+/// has expired. Client certificates have no Common Name: etcd's JSON
+/// gateway refuses those that have one (etcd 3.4.22 and newer).
+#[derive(Clone)]
+pub struct Pki {
+    dir: Arc<tempfile::TempDir>,
+}
+
+impl Pki {
+    pub fn make() -> Pki {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let openssl = |args: &[&str]| {
+            let out = Command::new(tool("openssl", "openssl"))
+                .current_dir(d)
+                .args(args)
+                .output()
+                .expect("run openssl");
+            assert!(
+                out.status.success(),
+                "openssl {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        for (ca, cn) in [("ca", "ferry-test-ca"), ("other-ca", "another-ca")] {
+            let (key, crt, subj) = (
+                format!("{ca}.key"),
+                format!("{ca}.crt"),
+                format!("/CN={cn}"),
+            );
+            let mut a = vec!["req", "-x509"];
+            a.extend(ec);
+            a.extend(["-keyout", &key, "-out", &crt, "-days", "2", "-subj", &subj]);
+            openssl(&a);
+        }
+        let leaves = [
+            ("server", "/CN=etcd-server", "ca", "2",
+             "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"),
+            ("client", "/O=ferry", "ca", "2", "extendedKeyUsage=clientAuth\n"),
+            ("foreign", "/O=ferry", "other-ca", "2", "extendedKeyUsage=clientAuth\n"),
+            // Valid until the day before it was issued.
+            ("expired", "/O=ferry", "ca", "-1", "extendedKeyUsage=clientAuth\n"),
+        ];
+        for (name, subj, ca, days, ext) in leaves {
+            let (key, csr, crt, extf) = (
+                format!("{name}.key"),
+                format!("{name}.csr"),
+                format!("{name}.crt"),
+                format!("{name}.ext"),
+            );
+            std::fs::write(d.join(&extf), format!("basicConstraints=CA:FALSE\n{ext}")).unwrap();
+            let mut a = vec!["req"];
+            a.extend(ec);
+            a.extend(["-keyout", &key, "-out", &csr, "-subj", subj]);
+            openssl(&a);
+            let (cacrt, cakey) = (format!("{ca}.crt"), format!("{ca}.key"));
+            openssl(&[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                &cacrt,
+                "-CAkey",
+                &cakey,
+                "-CAcreateserial",
+                "-days",
+                days,
+                "-out",
+                &crt,
+                "-extfile",
+                &extf,
+            ]);
+        }
+        Pki { dir: Arc::new(dir) }
+    }
+
+    /// A file of this PKI ("ca.crt", "client.key", ...), or one written
+    /// beside them (a password file).
+    pub fn file(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Writes `text` to `name` (mode 600) and returns its path.
+    pub fn write(&self, name: &str, text: &str) -> String {
+        use std::os::unix::fs::PermissionsExt;
+        let p = self.file(name);
+        std::fs::write(&p, text).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        p.display().to_string()
+    }
+
+    fn etcdctl_flags(&self) -> Vec<String> {
+        [
+            "--cacert",
+            "ca.crt",
+            "--cert",
+            "client.crt",
+            "--key",
+            "client.key",
+        ]
+        .chunks(2)
+        .flat_map(|f| [f[0].to_string(), self.file(f[1]).display().to_string()])
+        .collect()
     }
 }

@@ -22,6 +22,9 @@ pub enum Failure {
     NotGateway(String),
     /// It answers that it cannot serve now (etcd's "unavailable").
     Unavailable(String),
+    /// TLS with it failed (etcds://): which certificate was refused, by
+    /// which side, and why ("it ..."; tls.rs).
+    Tls(String),
 }
 
 impl Failure {
@@ -43,6 +46,7 @@ impl fmt::Display for Failure {
                  client port serves /v3/)"
             ),
             Failure::Unavailable(why) => write!(f, "cannot serve now ({why})"),
+            Failure::Tls(why) => write!(f, "{why}"),
         }
     }
 }
@@ -94,6 +98,8 @@ impl CallError {
             } => {
                 let c = if *code == GRPC_NOT_FOUND {
                     ErrorCode::NotFound
+                } else if super::auth::is_denial(*code, message) {
+                    ErrorCode::Permission
                 } else {
                     ErrorCode::Protocol
                 };
@@ -115,6 +121,17 @@ impl CallError {
                     (
                         ErrorCode::Timeout,
                         format!("etcd did not answer within the {ms} ms deadline ({members})"),
+                    )
+                } else if attempts.iter().any(|(_, f)| matches!(f, Failure::Tls(_)))
+                    && attempts
+                        .iter()
+                        .all(|(_, f)| matches!(f, Failure::Tls(_) | Failure::Unreachable(_)))
+                {
+                    // Every member that answered refused TLS: no member
+                    // will serve until a certificate or setting changes.
+                    (
+                        ErrorCode::Permission,
+                        format!("TLS with etcd failed ({members})"),
                     )
                 } else if reachable == 0 {
                     (

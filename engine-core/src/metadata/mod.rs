@@ -11,25 +11,30 @@
 //! on a miss"), the only moment a stale copy matters — a buffer that was
 //! unregistered is refused by its owner anyway.
 //!
-//! Ferry speaks to etcd through its v3 JSON gateway over plain HTTP/1.1,
-//! synchronously (no async runtime, no protoc at build time), and chooses
-//! the member itself, failing over within each call's deadline.
+//! Ferry speaks to etcd through its v3 JSON gateway over HTTP/1.1 (plain,
+//! or TLS with etcds://: rustls, no OpenSSL), synchronously (no async
+//! runtime, no protoc at build time), as an etcd user when one is set, and
+//! chooses the member itself, failing over within each call's deadline.
 //!
 //! | file | its one job |
 //! |---|---|
 //! | config.rs | FERRY_METADATA and its settings |
-//! | pool.rs | the members: HTTP, health, order, fail-over, deadlines |
+//! | pool.rs | the members: HTTP, health, order, fail-over, deadlines, the token |
+//! | tls.rs | etcds://: CA, client certificate and key; why a handshake failed |
+//! | auth.rs | etcd users: password file, token, refusals in an operator's words |
 //! | gateway.rs | etcd's operations as gateway JSON, replies checked |
 //! | errors.rs | why a call failed, in an operator's words |
 //! | keeper.rs | this engine's registration: lease, writes, read-back |
 //! | store.rs | the handle engines and tools use: look-ups, listing, publishing |
 
+mod auth;
 mod config;
 mod errors;
 mod gateway;
 mod keeper;
 mod pool;
 mod store;
+mod tls;
 
-pub use config::{MetadataConfig, DEFAULT_PREFIX, DEFAULT_TTL_S};
+pub use config::{EtcdAccess, MetadataConfig, DEFAULT_PREFIX, DEFAULT_TTL_S};
 pub use store::EtcdStore;

@@ -18,9 +18,14 @@
 //!   answered but could not serve are asked (status, local to the member)
 //!   whether they have a leader, so that the error can say "no quorum";
 //! - no call waits longer than its deadline: every connect, read and the
-//!   gateway's own gRPC deadline are cut to the time left.
+//!   gateway's own gRPC deadline are cut to the time left;
+//! - etcds:// is the same over TLS (tls.rs); with an etcd user, each call
+//!   carries its token, got first and again when etcd refuses it (once
+//!   per call; auth.rs).
 
+use super::auth::{self, Credentials};
 use super::errors::{CallError, Failure};
+use super::tls::{self, Tls};
 use parking_lot::Mutex;
 use serde_json::Value;
 use std::time::{Duration, Instant};
@@ -56,7 +61,7 @@ struct Health {
 }
 
 struct Member {
-    /// "http://host:port"
+    /// "http://host:port" or "https://host:port"
     url: String,
     /// "host:port", as errors and logs name it.
     shown: String,
@@ -68,6 +73,12 @@ pub struct Pool {
     health: Mutex<Vec<Health>>,
     /// The member that answered last.
     preferred: Mutex<usize>,
+    /// etcds://: the certificates, and how to say why a handshake failed.
+    tls: Option<Tls>,
+    /// The etcd user Ferry authenticates as, and its token.
+    creds: Option<Credentials>,
+    /// The keys Ferry works on ("/ferry/segments/"), for messages.
+    keys: String,
 }
 
 /// What one POST to one member gave.
@@ -79,21 +90,33 @@ enum Outcome {
 }
 
 impl Pool {
-    /// `endpoints` are "http://host:port". No network I/O here.
-    pub fn new(endpoints: &[String]) -> Pool {
-        let agent: ureq::Agent = ureq::Agent::config_builder()
+    /// `endpoints` are "http://host:port" ("https://" with `tls`). No
+    /// network I/O here.
+    pub fn new(
+        endpoints: &[String],
+        tls: Option<Tls>,
+        creds: Option<Credentials>,
+        keys: String,
+    ) -> Pool {
+        let mut builder = ureq::Agent::config_builder()
             // Replies with an error status carry etcd's reason: read them.
             .http_status_as_error(false)
             .user_agent(concat!("ferry/", env!("CARGO_PKG_VERSION")))
-            .max_idle_connections_per_host(4)
-            .build()
-            .into();
+            .max_idle_connections_per_host(4);
+        if let Some(t) = &tls {
+            builder = builder.tls_config(t.config.clone());
+        }
+        let agent: ureq::Agent = builder.build().into();
         let now = Instant::now();
         let members: Vec<Member> = endpoints
             .iter()
             .map(|u| Member {
                 url: u.trim_end_matches('/').to_string(),
-                shown: u.trim_start_matches("http://").to_string(),
+                shown: u
+                    .split_once("://")
+                    .map_or(u.as_str(), |(_, hp)| hp)
+                    .trim_end_matches('/')
+                    .to_string(),
             })
             .collect();
         let n = members.len().max(1);
@@ -114,7 +137,22 @@ impl Pool {
             // engines spread their load.
             preferred: Mutex::new(std::process::id() as usize % n),
             members,
+            tls,
+            creds,
+            keys,
         }
+    }
+
+    /// "TLS (...), etcd user \"ferry\"" for the start-up log line.
+    pub fn describe(&self) -> String {
+        let mut parts = vec![self
+            .tls
+            .as_ref()
+            .map_or_else(|| "plain HTTP".to_string(), Tls::describe)];
+        if let Some(c) = &self.creds {
+            parts.push(format!("etcd user {:?}", c.user));
+        }
+        parts.join(", ")
     }
 
     /// "host:port,host:port" for messages.
@@ -189,10 +227,101 @@ impl Pool {
     }
 
     /// POSTs `body` to `path` ("/v3/kv/range") on the first member that
-    /// serves it, within `deadline`.
+    /// serves it, within `deadline`; as the etcd user when there is one,
+    /// with a new token when etcd refuses the one it had (once).
     pub fn call(&self, path: &str, body: &Value, deadline: Instant) -> Result<Value, CallError> {
+        let mut result = self.call_authenticated(path, &body.to_string(), deadline);
+        if let Err(CallError::Etcd { code, message, .. }) = &mut result {
+            if let Some(m) = auth::explain(self.creds.as_ref(), &self.keys, *code, message) {
+                *message = m;
+            }
+        }
+        result
+    }
+
+    fn call_authenticated(
+        &self,
+        path: &str,
+        body: &str,
+        deadline: Instant,
+    ) -> Result<Value, CallError> {
+        match &self.creds {
+            None => self.call_as(path, body, deadline, None),
+            Some(creds) => {
+                let token = self.token(creds, deadline)?;
+                match self.call_as(path, body, deadline, token.as_deref()) {
+                    Err(CallError::Etcd { code, message, .. })
+                        if auth::token_refused(code, &message)
+                            || (token.is_none() && auth::user_required(code, &message)) =>
+                    {
+                        log::debug!("metadata: etcd refused the token ({message}); a new one");
+                        {
+                            let mut t = creds.token.lock();
+                            if *t == token {
+                                *t = None;
+                            }
+                        }
+                        creds
+                            .auth_off
+                            .store(false, std::sync::atomic::Ordering::Relaxed);
+                        let token = self.token(creds, deadline)?;
+                        self.call_as(path, body, deadline, token.as_deref())
+                    }
+                    r => r,
+                }
+            }
+        }
+    }
+
+    /// The token to send: the one held, or a new one from etcd; None when
+    /// etcd has authentication off.
+    fn token(&self, creds: &Credentials, deadline: Instant) -> Result<Option<String>, CallError> {
+        use std::sync::atomic::Ordering;
+        let mut held = creds.token.lock();
+        if held.is_some() {
+            return Ok(held.clone());
+        }
+        if creds.auth_off.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let body = creds.request().to_string();
+        match self.call_as("/v3/auth/authenticate", &body, deadline, None) {
+            Ok(v) => match v.get("token").and_then(Value::as_str) {
+                Some(t) if !t.is_empty() => {
+                    *held = Some(t.to_string());
+                    Ok(held.clone())
+                }
+                _ => Err(CallError::Etcd {
+                    endpoint: self.shown(),
+                    code: 0,
+                    message: "malformed authenticate reply (no token)".into(),
+                }),
+            },
+            Err(CallError::Etcd { code, message, .. })
+                if code == auth::GRPC_FAILED_PRECONDITION
+                    && message.contains("authentication is not enabled") =>
+            {
+                if !creds.auth_off.swap(true, Ordering::Relaxed) {
+                    log::warn!(
+                        "metadata: etcd user {:?} configured, but etcd has authentication off \
+                         (etcdctl auth enable): calls go without a token",
+                        creds.user
+                    );
+                }
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn call_as(
+        &self,
+        path: &str,
+        body: &str,
+        deadline: Instant,
+        token: Option<&str>,
+    ) -> Result<Value, CallError> {
         let started = Instant::now();
-        let body = body.to_string();
         let order = self.order();
         let previous = *self.preferred.lock();
         let mut attempts: Vec<(usize, Failure)> = Vec::new();
@@ -214,7 +343,7 @@ impl Pool {
             };
             let connect = left / (others as u32 + 1);
             let attempt = Instant::now();
-            let outcome = self.post(i, path, &body, budget, connect);
+            let outcome = self.post(i, path, body, budget, connect, token);
             if let Outcome::Failed(f) = &outcome {
                 log::debug!(
                     "metadata: {path} on etcd endpoint {}: {f} after {:?} (of {budget:?})",
@@ -301,7 +430,8 @@ impl Pool {
     fn leader_known(&self, i: usize, deadline: Instant) -> Option<bool> {
         let left = deadline.checked_duration_since(Instant::now())?;
         let t = left.min(PROBE);
-        match self.post(i, "/v3/maintenance/status", "{}", t, t) {
+        // Status needs no token: etcd answers it for anyone it lets in.
+        match self.post(i, "/v3/maintenance/status", "{}", t, t, None) {
             Outcome::Ok(v) => Some(v.get("leader").and_then(int).is_some_and(|l| l != 0)),
             _ => None,
         }
@@ -314,6 +444,7 @@ impl Pool {
         body: &str,
         budget: Duration,
         connect: Duration,
+        token: Option<&str>,
     ) -> Outcome {
         if budget.is_zero() {
             return Outcome::Failed(Failure::TimedOut);
@@ -322,11 +453,16 @@ impl Pool {
         // The gateway gives etcd this deadline, so that etcd gives up on
         // the request when we do.
         let grpc_ms = (budget.as_millis() * 9 / 10).max(1);
-        let sent = self
+        let mut request = self
             .agent
             .post(&url)
             .header("Content-Type", "application/json")
-            .header("Grpc-Timeout", format!("{grpc_ms}m"))
+            .header("Grpc-Timeout", format!("{grpc_ms}m"));
+        if let Some(t) = token {
+            // The gateway hands "Authorization" to etcd as the token.
+            request = request.header("Authorization", t);
+        }
+        let sent = request
             .config()
             .timeout_global(Some(budget))
             .timeout_connect(Some(connect.min(budget)))
@@ -334,7 +470,7 @@ impl Pool {
             .send(body);
         let mut reply = match sent {
             Ok(r) => r,
-            Err(e) => return Outcome::Failed(transport_failure(e)),
+            Err(e) => return Outcome::Failed(self.transport_failure(i, e, budget)),
         };
         let status = reply.status().as_u16();
         let bytes = match reply
@@ -347,7 +483,7 @@ impl Pool {
             Err(ureq::Error::BodyExceedsLimit(_)) => {
                 return Outcome::Refused(0, format!("reply larger than {} MiB", MAX_REPLY >> 20))
             }
-            Err(e) => return Outcome::Failed(transport_failure(e)),
+            Err(e) => return Outcome::Failed(self.transport_failure(i, e, budget)),
         };
         let json: Option<Value> = serde_json::from_slice(&bytes).ok();
         match (status, json) {
@@ -361,9 +497,43 @@ impl Pool {
                     "HTTP {status} for POST {path}"
                 ))),
             },
+            // etcd 3.4.22 and newer (3.5.5) refuse gateway requests whose
+            // client certificate has a Common Name: etcd would take it
+            // for a user name, which the gateway cannot pass on.
+            (400, None) if bytes.starts_with(b"CommonName of client") => {
+                Outcome::Failed(Failure::Tls(
+                    "refused Ferry's client certificate because it has a Common Name (etcd's \
+                     JSON gateway takes no CN-based users): issue one with an empty CN and \
+                     authenticate with FERRY_METADATA_USER"
+                        .into(),
+                ))
+            }
             (status, None) => Outcome::Failed(Failure::NotGateway(format!(
                 "HTTP {status} for POST {path}"
             ))),
+        }
+    }
+
+    fn transport_failure(&self, i: usize, e: ureq::Error, budget: Duration) -> Failure {
+        match (&self.tls, tls::rustls_error(&e)) {
+            (Some(t), Some(r)) => Failure::Tls(t.cause(r)),
+            (None, Some(r)) => Failure::Tls(format!("TLS failed ({r})")),
+            (Some(t), None) => match transport_failure(e) {
+                // Closed on us: a refused client certificate looks like
+                // this; ask the member itself, within a share of the time.
+                Failure::Unreachable(why)
+                    if why.starts_with("connection ")
+                        && why != "connection refused"
+                        && why != "connection timed out" =>
+                {
+                    match t.diagnose(&self.members[i].shown, (budget / 4).min(PROBE)) {
+                        Some(cause) => Failure::Tls(cause),
+                        None => Failure::Unreachable(why),
+                    }
+                }
+                f => f,
+            },
+            (None, None) => transport_failure(e),
         }
     }
 }

@@ -1,10 +1,12 @@
 //! An engine's (or a tool's) handle on etcd: look segments up and list
 //! them, and publish this engine's own through its keeper.
 
+use super::auth::Credentials;
 use super::config::MetadataConfig;
 use super::gateway;
 use super::keeper::Keeper;
 use super::pool::Pool;
+use super::tls::Tls;
 use crate::error::{Error, ErrorCode, Result};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,17 +30,21 @@ impl EtcdStore {
             endpoints,
             prefix,
             ttl_s,
+            access,
         } = config
         else {
             return Err(Error::new(ErrorCode::Internal, "not an etcd configuration"));
         };
-        let pool = Arc::new(Pool::new(endpoints));
         let key_prefix = format!("{}/segments/", prefix.trim_end_matches('/'));
+        let tls = Tls::load(access)?;
+        let creds = Credentials::load(access)?;
+        let pool = Arc::new(Pool::new(endpoints, tls, creds, key_prefix.clone()));
         let ttl_s = (*ttl_s).max(2);
         let shown = pool.shown();
         log::info!(
-            "metadata: etcd at {shown} (keys under {key_prefix}, lease {ttl_s} s renewed every \
-             {:?}, {timeout:?} deadline per call)",
+            "metadata: etcd at {shown} over {} (keys under {key_prefix}, lease {ttl_s} s \
+             renewed every {:?}, {timeout:?} deadline per call)",
+            pool.describe(),
             Duration::from_millis(ttl_s * 1000 / 3)
         );
         Ok(Arc::new(EtcdStore {
