@@ -805,10 +805,12 @@ def _real_nixl_installed(name: str) -> bool:
     finder = [f for f in sys.meta_path if not isinstance(f, _AliasFinder)]
     for f in finder:
         try:
-            if f.find_spec(name, None) is not None:
-                return True
+            spec = f.find_spec(name, None)
         except Exception:  # a finder that cannot answer does not count
             continue
+        # A bare directory named nixl on sys.path (a namespace package) is not NIXL.
+        if spec is not None and spec.origin not in (None, "namespace"):
+            return True
     return False
 
 
