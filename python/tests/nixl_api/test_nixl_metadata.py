@@ -98,3 +98,23 @@ def test_alias_never_shadows_a_real_nixl():
     forced = "import ferry.nixl; print(ferry.nixl.install(force=True)); import nixl._api; print(nixl._api.__name__)"
     out = subprocess.run([sys.executable, "-c", forced], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "ferry.nixl"]
+
+
+def test_metadata_through_etcd(etcd_url, monkeypatch):
+    """With FERRY_METADATA=etcd://..., agents find each other by name:
+    send_local_metadata() publishes, fetch_remote_metadata(name) loads."""
+    monkeypatch.setenv("FERRY_METADATA", etcd_url)
+    a = nixl.nixl_agent("etcd-a")
+    b = nixl.nixl_agent("etcd-b")
+    try:
+        a.send_local_metadata()
+        b.fetch_remote_metadata("etcd-a")
+        assert b.check_remote_metadata("etcd-a")
+        assert b.add_remote_agent(a.get_agent_metadata()) == b"etcd-a"
+        b.send_notif("etcd-a", b"via etcd")
+        assert a.get_new_notifs() == {"etcd-b": [b"via etcd"]}
+        b.fetch_remote_metadata("etcd-nobody")
+        assert not b.check_remote_metadata("etcd-nobody")
+    finally:
+        b.close()
+        a.close()
