@@ -81,6 +81,13 @@ class nixlMismatchError(nixlError): pass  # noqa: E701
 class nixlRepostActiveError(nixlError): pass  # noqa: E701
 class nixlNotPostedError(nixlError): pass  # noqa: E701
 class nixlUnknownError(nixlError): pass  # noqa: E701
+class nixlNoTelemetryError(nixlError): pass  # noqa: E701
+
+
+class nixlXferTelemetry:
+    """NIXL's telemetry record type (vLLM imports it); never produced here:
+    ``get_xfer_telemetry`` raises nixlNoTelemetryError, as NIXL does when
+    telemetry capture is off. Ferry's figures: ``get_engine().metrics()``."""
 
 
 def _raise(exc_type, what: str, cause: Optional[BaseException] = None):
@@ -560,8 +567,6 @@ class nixl_agent:
         for idx, p, side in ((li, lp, "local"), (ri, rp, "remote")):
             if len(idx) and (idx.min() < 0 or idx.max() >= len(p.rows)):
                 _raise(nixlInvalidParamError, f"make_prepped_xfer: a {side} index is outside the {len(p.rows)} prepared descriptors")
-        if lp.mem_type != rp.mem_type and False:
-            pass  # NIXL moves DRAM <-> VRAM too; so does Ferry
         lens = lp.rows[li, 1]
         if not np.array_equal(lens, rp.rows[ri, 1]):
             _raise(nixlInvalidParamError, "make_prepped_xfer: local and remote descriptors differ in length")
@@ -655,6 +660,10 @@ class nixl_agent:
 
     def check_xfer_state(self, handle) -> str:
         return self._update(self._xfer(handle))
+
+    def get_xfer_telemetry(self, handle):
+        self._xfer(handle)
+        raise nixlNoTelemetryError("ferry.nixl keeps no per-request telemetry: see get_engine().metrics()")
 
     def release_xfer_handle(self, handle):
         handle.release()
