@@ -7,8 +7,17 @@ attribute with a placeholder class, so ``torch.Tensor`` in an annotation,
 ``torch.float16`` in a table or ``@triton.jit`` on a kernel definition
 import without running anything. A placeholder that is *called* for real
 work fails loudly (``StubUsed``), so a test can never pass on stub output.
+
+SGLang runs some torch at import (sglang.srt.utils and the model configs):
+ANSWERS gives those calls answers that do no work, each with its reason:
+custom-op registration (``torch.library.Library``), dtype objects and
+``finfo``, ``torch.device``, ``no_grad`` as a decorator, ``nn.Module``
+subclasses constructed at import (running one raises), and tensor
+constants (``torch.tensor``/``zeros``/...) that raise on any use. ABSENT
+names real torch lacks (``hasattr(torch, "npu")`` probes).
 """
 
+import abc
 import importlib.abc
 import importlib.machinery
 import sys
@@ -19,6 +28,11 @@ STUBS = {
     "torch": "PyPI's torch is the CUDA build (~900 MB with its nvidia-* wheels, which it needs to "
              "import); the CPU build is not on PyPI. The transfer paths move host memory by address "
              "(numpy buffers here); torch is imported for annotations, dtype tables and GPU helpers",
+    "torchvision": "torch's image extension (native, over libtorch); SGLang's model configs "
+                   "import it for multimodal preprocessing",
+    "tvm_ffi": "apache-tvm-ffi (native), the FFI of SGLang's JIT CUDA kernels (all-reduce)",
+    "compressed_tensors": "weight-quantization schemes (SGLang's quantization configs); its import "
+                          "builds transformers' torch modeling classes, which need real torch",
     "triton": "GPU kernel compiler (vLLM, SGLang kernels); needs a GPU driver",
     "sgl_kernel": "SGLang's CUDA kernels (native, GPU only)",
     "flashinfer": "CUDA attention kernels",
@@ -32,6 +46,131 @@ STUBS = {
 }
 
 
+class StubUsed(RuntimeError):
+    pass
+
+
+class _OpRegistry:
+    """``torch.library.Library(ns, kind)``: SGLang and vLLM register their
+    custom ops at import time (``define``/``impl``/``_register_fake``).
+    Registering is bookkeeping; *running* an op goes through ``torch.ops``,
+    which stays a raising stub, so accepting the registration runs no work."""
+
+    def __init__(self, *args, **kwargs):
+        self.m = None
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: None
+
+
+class _Module:
+    """``torch.nn.Module``: SGLang builds a few module objects at import time
+    (``register_fused_op(SiluAndMulOp(), ...)``); constructing one stores
+    Python attributes only. Running one (``module(x)``) is real work: it
+    raises, as does every tensor op its ``forward`` would call."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        raise StubUsed(f"{type(self).__qualname__}: running a torch module is a test stub "
+                       "(python/tests/clients/heavy_stubs.py)")
+
+
+class _Device:
+    """``torch.device("cpu")``: a name, used as a default argument value."""
+
+    def __init__(self, type="cpu", index=None):
+        self.type, self.index = (str(type).split(":") + [index])[:2] if ":" in str(type) else (type, index)
+
+    def __repr__(self):
+        return f"device(type={self.type!r}" + (f", index={self.index})" if self.index is not None else ")")
+
+
+class _GradMode:
+    """``@torch.no_grad()`` / ``@torch.inference_mode()`` on a method: the
+    method itself (a decorator factory; whatever the method does runs)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __call__(self, f):
+        return f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _DType:
+    """``torch.float16`` and the rest: names in tables and pydantic fields
+    (``isinstance(x, torch.dtype)``); no arithmetic."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"torch.{self.name}"
+
+    @property
+    def itemsize(self):
+        bits = "".join(c for c in self.name.split("_")[0] if c.isdigit())
+        return int(bits) // 8 if bits else 1
+
+    is_floating_point = property(lambda self: self.name.startswith(("float", "bfloat", "half")))
+
+
+DTYPES = {n: _DType(n) for n in (
+    "float16 float32 float64 bfloat16 half float double int8 int16 int32 int64 uint8 uint16 uint32 "
+    "uint64 bool long int short float8_e4m3fn float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz "
+    "float8_e8m0fnu float4_e2m1fn_x2 complex64 complex128 bits8 qint8 quint8 qint32").split()}
+
+
+#: torch.finfo(dtype).max for the narrow float types (module-level
+#: constants such as SGLang's FP8_E4M3_MAX); the others come from numpy.
+_FMAX = {"float8_e4m3fn": 448.0, "float8_e4m3fnuz": 240.0, "float8_e5m2": 57344.0,
+         "float8_e5m2fnuz": 57344.0, "bfloat16": 3.3895313892515355e38, "float4_e2m1fn_x2": 6.0}
+
+
+def _info(dtype):
+    import numpy as np
+
+    name = getattr(dtype, "name", str(dtype))
+    if name in _FMAX:
+        return types.SimpleNamespace(max=_FMAX[name], min=-_FMAX[name], eps=2.0 ** -3,
+                                     tiny=2.0 ** -6, bits=dtype.itemsize * 8, dtype=name)
+    aliases = {"half": "float16", "float": "float32", "double": "float64", "long": "int64", "int": "int32"}
+    t = np.dtype(aliases.get(name, name))
+    return np.finfo(t) if t.kind == "f" else np.iinfo(t)
+
+
+class _Inert:
+    """What ``torch.tensor([...])`` / ``torch.zeros(...)`` return at import
+    time (class-level constants of quantization helpers): holds nothing, and
+    every use (an attribute, an operator, indexing) raises StubUsed."""
+
+    def __init__(self, maker):
+        object.__setattr__(self, "_maker", maker)
+
+    def _used(self, *args, **kwargs):
+        raise StubUsed(f"a tensor from {self._maker} is a test stub (python/tests/clients/heavy_stubs.py)")
+
+    def __getattr__(self, name):
+        self._used()
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __getitem__ = _used
+    __setitem__ = __iter__ = __len__ = __bool__ = __int__ = __float__ = __index__ = __setattr__ = _used
+    __lt__ = __le__ = __gt__ = __ge__ = __matmul__ = __neg__ = __array__ = _used
+
+
+def _maker(name):
+    return lambda *args, **kwargs: _Inert(f"torch.{name}")
+
+
 #: The few stub calls that must answer, each the truthful answer on a
 #: machine with no GPU (import-time probes of the stacks).
 ANSWERS = {
@@ -40,14 +179,31 @@ ANSWERS = {
     "torch.version.cuda": None,
     "torch.version.hip": None,
     "torch.__version__": "2.9.0+ferry.stub",
+    "torch.library.Library": _OpRegistry,
+    "torch.nn.Module": _Module,
+    # A kernel's compile-time constant wrapper: the value itself.
+    "triton.language.constexpr": lambda value=None, *a, **k: value,
+    "torch.device": _Device,
+    **{f"torch.{n}": _maker(n) for n in "tensor zeros ones empty full arange".split()},
+    "torch.finfo": _info,
+    "torch.iinfo": _info,
+    "torch.dtype": _DType,
+    **{f"torch.{n}": d for n, d in DTYPES.items()},
+    "torch.no_grad": _GradMode,
+    "torch.inference_mode": _GradMode,
+    "torch.enable_grad": _GradMode,
+    "torch.distributed.ReduceOp.SUM": 0,  # its value in torch (int(ReduceOp.SUM) at import)
 }
 
 
-class StubUsed(RuntimeError):
-    pass
+#: Names real torch does not have: out-of-tree accelerator backends, which
+#: the stacks probe with ``hasattr(torch, "npu")``.
+ABSENT = {"torch.npu", "torch.hpu", "torch.musa", "torch.mlu", "torch.sail", "torch.sdaa"}
 
 
 def _attribute(qualname):
+    if qualname in ABSENT:
+        raise AttributeError(qualname)
     if qualname in ANSWERS:
         return ANSWERS[qualname]
     # Every accelerator probe (torch.npu, torch.xpu, torch.mps, ...): none here.
@@ -56,7 +212,9 @@ def _attribute(qualname):
     return _placeholder(qualname)
 
 
-class _Placeholder(type):
+class _Placeholder(abc.ABCMeta):
+    # ABCMeta, not type: stacks derive from a stub and ABC at once
+    # (SGLang's ``class BaseFusedOp(nn.Module, ABC)``).
     def __getattr__(cls, name):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)

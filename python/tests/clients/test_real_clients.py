@@ -1,5 +1,7 @@
 """The real packages' transfer code on Ferry, not copies of it: LMCache
-0.5.6's ``mooncake_te`` transfer channel, installed from PyPI with
+0.5.6's ``mooncake_te`` transfer channel and SGLang 0.5.23's
+``MooncakeTransferEngine`` and ``MooncakeKVManager`` send paths
+(sglang_peer.py; installed by FERRY_REAL_CLIENTS=full), installed from PyPI with
 --no-deps into its own venv (target/clients-venv, made by
 scripts/test-clients) with ``mooncake.engine`` resolving to
 ``ferry.TransferEngine`` (a ``ferry-as-mooncake.pth`` line), in two
@@ -16,13 +18,19 @@ test passes on stub output):
 - numba: a JIT over llvmlite (native LLVM) for LMCache's cachegen kernels.
 - lmcache.lmcache_native, lmcache.cuda_ops: LMCache's C++/CUDA ops, linked
   against libtorch (libc10.so).
-- triton, sgl_kernel, flashinfer, vllm._C, vllm._custom_ops: GPU kernels of
-  SGLang and vLLM (for their drivers, not yet here: see docs/python.md).
+- triton, sgl_kernel, flashinfer, tvm_ffi, vllm._C, vllm._custom_ops: GPU
+  kernels of SGLang and vLLM (vLLM's driver is not yet here).
+- torchvision, compressed_tensors: imported by SGLang's model configs;
+  they need real torch.
+- The torch stub answers what SGLang runs at import (custom-op
+  registration, dtypes, finfo, torch.device, nn.Module subclasses made at
+  import, tensor constants that raise when used): heavy_stubs.py lists each.
 
 Skipped unless FERRY_REAL_CLIENTS=1 (scripts/test-clients sets it), since
 the venv takes minutes and ~1.3 GB to make.
 """
 
+import importlib.util
 import json
 import os
 import socket
@@ -100,3 +108,88 @@ def test_lmcache_with_auth_off_on_a_trusted_network():
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out == {"ok": True}, (out, p.stderr[-4000:])
     assert "FERRY_AUTH=off" in p.stderr
+
+
+# --- SGLang 0.5.23 (sglang_peer.py) ---------------------------------------
+
+needs_sglang = pytest.mark.skipif(
+    importlib.util.find_spec("sglang") is None,
+    reason="SGLang is installed into the clients venv by FERRY_REAL_CLIENTS=full scripts/test-clients",
+)
+
+
+def sglang(*args, **extra):
+    return subprocess.Popen([sys.executable, str(HERE / "sglang_peer.py"), *map(str, args)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env(**extra), cwd=str(HERE))
+
+
+def ask(proc, request):
+    proc.stdin.write(json.dumps(request) + "\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    assert line, f"peer stopped:\n{proc.stderr.read()[-4000:]}"
+    return json.loads(line)
+
+
+def close(*procs):
+    for p in procs:
+        try:
+            p.stdin.close()
+            p.wait(timeout=60)
+        except Exception:  # noqa: BLE001 - cleanup
+            pass
+        finally:
+            if p.poll() is None:
+                p.kill()
+
+
+@needs_sglang
+def test_sglang_kv_manager_sends_kv_aux_and_slices_and_survives_reregistration():
+    """MooncakeKVManager.send_kvcache / send_aux / send_kvcache_slice on
+    SGLang's MooncakeTransferEngine (the machine's IP, the token), with
+    numpy int64 source addresses (case 3); then the target deregisters and
+    registers the same pools again, three times (case 2: SGLang's role
+    switch, vLLM's sleep / wake-up), and the same initiator engine's next
+    round must land too."""
+    target = sglang("target", FERRY_AUTH_TOKEN=TOKEN)
+    initiator = None
+    try:
+        line = target.stdout.readline()
+        assert line, f"target did not start:\n{target.communicate(timeout=30)[1][-4000:]}"
+        info = json.loads(line)
+        assert not info["session"].startswith(("0.0.0.0", "127.", "[::]")), info
+        initiator = sglang("initiator", json.dumps(info), FERRY_AUTH_TOKEN=TOKEN)
+        for rnd in range(2):
+            initiator.stdin.write("send\n")
+            initiator.stdin.flush()
+            line = initiator.stdout.readline()
+            assert line, f"initiator stopped (round {rnd}):\n{initiator.stderr.read()[-4000:]}"
+            out = json.loads(line)
+            # out_of_range: SGLang's failure path, a negative status.
+            r = out["results"]
+            assert (r["kv"], r["aux"], r["slice"]) == (0, 0, 0) and r["out_of_range"] < 0, (rnd, r)
+            landed = ask(target, {"check": out["checks"]})["ok"]
+            assert len(landed) == len(out["checks"]) and all(landed), (rnd, landed)
+            if rnd == 0:
+                assert ask(target, {"reregister": 3}) == {"ok": True}
+    finally:
+        close(*(p for p in (initiator, target) if p is not None))
+
+
+@needs_sglang
+def test_sglang_on_the_routable_ip_without_the_token_says_why_on_stderr():
+    """Case 1: SGLang passes get_local_ip_auto(); without the token its
+    initialize fails as on Mooncake, and the reason is one ferry: ERROR
+    line on stderr naming the variable. With the token it starts."""
+    p = subprocess.run([sys.executable, str(HERE / "sglang_peer.py"), "init"],
+                       capture_output=True, text=True, timeout=300, env=env(), cwd=str(HERE))
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out == {"raised": "RuntimeError: Mooncake Transfer Engine initialization failed."}, out
+    errors = [x for x in p.stderr.splitlines() if x.startswith("ferry: ERROR: initialize")]
+    assert len(errors) == 1 and "FERRY_AUTH_TOKEN" in errors[0], p.stderr[-4000:]
+    p = subprocess.run([sys.executable, str(HERE / "sglang_peer.py"), "init"],
+                       capture_output=True, text=True, timeout=300, env=env(FERRY_AUTH_TOKEN=TOKEN),
+                       cwd=str(HERE))
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"ok": True}, p.stderr[-4000:]
