@@ -59,7 +59,7 @@ impl Shared {
             );
             item.group = group_of(batch.add_group(base + *i, 1, item.local.clone(), tally));
         }
-        let (by_target, lists) = self.group_by_target(batch, base, &routed, &mut flows);
+        let (by_target, lists) = self.group_by_target(batch, base, &routed, &mut flows, retry);
         if let Some(e) = self.unregistered_meanwhile(&routed, &staged) {
             for (_, list) in &by_target {
                 for (r, _) in list {
@@ -105,11 +105,20 @@ impl Shared {
         base: usize,
         routed: &[Pending],
         flows: &mut Flows,
+        retry: bool,
     ) -> (SmallVec<[TargetGroup; 1]>, Vec<ListGroup>) {
         let mut by_target: SmallVec<[TargetGroup; 1]> = SmallVec::new();
         // Runs of requests between one pair of buffers, for a transport
-        // that takes block lists: one list and one completion each.
-        let runs = block_runs(routed, |t| self.transports[t].takes_block_lists());
+        // that takes block lists: one list and one completion each. Not
+        // yet for host memory in batches whose refusals are retried: a
+        // refused list is not retried (a peer's re-registration would fail
+        // a batch that single requests survive, tests/src/reregister.rs),
+        // and the host transports already move a submission's requests in
+        // one call (shm) or frames of many (tcp).
+        let runs = block_runs(routed, |p| {
+            self.transports[p.transport].takes_block_lists()
+                && !(retry && p.local.mem_kind == sys::FERRY_MEM_HOST)
+        });
         let mut lists: Vec<ListGroup> = Vec::with_capacity(runs.len());
         let mut in_run = runs.iter().peekable();
         for (n, p) in routed.iter().enumerate() {
@@ -330,13 +339,13 @@ impl Shared {
 /// A run of routed requests (index of its first in `routed`, length) that
 /// goes as one block list: at least two, consecutive in the batch, between
 /// one local buffer and one peer buffer, on a transport that takes lists.
-fn block_runs(routed: &[Pending], takes_lists: impl Fn(usize) -> bool) -> Vec<(usize, usize)> {
+fn block_runs(routed: &[Pending], takes_lists: impl Fn(&Pending) -> bool) -> Vec<(usize, usize)> {
     let mut runs = Vec::new();
     let mut i = 0;
     while i < routed.len() {
         let p = &routed[i];
         let mut j = i + 1;
-        if takes_lists(p.transport) {
+        if takes_lists(p) {
             while j < routed.len() {
                 let (prev, q) = (&routed[j - 1], &routed[j]);
                 let same = q.segment.id == p.segment.id

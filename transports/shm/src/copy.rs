@@ -156,15 +156,50 @@ pub unsafe fn mapped(pool: Option<&Pool>, pieces: &[Piece], parts: usize, nt: No
     let threads = pool.map_or(1, |p| p.helpers() + 1).min(parts).max(1);
     let nt = nt.applies(pieces.iter().map(|p| p.len).sum::<u64>() / threads as u64);
     run_parts(pool, pieces, parts, &|run| {
-        for p in run {
+        for (k, p) in run.iter().enumerate() {
             let (dst, src) = match p.op {
                 Op::Write => (p.remote, p.local),
                 Op::Read => (p.local, p.remote),
             };
+            if let Some(ahead) = run.get(k + AHEAD) {
+                touch_ahead(ahead);
+            }
             // SAFETY: the caller's contract on both ranges.
-            unsafe { copy_bytes(dst as *mut u8, src as *const u8, p.len as usize, nt) };
+            unsafe { copy_unfenced(dst as *mut u8, src as *const u8, p.len as usize, nt) };
         }
+        // One fence per part, not per piece: a fence waits for every
+        // streaming store in flight, which cost a 4 KiB block as much as
+        // its bytes.
+        store_fence(nt);
     })
+}
+
+/// How many pieces ahead of the one being copied [`touch_ahead`] looks.
+const AHEAD: usize = 4;
+
+/// Pieces at most this long are touched ahead; a longer one's own copy
+/// hides the start of the next.
+const TOUCH_BELOW: u64 = 64 << 10;
+
+/// Loads the first line of a small piece's source and destination a few
+/// pieces ahead. Scattered small blocks (a KV cache's) each start on a
+/// page neither the TLB nor the hardware prefetcher has seen, and a copy
+/// that waits for the page walks and the first line each time moved 4 KiB
+/// blocks about 20% slower here (prefetching the whole next block was
+/// slower still: it competes with the copy for the memory bus).
+fn touch_ahead(p: &Piece) {
+    #[cfg(target_arch = "x86_64")]
+    if p.len < TOUCH_BELOW {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // SAFETY: SSE is part of x86-64; a prefetch never faults, whatever
+        // the address (these lie in the piece's ranges anyway).
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(p.local as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(p.remote as *const i8);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
 }
 
 /// Why a cross-memory-attach piece failed.
@@ -315,7 +350,31 @@ unsafe fn cma_run(pid: i32, run: &[Piece], failed: &mut Vec<(usize, Failure)>) {
 ///
 /// # Safety
 /// `src` readable and `dst` writable for `len` bytes.
+#[cfg(test)]
 pub unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize, nt: bool) {
+    // SAFETY: the caller's contract.
+    unsafe { copy_unfenced(dst, src, len, nt) };
+    store_fence(nt);
+}
+
+/// Orders the streaming stores issued so far before what follows (the
+/// completion that tells the peer its bytes are there).
+pub fn store_fence(nt: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if nt {
+        // SAFETY: sfence has no preconditions; SSE is part of x86-64.
+        unsafe { std::arch::x86_64::_mm_sfence() };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = nt;
+}
+
+/// As [`copy_bytes`], without the fence after streaming stores: the caller
+/// calls [`store_fence`] once after a run of copies.
+///
+/// # Safety
+/// As [`copy_bytes`].
+pub unsafe fn copy_unfenced(dst: *mut u8, src: *const u8, len: usize, nt: bool) {
     #[cfg(target_arch = "x86_64")]
     {
         let apart = (dst as usize).abs_diff(src as usize) >= len;
@@ -342,7 +401,7 @@ pub unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize, nt: bool) {
 /// As [`copy_bytes`], and the ranges do not overlap.
 #[cfg(target_arch = "x86_64")]
 unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
     let head = dst.align_offset(64).min(len);
     // SAFETY: within the caller's ranges (head <= len), not overlapping.
     unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
@@ -364,12 +423,8 @@ unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
         }
         n -= 64;
     }
-    // SAFETY: the n < 64 bytes left of both ranges; the fence orders the
-    // streaming stores before the completion that follows.
-    unsafe {
-        std::ptr::copy_nonoverlapping(s, d, n);
-        _mm_sfence();
-    }
+    // SAFETY: the n < 64 bytes left of both ranges. The caller fences.
+    unsafe { std::ptr::copy_nonoverlapping(s, d, n) };
 }
 
 #[cfg(test)]

@@ -32,6 +32,7 @@
 //! attach needs ptrace-level permission, with which a process could write to
 //! the target anyway.
 
+mod blocks;
 mod channel;
 mod cma;
 mod copy;
@@ -46,8 +47,8 @@ use channel::{Client, ClientEvents, Server};
 use copy::{NonTemporal, Piece};
 use endpoint::{Endpoint, Key};
 use ferry_plugins_abi::sdk::{
-    Completer, Host, InitParams, MemRegion, PeerInfo, PluginError, PluginResult, ProbeDevice,
-    ProbeReport, Registration, TransferRequest, TransportInstance,
+    BlockList, Completer, Host, InitParams, MemRegion, PeerInfo, PluginError, PluginResult,
+    ProbeDevice, ProbeReport, Registration, TransferRequest, TransportInstance,
 };
 use ferry_plugins_abi::sys;
 use ferry_plugins_abi::ErrorCode;
@@ -121,6 +122,9 @@ impl ferry_plugins_abi::sdk::TransportPlugin for ShmTransport {
     // Local memory is only an address for memcpy or process_vm_readv/
     // writev: it needs no registration.
     const FLAGS: u64 = ferry_plugins_abi::sys::FERRY_TRANSPORT_LOCAL_UNREGISTERED;
+    // A block list is checked once against the peer's buffer, copied as
+    // runs of blocks over the copy threads and completed once (blocks.rs).
+    const BLOCK_LISTS: bool = true;
     type Instance = ShmInstance;
 
     fn probe(host: &Host<'_>, report: &mut ProbeReport<'_>) -> PluginResult<()> {
@@ -699,9 +703,10 @@ impl TransportInstance for ShmInstance {
                 )
             };
             for (req, why) in cma_failed {
-                failed
-                    .entry(req)
-                    .or_insert_with(|| self.cma_error(peer, &requests[req], why));
+                failed.entry(req).or_insert_with(|| {
+                    let r = &requests[req];
+                    self.cma_error(peer, r.remote_addr, r.length, why)
+                });
             }
         }
         drop(mem);
@@ -711,6 +716,10 @@ impl TransportInstance for ShmInstance {
                 .complete(r.token, failed.get(&p.req).map_or(Ok(()), Err));
         }
         Ok(())
+    }
+
+    fn submit_blocks(&self, peer: &ShmPeer, list: &BlockList<'_>) -> PluginResult<()> {
+        blocks::submit(self, peer, list)
     }
 
     fn describe_peer(&self, peer: &ShmPeer) -> Option<String> {
@@ -788,7 +797,11 @@ impl ShmInstance {
 
     /// The NUMA node of the first request's local buffer, when known.
     fn numa_node(&self, requests: &[TransferRequest<'_>]) -> Option<u32> {
-        let handle = requests.first()?.local_mem;
+        self.numa_node_of(requests.first()?.local_mem)
+    }
+
+    /// The NUMA node of the local registration `handle`, when known.
+    fn numa_node_of(&self, handle: u64) -> Option<u32> {
         self.owned
             .read()
             .unwrap_or_else(|p| p.into_inner())
@@ -797,13 +810,8 @@ impl ShmInstance {
             .numa_node
     }
 
-    /// A failed cross-memory copy, in words.
-    fn cma_error(
-        &self,
-        peer: &ShmPeer,
-        r: &TransferRequest<'_>,
-        why: copy::Failure,
-    ) -> PluginError {
+    /// A failed cross-memory copy of the peer's `[remote, +len)`, in words.
+    fn cma_error(&self, peer: &ShmPeer, remote: u64, len: u64, why: copy::Failure) -> PluginError {
         match why {
             copy::Failure::Refused(e) if e.raw_os_error() == Some(libc::ESRCH) => peer.gone(),
             copy::Failure::Refused(e) if e.raw_os_error() == Some(libc::EPERM) => PluginError::new(
@@ -813,15 +821,15 @@ impl ShmInstance {
             copy::Failure::Refused(e) => PluginError::new(
                 ErrorCode::OutOfBounds,
                 format!(
-                    "shm: cross-memory copy of [{:#x}, +{}) at {} failed: {e}",
-                    r.remote_addr, r.length, peer.name
+                    "shm: cross-memory copy of [{remote:#x}, +{len}) at {} failed: {e}",
+                    peer.name
                 ),
             ),
             copy::Failure::Short => PluginError::new(
                 ErrorCode::OutOfBounds,
                 format!(
-                    "shm: [{:#x}, +{}) is not mapped in {} any more",
-                    r.remote_addr, r.length, peer.name
+                    "shm: [{remote:#x}, +{len}) is not mapped in {} any more",
+                    peer.name
                 ),
             ),
             copy::Failure::Incomplete => incomplete(),

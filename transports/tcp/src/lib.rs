@@ -13,8 +13,8 @@ pub mod wire;
 
 use ferry_plugins_abi::sdk::admission;
 use ferry_plugins_abi::sdk::{
-    Completer, Host, InitParams, MemRegion, PeerInfo, PluginError, PluginResult, ProbeDevice,
-    ProbeReport, Registration, TransferRequest, TransportInstance,
+    BlockList, Completer, Host, InitParams, MemRegion, PeerInfo, PluginError, PluginResult,
+    ProbeDevice, ProbeReport, Registration, TransferRequest, TransportInstance,
 };
 use ferry_plugins_abi::sys;
 use ferry_plugins_abi::ErrorCode;
@@ -46,6 +46,9 @@ impl ferry_plugins_abi::sdk::TransportPlugin for TcpTransport {
     // Local memory is only read by send and written by recv: it needs no
     // registration (Mooncake's TCP transport takes any local buffer).
     const FLAGS: u64 = ferry_plugins_abi::sys::FERRY_TRANSPORT_LOCAL_UNREGISTERED;
+    // A block list travels as frames of many blocks, completed once
+    // (peer.rs); the target checks every block as it does every request.
+    const BLOCK_LISTS: bool = true;
     type Instance = TcpInstance;
 
     fn probe(host: &Host<'_>, report: &mut ProbeReport<'_>) -> PluginResult<()> {
@@ -378,6 +381,10 @@ impl TransportInstance for TcpInstance {
 
     fn submit(&self, peer: &TcpPeer, requests: &[TransferRequest<'_>]) -> PluginResult<()> {
         peer.submit(requests)
+    }
+
+    fn submit_blocks(&self, peer: &TcpPeer, list: &BlockList<'_>) -> PluginResult<()> {
+        peer.submit_blocks(list)
     }
 
     fn describe_peer(&self, peer: &TcpPeer) -> Option<String> {

@@ -11,13 +11,19 @@ use crate::sockio;
 use crate::wire::{self, Desc, Kind, TAG_LEN};
 use ferry_plugins_abi::sdk::auth::AuthError;
 use ferry_plugins_abi::sdk::deadline::DeadlineStream;
-use ferry_plugins_abi::sdk::{Completer, Op, PluginError, TransferRequest};
+use ferry_plugins_abi::sdk::{
+    block_extent, BlockList, Completer, Op, PluginError, TransferRequest,
+};
 use ferry_plugins_abi::ErrorCode;
 use std::io::Read;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// A work item: its operation, its entry, and whether it is a part of a
+/// request split over connections (it fills a frame alone).
+type Item = (Op, Entry, bool);
 
 /// Every live connection of an instance, for `progress`.
 #[derive(Default)]
@@ -201,7 +207,7 @@ impl TcpPeer {
     pub fn submit(&self, requests: &[TransferRequest<'_>]) -> Result<(), PluginError> {
         let n = self.slots.len();
         // Work items: (op, local, remote, len, done).
-        let mut items: Vec<(Op, Entry, bool)> = Vec::with_capacity(requests.len());
+        let mut items: Vec<Item> = Vec::with_capacity(requests.len());
         for r in requests {
             let mut parts = 1u64;
             if n > 1 && r.length >= self.settings.stripe_bytes.saturating_mul(2) {
@@ -243,7 +249,72 @@ impl TcpPeer {
                 off += len;
             }
         }
+        self.send_items(items)
+    }
 
+    /// Packs and queues a block list, completed once: its blocks travel as
+    /// the descriptors of frames of many blocks each (one writev of the
+    /// frame's blocks), spread over the connections; a block of at least
+    /// two stripes is split over connections as a request is.
+    pub fn submit_blocks(&self, list: &BlockList<'_>) -> Result<(), PluginError> {
+        let (local_end, remote_end) = block_extent(list.blocks)?;
+        if list.local_addr.checked_add(local_end).is_none()
+            || list.remote_addr.checked_add(remote_end).is_none()
+        {
+            return Err(PluginError::new(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "tcp: blocks up to {local_end:#x} / {remote_end:#x} past {:#x} / {:#x} wrap \
+                     around",
+                    list.local_addr, list.remote_addr
+                ),
+            ));
+        }
+        let n = self.slots.len();
+        let stripe = self.settings.stripe_bytes.saturating_mul(2);
+        let pieces = |len: u64| {
+            let mut parts = 1u64;
+            if n > 1 && len >= stripe {
+                parts = (len / self.settings.stripe_bytes).min(n as u64);
+            }
+            parts.max(len.div_ceil(wire::MAX_FRAME_PAYLOAD))
+        };
+        let entries: usize = list.blocks.iter().map(|b| pieces(b.length) as usize).sum();
+        let split = Arc::new(Split {
+            token: list.token,
+            remaining: AtomicUsize::new(entries),
+            error: Mutex::new(None),
+        });
+        let mut items: Vec<Item> = Vec::with_capacity(entries);
+        for b in list.blocks {
+            let parts = pieces(b.length);
+            let (local, remote) = (
+                list.local_addr + b.local_offset,
+                list.remote_addr + b.remote_offset,
+            );
+            let part_len = b.length.div_ceil(parts);
+            let mut off = 0;
+            while off < b.length {
+                let len = part_len.min(b.length - off);
+                items.push((
+                    list.op,
+                    Entry {
+                        local: local + off,
+                        remote: remote + off,
+                        len,
+                        done: Done::Part(split.clone()),
+                    },
+                    parts > 1,
+                ));
+                off += len;
+            }
+        }
+        self.send_items(items)
+    }
+
+    /// Packs work items into frames and queues them; all accepted or none.
+    fn send_items(&self, items: Vec<Item>) -> Result<(), PluginError> {
+        let n = self.slots.len();
         // Pack into frames: one op per frame, bounded by descriptors and
         // bytes; every part of a split request starts a frame of its own so
         // the parts land on different connections.

@@ -1,0 +1,195 @@
+//! Block lists over the host transports (issue 30): shm (mapped memory and
+//! cross-memory attach) and tcp take a KV block list in one call; shuffled
+//! 4 KiB blocks are written and read back byte for byte, and a list that
+//! reaches memory the peer no longer has registered is refused by the
+//! transport (and, over tcp, by the target) with nothing touched.
+
+use ferry_core::{BlockLayout, BlockTransfer, Engine, EngineConfig, Op};
+
+const BLOCK: u64 = 4096;
+const BLOCKS: u64 = 256;
+
+fn engine(transports: &str) -> Engine {
+    let mut c = EngineConfig::default();
+    c.set("transports", transports).unwrap();
+    c.set("timeout_ms", "5000").unwrap();
+    Engine::new(c).expect("engine starts")
+}
+
+/// A permutation of 0..n from a fixed seed.
+fn shuffled(n: u64, seed: u64) -> Vec<u64> {
+    let mut v: Vec<u64> = (0..n).collect();
+    let mut x = seed | 1;
+    for i in (1..v.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
+/// The target's pool: engine-allocated memory (shm maps it) or a vector
+/// (cross-memory attach, tcp).
+enum Pool {
+    Allocated(u64),
+    Vector(Vec<u8>),
+}
+
+impl Pool {
+    fn addr(&self) -> u64 {
+        match self {
+            Pool::Allocated(a) => *a,
+            Pool::Vector(v) => v.as_ptr() as u64,
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            // SAFETY: the target engine's own allocation of 2 * BLOCK *
+            // BLOCKS bytes, alive while the engine (dropped after the pool's
+            // last use) is.
+            Pool::Allocated(a) => unsafe {
+                std::slice::from_raw_parts(*a as *const u8, (2 * BLOCK * BLOCKS) as usize)
+            },
+            Pool::Vector(v) => v,
+        }
+    }
+}
+
+struct Pair {
+    target: Engine,
+    initiator: Engine,
+    pool: Pool,
+    local: Vec<u8>,
+    seg: u64,
+    local_layout: u32,
+    remote_layout: u32,
+}
+
+/// Two engines; the target's pool strided by two blocks (nothing
+/// coalesces), the initiator's contiguous; layouts registered.
+fn pair(transport: &str, allocate: bool) -> Pair {
+    let target = engine(transport);
+    let initiator = engine(transport);
+    let len = 2 * BLOCK * BLOCKS;
+    let pool = if allocate {
+        Pool::Allocated(target.allocate_memory(len, None).unwrap())
+    } else {
+        let v = vec![0u8; len as usize];
+        target
+            .register_memory(v.as_ptr() as u64, len, None)
+            .unwrap();
+        Pool::Vector(v)
+    };
+    let local = ferry_tests::pattern((BLOCK * BLOCKS) as usize, 17);
+    initiator
+        .register_memory(local.as_ptr() as u64, local.len() as u64, None)
+        .unwrap();
+    let remote_layout = target
+        .register_layout(BlockLayout {
+            base: pool.addr(),
+            block_size: BLOCK,
+            stride: 2 * BLOCK,
+            count: BLOCKS,
+        })
+        .unwrap();
+    let local_layout = initiator
+        .register_layout(BlockLayout::contiguous(
+            local.as_ptr() as u64,
+            BLOCK,
+            BLOCKS,
+        ))
+        .unwrap();
+    let seg = initiator.open_segment(target.segment_name()).unwrap();
+    Pair {
+        target,
+        initiator,
+        pool,
+        local,
+        seg,
+        local_layout,
+        remote_layout,
+    }
+}
+
+fn transfer(
+    p: &Pair,
+    op: Op,
+    transport: &str,
+    local: &[u64],
+    remote: &[u64],
+) -> ferry_core::Result<()> {
+    p.initiator.transfer_blocks(&BlockTransfer {
+        op,
+        segment: p.seg,
+        local: p.local_layout,
+        local_ids: local,
+        remote: p.remote_layout,
+        remote_ids: remote,
+        transport: Some(transport),
+    })
+}
+
+fn remote_block(p: &Pair, id: u64) -> &[u8] {
+    let at = (id * 2 * BLOCK) as usize;
+    &p.pool.bytes()[at..at + BLOCK as usize]
+}
+
+#[test]
+fn shuffled_4k_blocks_round_trip_as_lists_over_shm_and_tcp() {
+    for (transport, allocate, key) in [
+        ("shm", true, "map "),
+        ("shm", false, "cma "),
+        ("tcp", false, ""),
+    ] {
+        let mut p = pair(transport, allocate);
+        let d = p.initiator.descriptor_of(p.seg).unwrap();
+        let k = d.buffers[0].key(transport).unwrap();
+        assert!(k.starts_with(key.as_bytes()), "{transport}: {k:?}");
+        let (local_ids, remote_ids) = (shuffled(BLOCKS, 3), shuffled(BLOCKS, 11));
+        transfer(&p, Op::Write, transport, &local_ids, &remote_ids).unwrap();
+        for (l, r) in local_ids.iter().zip(&remote_ids) {
+            let at = (*l * BLOCK) as usize;
+            assert!(
+                remote_block(&p, *r) == &p.local[at..at + BLOCK as usize],
+                "{transport} (allocate={allocate}): block {l} -> {r}"
+            );
+        }
+        let expected = p.local.clone();
+        p.local.fill(0);
+        transfer(&p, Op::Read, transport, &local_ids, &remote_ids).unwrap();
+        assert!(
+            p.local == expected,
+            "{transport} (allocate={allocate}): blocks read back differ"
+        );
+    }
+}
+
+#[test]
+fn a_list_outside_the_peers_registration_is_refused_and_nothing_moves() {
+    // The target unregisters its pool after the initiator read its
+    // descriptor: the engine's view is stale, so the list reaches the
+    // transport, whose own check (shm: the revoked registration; tcp: the
+    // target's check of every block) must refuse it.
+    for transport in ["shm", "tcp"] {
+        let p = pair(transport, false);
+        // Connected first (a read touches nothing there): shm tells
+        // connected peers of an unregistration.
+        transfer(&p, Op::Read, transport, &[0], &[0]).unwrap();
+        p.target.unregister_memory(p.pool.addr()).unwrap();
+        let ids: Vec<u64> = (0..BLOCKS).collect();
+        let Err(e) = transfer(&p, Op::Write, transport, &ids, &ids) else {
+            panic!("{transport}: a list to an unregistered buffer completed");
+        };
+        assert_eq!(
+            e.code,
+            ferry_core::ErrorCode::OutOfBounds,
+            "{transport}: {e}"
+        );
+        assert!(
+            p.pool.bytes().iter().all(|b| *b == 0),
+            "{transport}: a refused list wrote"
+        );
+    }
+}
