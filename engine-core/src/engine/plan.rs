@@ -11,7 +11,7 @@ use super::segments::{remote_out_of_bounds, RemoteSegment, RemoteView, Segments}
 use super::select::{Candidate, Choice, Transports, Want};
 use crate::error::{Error, ErrorCode, Result};
 use crate::id_map::IdMap;
-use crate::memory::{LocalBuffer, MemoryRegistry};
+use crate::memory::{LocalBuffer, MemoryRegistry, Visibility};
 use smallvec::SmallVec;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -192,6 +192,7 @@ impl<T: Candidate> Planner<'_, T> {
         let mut routed: SmallVec<[Pending; 1]> = SmallVec::with_capacity(requests.len());
         let mut segs = SegTable::default();
         let mut last_route: Option<(RouteMemo, usize, Arc<[u8]>)> = None;
+        let mut last_local: Option<Arc<LocalBuffer>> = None;
         let mut staged: Vec<(usize, StagedItem)> = Vec::new();
         let mut empty: Vec<usize> = Vec::new();
         for (i, r) in requests.iter().enumerate() {
@@ -201,7 +202,25 @@ impl<T: Candidate> Planner<'_, T> {
                 empty.push(i);
                 continue;
             }
-            let local = self.local_buffer(i, r.local_addr, r.length)?;
+            // Requests of a batch mostly come from one buffer: the one the
+            // previous request was found in, when it holds this one too
+            // (dispatch checks again that it is still registered).
+            let local = match &last_local {
+                Some(b)
+                    if b.visibility != Visibility::Unregistered
+                        && r.local_addr >= b.addr
+                        && r.local_addr
+                            .checked_add(r.length)
+                            .is_some_and(|e| e <= b.end()) =>
+                {
+                    b.clone()
+                }
+                _ => {
+                    let b = self.local_buffer(i, r.local_addr, r.length)?;
+                    last_local = Some(b.clone());
+                    b
+                }
+            };
             let entry = segs.get_or_insert(r.segment, || {
                 let seg = self.segments.get(r.segment)?;
                 // After a failed connection, look again once: a restarted
