@@ -8,10 +8,14 @@ attribute with a placeholder class, so ``torch.Tensor`` in an annotation,
 import without running anything. A placeholder that is *called* for real
 work fails loudly (``StubUsed``), so a test can never pass on stub output.
 
-SGLang runs some torch at import (sglang.srt.utils and the model configs):
+SGLang and vLLM run some torch at import (sglang.srt.utils, the model
+configs, vLLM's custom-op and IR-op registration, its reload tracer):
 ANSWERS gives those calls answers that do no work, each with its reason:
 custom-op registration (``torch.library.Library``), dtype objects and
-``finfo``, ``torch.device``, ``no_grad`` as a decorator, ``nn.Module``
+``finfo``, ``torch.device``, ``no_grad`` as a decorator, vLLM's
+``infer_schema`` (a schema string from the signature; vLLM's IR parses
+it), ``register_fake`` and ``triton_op`` (decorators that register),
+``torch.Tensor.__int__`` and friends as values, ``nn.Module``
 subclasses constructed at import (running one raises), and tensor
 constants (``torch.tensor``/``zeros``/...) that raise on any use. ABSENT
 names real torch lacks (``hasattr(torch, "npu")`` probes).
@@ -36,6 +40,8 @@ STUBS = {
     "triton": "GPU kernel compiler (vLLM, SGLang kernels); needs a GPU driver",
     "sgl_kernel": "SGLang's CUDA kernels (native, GPU only)",
     "flashinfer": "CUDA attention kernels",
+    "xgrammar": "structured-output grammar compiler (native, over tvm_ffi and torch); vLLM's "
+                "request module builds its grammar class at import",
     "vllm._C": "vLLM's compiled CUDA ops (loading needs libtorch and libcudart)",
     "vllm._custom_ops": "wrappers over vllm._C",
     "lmcache.lmcache_native": "LMCache's C++ ops, linked against libtorch (libc10.so); the "
@@ -56,8 +62,9 @@ class _OpRegistry:
     Registering is bookkeeping; *running* an op goes through ``torch.ops``,
     which stays a raising stub, so accepting the registration runs no work."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, ns=None, *args, **kwargs):
         self.m = None
+        self.ns = ns  # vLLM looks its ops up again by namespace (torch.ops.<ns>)
 
     def __getattr__(self, name):
         if name.startswith("__") and name.endswith("__"):
@@ -167,6 +174,21 @@ class _Inert:
     __lt__ = __le__ = __gt__ = __ge__ = __matmul__ = __neg__ = __array__ = _used
 
 
+def _schema(f):
+    """``torch.library.infer_schema(f)``: the op schema string of ``f``'s
+    signature, read from its annotations as torch does (one ``Tensor`` per
+    tensor the function returns; vLLM's IR ops parse it). Bookkeeping."""
+    import inspect
+
+    sig = inspect.signature(f)
+    ret = sig.return_annotation
+    n = (ret if isinstance(ret, str) else repr(ret)).count("Tensor")
+    if ret is inspect.Signature.empty or ret is None:
+        n = 0
+    returns = "()" if n == 0 else "Tensor" if n == 1 else "(" + ", ".join(["Tensor"] * n) + ")"
+    return "(" + ", ".join(f"Tensor {p}" for p in sig.parameters) + ") -> " + returns
+
+
 def _maker(name):
     return lambda *args, **kwargs: _Inert(f"torch.{name}")
 
@@ -180,6 +202,14 @@ ANSWERS = {
     "torch.version.hip": None,
     "torch.__version__": "2.9.0+ferry.stub",
     "torch.library.Library": _OpRegistry,
+    # vLLM's direct_register_custom_op: the schema string for the
+    # registration above (bookkeeping; the op itself runs through torch.ops).
+    "torch.library.infer_schema": lambda f, *a, **k: _schema(f),
+    # @register_fake("_C::op") (vLLM's CPU ops): a decorator that records a
+    # shape function for tracing; the decorated function is returned as is.
+    "torch.library.register_fake": lambda *a, **k: (lambda f: f),
+    # @triton_op("vllm::name", mutates_args=...): registration, as above.
+    "torch.library.triton_op": lambda *a, **k: (lambda f: f),
     "torch.nn.Module": _Module,
     # A kernel's compile-time constant wrapper: the value itself.
     "triton.language.constexpr": lambda value=None, *a, **k: value,
@@ -212,11 +242,16 @@ def _attribute(qualname):
     return _placeholder(qualname)
 
 
+_METHOD_DUNDERS = {"__int__", "__float__", "__index__", "__complex__"}
+
+
 class _Placeholder(abc.ABCMeta):
     # ABCMeta, not type: stacks derive from a stub and ABC at once
     # (SGLang's ``class BaseFusedOp(nn.Module, ABC)``).
     def __getattr__(cls, name):
-        if name.startswith("__") and name.endswith("__"):
+        # Tensor methods named as values (vLLM's reload tracer keeps a set
+        # of torch.Tensor.__int__ and friends): placeholders too.
+        if name.startswith("__") and name.endswith("__") and name not in _METHOD_DUNDERS:
             raise AttributeError(name)
         return _attribute(f"{cls.__qualname__}.{name}")
 

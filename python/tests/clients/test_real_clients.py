@@ -1,7 +1,9 @@
 """The real packages' transfer code on Ferry, not copies of it: LMCache
-0.5.6's ``mooncake_te`` transfer channel and SGLang 0.5.23's
+0.5.6's ``mooncake_te`` transfer channel, SGLang 0.5.23's
 ``MooncakeTransferEngine`` and ``MooncakeKVManager`` send paths
-(sglang_peer.py; installed by FERRY_REAL_CLIENTS=full), installed from PyPI with
+(sglang_peer.py) and vLLM 0.34.0's ``MooncakeConnectorWorker`` and
+encoder-cache ``MooncakeTransfer`` (vllm_peer.py; both installed by
+FERRY_REAL_CLIENTS=full), installed from PyPI with
 --no-deps into its own venv (target/clients-venv, made by
 scripts/test-clients) with ``mooncake.engine`` resolving to
 ``ferry.TransferEngine`` (a ``ferry-as-mooncake.pth`` line), in two
@@ -19,12 +21,18 @@ test passes on stub output):
 - lmcache.lmcache_native, lmcache.cuda_ops: LMCache's C++/CUDA ops, linked
   against libtorch (libc10.so).
 - triton, sgl_kernel, flashinfer, tvm_ffi, vllm._C, vllm._custom_ops: GPU
-  kernels of SGLang and vLLM (vLLM's driver is not yet here).
+  kernels of SGLang and vLLM.
+- xgrammar: vLLM's structured-output grammar compiler (native, over
+  tvm_ffi and torch), imported by vLLM's request module.
 - torchvision, compressed_tensors: imported by SGLang's model configs;
   they need real torch.
-- The torch stub answers what SGLang runs at import (custom-op
-  registration, dtypes, finfo, torch.device, nn.Module subclasses made at
+- The torch stub answers what SGLang and vLLM run at import (custom-op
+  registration, including vLLM's infer_schema / register_fake /
+  triton_op, dtypes, finfo, torch.device, nn.Module subclasses made at
   import, tensor constants that raise when used): heavy_stubs.py lists each.
+- vLLM's KV caches are numpy arrays behind a tensor-like wrapper
+  (vllm_peer.HostTensor: data_ptr, untyped_storage, shape, stride,
+  element_size, nbytes, indexing), since the torch stub has no tensors.
 
 Skipped unless FERRY_REAL_CLIENTS=1 (scripts/test-clients sets it), since
 the venv takes minutes and ~1.3 GB to make.
@@ -193,3 +201,52 @@ def test_sglang_on_the_routable_ip_without_the_token_says_why_on_stderr():
                        capture_output=True, text=True, timeout=300, env=env(FERRY_AUTH_TOKEN=TOKEN),
                        cwd=str(HERE))
     assert json.loads(p.stdout.strip().splitlines()[-1]) == {"ok": True}, p.stderr[-4000:]
+
+
+# --- vLLM 0.34.0 (vllm_peer.py) -------------------------------------------
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is installed into the clients venv by FERRY_REAL_CLIENTS=full scripts/test-clients",
+)
+
+
+def vllm(*args, **extra):
+    return subprocess.Popen([sys.executable, str(HERE / "vllm_peer.py"), *map(str, args)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env(**extra), cwd=str(HERE))
+
+
+@needs_vllm
+def test_vllm_mooncake_connector_sends_blocks_and_survives_sleep_and_wake_up():
+    """vLLM's MooncakeConnectorWorker on both sides (made with __new__,
+    vllm_peer.py says which attributes and why): register_kv_caches over
+    host-memory tensors, the decode worker's pull metadata, the prefill
+    worker's block-id-to-address plan and _send_blocks; the encoder-cache
+    MooncakeTransfer's write. Then the decode worker sleeps and wakes up
+    (unregister_kv_caches / restore_kv_caches, three times: the same
+    memory registered again) and the same prefill engines' next round must
+    land too (issue 31's case 2)."""
+    target = vllm("target", FERRY_AUTH_TOKEN=TOKEN)
+    initiator = None
+    try:
+        line = target.stdout.readline()
+        assert line, f"target did not start:\n{target.communicate(timeout=30)[1][-4000:]}"
+        info = json.loads(line)
+        assert not info["session"].startswith(("0.0.0.0", "127.", "[::]")), info
+        initiator = vllm("initiator", json.dumps(info), FERRY_AUTH_TOKEN=TOKEN)
+        for rnd in range(2):
+            initiator.stdin.write("send\n")
+            initiator.stdin.flush()
+            line = initiator.stdout.readline()
+            assert line, f"initiator stopped (round {rnd}):\n{initiator.stderr.read()[-4000:]}"
+            out = json.loads(line)
+            # Two runs and a single per layer: vLLM coalesced them.
+            assert out["send"] == 0 and out["descriptors"] == 2 * 3, (rnd, out["send"], out["descriptors"])
+            assert out["out_of_range"] < 0 and out["ec_released"], (rnd, out)
+            landed = ask(target, {"check": out["check"], "ec": out["ec"]})
+            assert all(landed["ok"]) and landed["ec"], (rnd, landed)
+            if rnd == 0:
+                assert ask(target, {"sleep": 3}) == {"ok": True, "unregistered": False}
+    finally:
+        close(*(p for p in (initiator, target) if p is not None))
