@@ -2,6 +2,7 @@
 //! engines, shaped like Mooncake's transfer_engine_bench, and the machine's
 //! own limits measured the same way (`tcp-limit`).
 
+use crate::limits::{device_to_device, memcpy_run, WORKING_SET};
 use crate::util::{human_size, percentile, Buffer};
 use ferry_core::{BatchStatus, Engine, EngineConfig, Location, Op, Request};
 use serde::Serialize;
@@ -84,10 +85,6 @@ pub fn target(args: TargetArgs) -> Result<(), String> {
         }
     }
 }
-
-/// Bytes a benchmark cycles through on each side, so that it measures
-/// memory rather than cache (the memcpy limit uses the same).
-pub(crate) const WORKING_SET: u64 = 64 << 20;
 
 pub struct InitiatorArgs {
     pub segment: String,
@@ -476,51 +473,6 @@ pub fn memcpy_limit(block: u64, duration: f64, threads: usize, json: bool) -> Re
     Ok(())
 }
 
-/// GB/s of `threads` threads copying `block`-sized pieces of their own
-/// slices of one working set at once, for `duration`.
-pub(crate) fn memcpy_run(block: usize, duration: f64, threads: usize) -> Result<f64, String> {
-    let per_thread = (WORKING_SET as usize).max(block);
-    let slice = per_thread.min((1usize << 30) / threads).max(block);
-    let src = Buffer::new(slice * threads)?;
-    let mut dst = Buffer::new(slice * threads)?;
-    let blocks = slice / block;
-    // Blocks between looks at the clock: about 16 MiB, so stopping is prompt.
-    let rounds = ((16usize << 20) / block).clamp(1, 64);
-    let go = std::sync::Barrier::new(threads + 1);
-    let bytes = AtomicU64::new(0);
-    let stop = AtomicBool::new(false);
-    let started = std::thread::scope(|s| {
-        for (from, to) in src
-            .as_slice()
-            .chunks_exact(slice)
-            .zip(dst.as_mut_slice().chunks_exact_mut(slice))
-        {
-            let (go, bytes, stop) = (&go, &bytes, &stop);
-            s.spawn(move || {
-                go.wait();
-                let (mut i, mut mine) = (0, 0u64);
-                while !stop.load(Ordering::Relaxed) {
-                    for _ in 0..rounds {
-                        let off = (i % blocks) * block;
-                        to[off..off + block].copy_from_slice(&from[off..off + block]);
-                        i += 1;
-                        mine += block as u64;
-                    }
-                }
-                std::hint::black_box(&to[0]);
-                bytes.fetch_add(mine, Ordering::Relaxed);
-            });
-        }
-        go.wait();
-        let started = Instant::now();
-        std::thread::sleep(Duration::from_secs_f64(duration));
-        stop.store(true, Ordering::Relaxed);
-        started
-    });
-    // Until the last thread stopped: it counted its last round too.
-    Ok(bytes.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64() / 1e9)
-}
-
 /// Pinned host <-> device copy bandwidth of `device`, through its plugin:
 /// the limit staged transfers are compared with.
 pub fn device_limit(
@@ -587,42 +539,6 @@ pub fn device_limit(
         }
     }
     Ok(())
-}
-
-/// Copies of `size` bytes between two buffers of `device`, through its
-/// plugin (cuMemcpyAsync device to device), in GB/s of bytes copied.
-pub(crate) fn device_to_device(
-    engine: &Engine,
-    device: Location,
-    size: u64,
-    duration: f64,
-) -> Result<f64, String> {
-    let a = engine
-        .allocate_device(device, size)
-        .map_err(|e| e.to_string())?;
-    let b = match engine.allocate_device(device, size) {
-        Ok(b) => b,
-        Err(e) => {
-            let _ = engine.free_device(a);
-            return Err(e.to_string());
-        }
-    };
-    // One untimed copy first: the first touches the pages.
-    // SAFETY: a and b are device allocations of `size` bytes made above.
-    let mut result =
-        unsafe { engine.copy_batch(device, &[(b, a, size)]) }.map_err(|e| e.to_string());
-    let started = Instant::now();
-    let mut bytes = 0u64;
-    while result.is_ok() && (started.elapsed().as_secs_f64() < duration || bytes == 0) {
-        // SAFETY: as above.
-        result = unsafe { engine.copy_batch(device, &[(b, a, size), (a, b, size)]) }
-            .map_err(|e| e.to_string());
-        bytes += 2 * size;
-    }
-    let gbps = bytes as f64 / started.elapsed().as_secs_f64() / 1e9;
-    let _ = engine.free_device(a);
-    let _ = engine.free_device(b);
-    result.map(|()| gbps)
 }
 
 /// Checks a device end to end through the engine: allocation, pointer

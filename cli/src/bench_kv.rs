@@ -7,7 +7,7 @@
 //! call alone, and the same run's contiguous copy of the batch's bytes as
 //! the limit (device to device with `--device`, memcpy for host memory).
 
-use crate::bench::{device_to_device, memcpy_run, WORKING_SET};
+use crate::limits::{device_to_device, memcpy_run, WORKING_SET};
 use crate::util::{fill_pattern, human_size, percentile, Buffer};
 use ferry_core::{BlockLayout, BlockTransfer, Engine, EngineConfig, LayoutId, Location, Op};
 use ferry_core::{Request, SegmentId};

@@ -6,6 +6,7 @@
 mod bench;
 mod bench_kv;
 mod demo;
+mod limits;
 mod plot;
 mod sweep;
 mod top;
@@ -46,9 +47,11 @@ shows the settings in effect):
   FERRY_AUTH_MAX_PENDING         connections authenticating at once per listener (64)
   FERRY_AUTH_MAX_PENDING_PER_HOST  of those, from one address (8)
   FERRY_INTEGRITY                headers (default) or payload: tag TCP payloads too
-  FERRY_METADATA                 p2p (default) or etcd://host:port[,host:port...]
+  FERRY_METADATA                 p2p (default), etcd:// or etcds://host:port[,host:port...]
   FERRY_METADATA_PREFIX          etcd key prefix (/ferry)
   FERRY_METADATA_TTL_S           etcd lease of an engine's entry (10)
+  FERRY_METADATA_CACERT          etcds://: the CA of etcd's certificates (also _CERT, _KEY)
+  FERRY_METADATA_USER            etcd user (its password from a file: docs/metadata.md)
   FERRY_SELECT                   measured (default) or declared: ignore what transfers measure
   FERRY_METRICS                  on (default) or off: count nothing per request
   FERRY_METRICS_LISTEN           serve Prometheus metrics at host:port (none)

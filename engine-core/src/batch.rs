@@ -109,20 +109,19 @@ pub enum NotifyStatus {
     Failed(Error),
 }
 
-/// Runs once every request submitted so far has finished, with the first
-/// failure if any; must not block (it runs on a completion thread).
 /// A request's state in [`BatchState::states`].
 const PENDING: u8 = 0;
 const COMPLETED: u8 = 1;
 const FAILED: u8 = 2;
 
+/// Runs once every request submitted so far has finished, with the first
+/// failure if any; must not block (it runs on a completion thread).
 pub(crate) type DoneHook = Box<dyn FnOnce(Option<(usize, Error)>) + Send>;
 
 struct Group {
     start: usize,
     count: usize,
-    /// Completions still expected from the transport: 1, or one per part
-    /// when the group went as several requests under one token.
+    /// Completions still expected: 1, or one per request sharing its token.
     parts: usize,
     /// The first failure of a part, reported when the last part ends.
     failed_part: Option<Error>,
@@ -138,9 +137,8 @@ struct Group {
 
 #[derive(Default)]
 struct BatchState {
-    /// Each request's state, a byte each (PENDING, COMPLETED, FAILED):
-    /// a batch of 65,536 KV blocks is 64 KiB of states, not 2 MiB of
-    /// statuses (inline for a few: a synchronous transfer allocates none).
+    /// A byte per request (PENDING, COMPLETED, FAILED): 64 KiB for 65,536
+    /// blocks, not 2 MiB of statuses; inline for a few.
     states: SmallVec<[u8; 8]>,
     /// Why requests failed: each failed range (start, count) and its error.
     failures: Vec<(usize, usize, Error)>,
@@ -211,10 +209,8 @@ impl Batch {
         self.add_group_of_parts(start, count, 1, local, tally)
     }
 
-    /// Adds a group of `count` requests starting at `start` that a
-    /// transport completes in `parts` completions of one token (requests
-    /// handed over one by one under a shared token); it finishes with the
-    /// last of them, failed if any part failed.
+    /// Adds a group that its transport completes in `parts` completions of
+    /// one token; it finishes with the last, failed if any part failed.
     pub(crate) fn add_group_of_parts(
         &self,
         start: usize,
@@ -240,9 +236,8 @@ impl Batch {
         token(self.id, st.groups.len() - 1)
     }
 
-    /// Has `observer` told when each of `groups` finishes, and `retry`
-    /// (with each group's index in it) retry a refused one (under one lock
-    /// for a whole hand-over); set before they are handed to a transport.
+    /// Has `observer` told when each of `groups` finishes, and `retry` (with
+    /// each group's index) retry a refused one; set before the hand-over.
     pub(crate) fn observe(
         &self,
         groups: impl IntoIterator<Item = (usize, usize)>,
@@ -258,8 +253,7 @@ impl Batch {
         }
     }
 
-    /// Fails a whole group whatever parts it still expects (the engine,
-    /// when its transport accepted none of them).
+    /// Fails a whole group, whatever parts it expects (none was accepted).
     pub(crate) fn abort_group(&self, group: usize, e: Error) {
         if let Some(g) = self.state.lock().groups.get_mut(group) {
             g.parts = 1;
@@ -305,15 +299,10 @@ impl Batch {
         }
         if g.parts > 1 {
             g.parts -= 1;
-            if let Err(e) = result {
-                g.failed_part.get_or_insert(e);
-            }
+            g.failed_part = g.failed_part.take().or(result.err());
             return false;
         }
-        let result = match g.failed_part.take() {
-            Some(e) => Err(e),
-            None => result,
-        };
+        let result = g.failed_part.take().map_or(result, Err);
         g.done = true;
         // Nothing left to retry (dropping it is cheap: see retry.rs's Sent).
         g.retry = None;
@@ -330,9 +319,8 @@ impl Batch {
         true
     }
 
-    /// Marks `count` requests from `start` finished, tells the group's
-    /// observer, wakes waiters when nothing is left, and runs the
-    /// notification hook when the last request finished.
+    /// Marks `count` requests from `start` finished, tells the observer,
+    /// wakes waiters, and runs the notification hook after the last one.
     fn finish(
         &self,
         mut st: parking_lot::MutexGuard<'_, BatchState>,
@@ -378,8 +366,7 @@ impl Batch {
         }
     }
 
-    /// Finishes `count` requests from `start` that move nothing (length 0):
-    /// they succeed at once.
+    /// Finishes `count` requests from `start` that move nothing (length 0).
     pub(crate) fn complete_empty(&self, start: usize, count: usize) {
         if count == 0 {
             return;
@@ -388,8 +375,7 @@ impl Batch {
         self.finish(st, start, count, Ok(()), None);
     }
 
-    /// Fails when the batch carries a notification (it takes no more
-    /// requests).
+    /// Fails when the batch carries a notification (it takes no more).
     pub(crate) fn check_takes_requests(&self) -> Result<()> {
         match self.state.lock().notify {
             Some(_) => Err(self.carries_notify()),

@@ -21,6 +21,7 @@
 
 pub mod batch;
 pub mod config;
+mod config_keys;
 pub mod control;
 pub mod control_server;
 pub mod counters;

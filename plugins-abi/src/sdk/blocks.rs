@@ -4,7 +4,7 @@
 //! call, a check and a completion per block would cost more than the bytes.
 
 use super::boundary::PluginError;
-use super::transport::Op;
+use super::op::Op;
 use crate::status::ErrorCode;
 use crate::sys;
 

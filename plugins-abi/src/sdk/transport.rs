@@ -4,6 +4,7 @@
 use super::blocks::BlockList;
 use super::boundary::{boundary, catch, to_cstring_lossy, PluginError, PluginResult};
 use super::host::{Host, ProbeReport};
+use super::op::Op;
 use crate::status::ErrorCode;
 use crate::sys;
 use std::ffi::{c_char, c_void, CStr};
@@ -87,12 +88,6 @@ pub struct PeerInfo {
     /// One `FERRY_SCOPE_*` bit.
     pub scope: u32,
     pub endpoint: Vec<u8>,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Op {
-    Read,
-    Write,
 }
 
 /// One transfer, borrowed for the duration of `submit`.

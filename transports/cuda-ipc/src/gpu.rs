@@ -8,7 +8,7 @@
 //! their device).
 
 use crate::kernel::Kernel;
-use crate::lists::CopySetting;
+use crate::method::CopySetting;
 use crate::wire::{Piece, KIND_IPC, KIND_VMM};
 use ferry_cuda_driver::driver::*;
 use ferry_cuda_driver::PrimaryContext;

@@ -36,6 +36,7 @@ mod gpu;
 mod import;
 mod kernel;
 mod lists;
+mod method;
 mod submit;
 pub mod wire;
 
@@ -49,7 +50,7 @@ use ferry_plugins_abi::sdk::{
 use ferry_plugins_abi::{sys, ErrorCode};
 use gpu::Gpus;
 use import::{Import, IpcCache, OPEN_MAPPINGS};
-use lists::CopySetting;
+use method::CopySetting;
 use std::collections::{HashMap, HashSet};
 use std::ffi::CStr;
 use std::os::fd::BorrowedFd;

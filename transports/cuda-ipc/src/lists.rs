@@ -6,63 +6,9 @@
 use crate::batch;
 use crate::gpu::{Event, Gpus};
 use crate::kernel::{Desc, Kernel};
+use crate::method::{CopySetting, Method};
 use ferry_plugins_abi::sdk::{PluginError, PluginResult};
 use ferry_plugins_abi::ErrorCode;
-
-/// One way of moving a list.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Method {
-    /// The copy kernel: one launch for the list.
-    Kernel,
-    /// cuMemcpyBatchAsync: one call, one DMA per copy.
-    Batch,
-    /// One cuMemcpyAsync per copy.
-    PerCopy,
-}
-
-impl Method {
-    pub fn name(self) -> &'static str {
-        match self {
-            Method::Kernel => "kernel",
-            Method::Batch => "batch",
-            Method::PerCopy => "per-copy",
-        }
-    }
-}
-
-/// The `cuda_ipc.copy` setting.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum CopySetting {
-    /// The best this GPU and driver offer.
-    #[default]
-    Auto,
-    Force(Method),
-}
-
-impl CopySetting {
-    /// `auto|kernel|batch|per-copy`; absent or empty is auto.
-    pub fn parse(value: Option<&str>) -> PluginResult<CopySetting> {
-        Ok(match value.map(str::trim).unwrap_or("") {
-            "" | "auto" => CopySetting::Auto,
-            "kernel" => CopySetting::Force(Method::Kernel),
-            "batch" => CopySetting::Force(Method::Batch),
-            "per-copy" => CopySetting::Force(Method::PerCopy),
-            other => {
-                return Err(PluginError::new(
-                    ErrorCode::InvalidArgument,
-                    format!("cuda_ipc.copy={other:?}: expected auto, kernel, batch or per-copy"),
-                ))
-            }
-        })
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            CopySetting::Auto => "auto",
-            CopySetting::Force(m) => m.name(),
-        }
-    }
-}
 
 impl Gpus {
     /// Whether the driver has the batched copy.
@@ -192,30 +138,5 @@ impl Gpus {
             return Err(e);
         }
         Ok(event)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_setting_takes_four_words() {
-        assert_eq!(CopySetting::parse(None).unwrap(), CopySetting::Auto);
-        assert_eq!(
-            CopySetting::parse(Some(" auto ")).unwrap(),
-            CopySetting::Auto
-        );
-        assert_eq!(
-            CopySetting::parse(Some("per-copy")).unwrap(),
-            CopySetting::Force(Method::PerCopy)
-        );
-        let e = CopySetting::parse(Some("dma")).unwrap_err();
-        assert_eq!(e.code, ErrorCode::InvalidArgument);
-        assert!(
-            e.message.contains("auto, kernel, batch or per-copy"),
-            "{}",
-            e.message
-        );
     }
 }

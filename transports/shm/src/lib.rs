@@ -719,7 +719,7 @@ impl TransportInstance for ShmInstance {
     }
 
     fn submit_blocks(&self, peer: &ShmPeer, list: &BlockList<'_>) -> PluginResult<()> {
-        blocks::submit(self, peer, list)
+        self.submit_list(peer, list)
     }
 
     fn describe_peer(&self, peer: &ShmPeer) -> Option<String> {

@@ -485,3 +485,38 @@ fn a_close_runner_up_is_measured_and_wins_when_it_measures_faster() {
     let (small, _) = pick_sized(&t, &local, &seg, None, 4096, false).unwrap();
     assert_eq!(small, 0);
 }
+
+/// A buffer the peer registered again has new keys: the routes and
+/// verdicts holding the old view's keys go with it.
+#[test]
+fn a_new_view_keeps_no_route_or_verdict_of_the_old_one() {
+    use super::super::route_memo::Kind;
+    let shm: &[&str] = &["shm"];
+    let seg = segment(
+        1,
+        Scope::SameHost,
+        descriptor("e1", shm, &[(0x1000, 4096, "cpu:0", shm)]),
+    );
+    let old = seg.view.read().clone();
+    let local = host_buffer(0x10_0000, 4096, &[0]);
+    let kind = |view| Kind {
+        view,
+        remote: 0,
+        local: &local,
+        bytes: 64,
+        hint: None,
+    };
+    let key = old.buffers[0].keys["shm"].clone();
+    seg.routes.put(&kind(&old), 0, &key);
+    seg.verdicts
+        .lock()
+        .entry(0)
+        .or_default()
+        .insert(key.to_vec(), Ok(()));
+    assert!(seg.routes.get(&kind(&old)).is_some());
+    // The same engine (no restart), the same range registered again.
+    let new = seg.replace_view(descriptor("e1", shm, &[(0x1000, 4096, "cpu:0", shm)]));
+    assert!(seg.routes.get(&kind(&old)).is_none());
+    assert!(seg.routes.get(&kind(&new)).is_none());
+    assert!(seg.verdicts.lock().is_empty());
+}
