@@ -7,17 +7,6 @@ use ferry_core::{BlockLayout, BlockTransfer, Engine, EngineConfig, ErrorCode, Op
 const BLOCK: u64 = 4096;
 const BLOCKS: u64 = 64;
 
-/// Builds the example C plugin (the vendor template) into a fresh directory.
-fn memcpy_plugin_dir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    ferry_tests::compile_shared(
-        &[ferry_tests::repo_root().join("examples/c-plugin/memcpy_transport.c")],
-        &dir.path().join("libferry_transport_memcpy.so"),
-        &["-lpthread"],
-    );
-    dir
-}
-
 fn engine(transports: &str, plugins: Option<&tempfile::TempDir>) -> Engine {
     let mut config = EngineConfig::default();
     if let Some(p) = plugins {
@@ -27,19 +16,6 @@ fn engine(transports: &str, plugins: Option<&tempfile::TempDir>) -> Engine {
     }
     config.set("transports", transports).unwrap();
     Engine::new(config).expect("engine starts")
-}
-
-/// A permutation of 0..n from a fixed seed (no dependency for shuffling).
-fn shuffled(n: u64, seed: u64) -> Vec<u64> {
-    let mut v: Vec<u64> = (0..n).collect();
-    let mut x = seed | 1;
-    for i in (1..v.len()).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.swap(i, (x % (i as u64 + 1)) as usize);
-    }
-    v
 }
 
 struct Pools {
@@ -105,8 +81,8 @@ fn local_block(p: &Pools, id: u64) -> &[u8] {
 /// Writes every block to a shuffled place, checks each, reads them back
 /// into a zeroed local pool by other indices, checks again.
 fn shuffled_round_trip(p: &mut Pools) {
-    let local_ids = shuffled(BLOCKS, 3);
-    let remote_ids = shuffled(BLOCKS, 11);
+    let local_ids = ferry_tests::shuffled(BLOCKS, 3);
+    let remote_ids = ferry_tests::shuffled(BLOCKS, 11);
     p.initiator
         .transfer_blocks(&BlockTransfer {
             op: Op::Write,
@@ -142,7 +118,7 @@ fn shuffled_round_trip(p: &mut Pools) {
 
 #[test]
 fn shuffled_blocks_move_intact_through_a_plugin_that_takes_block_lists() {
-    let plugins = memcpy_plugin_dir();
+    let plugins = ferry_tests::memcpy_plugin_dir();
     let mut p = pools("memcpy", Some(&plugins));
     shuffled_round_trip(&mut p);
 }
@@ -157,7 +133,7 @@ fn shuffled_blocks_move_intact_over_tcp_and_shm_as_single_requests() {
 
 #[test]
 fn an_index_out_of_range_is_refused_and_nothing_moves() {
-    let plugins = memcpy_plugin_dir();
+    let plugins = ferry_tests::memcpy_plugin_dir();
     let p = pools("memcpy", Some(&plugins));
     for (local_ids, remote_ids, side) in [
         (vec![0, 1, BLOCKS], vec![0, 1, 2], "local index"),
@@ -210,7 +186,7 @@ fn an_index_out_of_range_is_refused_and_nothing_moves() {
 
 #[test]
 fn a_layout_outside_registered_memory_is_refused_and_a_removed_one_is_gone() {
-    let plugins = memcpy_plugin_dir();
+    let plugins = ferry_tests::memcpy_plugin_dir();
     let p = pools("memcpy", Some(&plugins));
     let e = p
         .target
@@ -240,7 +216,7 @@ fn a_layout_outside_registered_memory_is_refused_and_a_removed_one_is_gone() {
 
 #[test]
 fn scattered_requests_go_as_block_lists_and_each_keeps_its_status() {
-    let plugins = memcpy_plugin_dir();
+    let plugins = ferry_tests::memcpy_plugin_dir();
     let p = pools("memcpy,tcp", Some(&plugins));
     // A second target, reached over tcp by hint, in the same batch.
     let other = engine("memcpy,tcp", Some(&plugins));
@@ -249,7 +225,7 @@ fn scattered_requests_go_as_block_lists_and_each_keeps_its_status() {
         .register_memory(other_mem.as_ptr() as u64, other_mem.len() as u64, None)
         .unwrap();
     let other_seg = p.initiator.open_segment(other.segment_name()).unwrap();
-    let ids = shuffled(BLOCKS, 7);
+    let ids = ferry_tests::shuffled(BLOCKS, 7);
     let base_l = p.local.as_ptr() as u64;
     let base_r = p.remote.as_ptr() as u64;
     let mut reqs: Vec<Request> = ids

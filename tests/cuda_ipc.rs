@@ -969,19 +969,6 @@ fn block(l: u64, r: u64, n: u64) -> ferry_plugins_abi::sys::ferry_block_t {
     }
 }
 
-/// A permutation of 0..n from a seed (no rand dependency).
-fn shuffled(n: u64, seed: u64) -> Vec<u64> {
-    let mut v: Vec<u64> = (0..n).collect();
-    let mut x = seed | 1;
-    for i in (1..v.len()).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.swap(i, (x % (i as u64 + 1)) as usize);
-    }
-    v
-}
-
 /// Block lists written and read through the plugin's submit_blocks, and a
 /// many-request submit with bad requests among good ones, verified byte
 /// for byte at both ends; the emulator's counts show how the lists moved
@@ -1025,7 +1012,10 @@ fn scenario_lists() {
     // lengths and offsets and one block longer than the kernel's piece in
     // the last MiB.
     let slots = 4 * MIB / 4096;
-    let (ls, rs) = (shuffled(slots, 3), shuffled(slots, 5));
+    let (ls, rs) = (
+        ferry_tests::shuffled(slots, 3),
+        ferry_tests::shuffled(slots, 5),
+    );
     let mut list: Vec<sys::ferry_block_t> = (0..slots as usize / 2)
         .map(|i| block(ls[i] * 4096, rs[i] * 4096, 4096))
         .collect();

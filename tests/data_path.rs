@@ -204,20 +204,9 @@ fn batches_report_per_request_status_and_cannot_be_freed_in_flight() {
     assert!(remote[..4000] == local[..4000]);
 }
 
-/// Builds the example C plugin (the vendor template) into a fresh directory.
-fn memcpy_plugin_dir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    ferry_tests::compile_shared(
-        &[ferry_tests::repo_root().join("examples/c-plugin/memcpy_transport.c")],
-        &dir.path().join("libferry_transport_memcpy.so"),
-        &["-lpthread"],
-    );
-    dir
-}
-
 #[test]
 fn the_c_plugin_carries_a_real_transfer_between_engines_of_one_process() {
-    let plugins = memcpy_plugin_dir();
+    let plugins = ferry_tests::memcpy_plugin_dir();
     let engine_with_c_plugin = || {
         let mut config = EngineConfig::default();
         config

@@ -16,19 +16,6 @@ fn engine(transports: &str) -> Engine {
     Engine::new(c).expect("engine starts")
 }
 
-/// A permutation of 0..n from a fixed seed.
-fn shuffled(n: u64, seed: u64) -> Vec<u64> {
-    let mut v: Vec<u64> = (0..n).collect();
-    let mut x = seed | 1;
-    for i in (1..v.len()).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.swap(i, (x % (i as u64 + 1)) as usize);
-    }
-    v
-}
-
 /// The target's pool: engine-allocated memory (shm maps it) or a vector
 /// (cross-memory attach, tcp).
 enum Pool {
@@ -147,7 +134,10 @@ fn shuffled_4k_blocks_round_trip_as_lists_over_shm_and_tcp() {
         let d = p.initiator.descriptor_of(p.seg).unwrap();
         let k = d.buffers[0].key(transport).unwrap();
         assert!(k.starts_with(key.as_bytes()), "{transport}: {k:?}");
-        let (local_ids, remote_ids) = (shuffled(BLOCKS, 3), shuffled(BLOCKS, 11));
+        let (local_ids, remote_ids) = (
+            ferry_tests::shuffled(BLOCKS, 3),
+            ferry_tests::shuffled(BLOCKS, 11),
+        );
         transfer(&p, Op::Write, transport, &local_ids, &remote_ids).unwrap();
         for (l, r) in local_ids.iter().zip(&remote_ids) {
             let at = (*l * BLOCK) as usize;

@@ -339,3 +339,29 @@ pub fn user_token() -> Option<ferry_plugins_abi::sdk::auth::Token> {
         .ok()
         .map(|(t, _)| t)
 }
+
+/// A permutation of 0..n from a fixed seed (xorshift; no dependency for
+/// shuffling): blocks in an order nothing coalesces by accident.
+pub fn shuffled(n: u64, seed: u64) -> Vec<u64> {
+    let mut v: Vec<u64> = (0..n).collect();
+    let mut x = seed | 1;
+    for i in (1..v.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
+/// Builds the example C plugin (the vendor template, which moves host
+/// memory between engines of one process) into a fresh directory.
+pub fn memcpy_plugin_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    compile_shared(
+        &[repo_root().join("examples/c-plugin/memcpy_transport.c")],
+        &dir.path().join("libferry_transport_memcpy.so"),
+        &["-lpthread"],
+    );
+    dir
+}

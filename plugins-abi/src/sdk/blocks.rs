@@ -59,16 +59,7 @@ impl<'a> BlockList<'a> {
     /// `raw.remote_key` must be null or valid for `remote_key_len` bytes,
     /// and `raw.blocks` valid for `count` blocks, for `'a`.
     pub unsafe fn from_raw(raw: &sys::ferry_block_list_t) -> Result<BlockList<'a>, PluginError> {
-        let op = match raw.op {
-            sys::FERRY_OP_READ => Op::Read,
-            sys::FERRY_OP_WRITE => Op::Write,
-            other => {
-                return Err(PluginError::new(
-                    ErrorCode::InvalidArgument,
-                    format!("unknown operation {other}"),
-                ))
-            }
-        };
+        let op = Op::from_raw(raw.op)?;
         if raw.blocks.is_null() || raw.count == 0 {
             return Err(PluginError::new(
                 ErrorCode::InvalidArgument,

@@ -510,16 +510,7 @@ pub unsafe extern "C" fn submit_trampoline<P: TransportPlugin>(
             };
             let mut reqs = Vec::with_capacity(raw.len());
             for r in raw {
-                let op = match r.op {
-                    sys::FERRY_OP_READ => Op::Read,
-                    sys::FERRY_OP_WRITE => Op::Write,
-                    other => {
-                        return Err(PluginError::new(
-                            ErrorCode::InvalidArgument,
-                            format!("unknown operation {other}"),
-                        ))
-                    }
-                };
+                let op = Op::from_raw(r.op)?;
                 reqs.push(TransferRequest {
                     op,
                     local_addr: r.local_addr,
