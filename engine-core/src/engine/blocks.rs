@@ -69,11 +69,25 @@ impl Shared {
                 .find(|l| l.id == id)
                 .map(BlockLayout::from_descriptor)
         };
-        if let Some(l) = find(seg) {
-            return Ok(l);
-        }
-        self.segments.refresh(seg, &self.node)?;
-        find(seg).ok_or_else(|| unknown(id, &format!("segment {}", seg.name)))
+        let found = match find(seg) {
+            Some(l) => l,
+            None => {
+                self.segments.refresh(seg, &self.node)?;
+                find(seg).ok_or_else(|| unknown(id, &format!("segment {}", seg.name)))?
+            }
+        };
+        // A peer's numbers are checked before any block offset is computed
+        // from them (an overflowing stride must not wrap into other memory).
+        found.extent().map_err(|e| {
+            Error::new(
+                ErrorCode::Protocol,
+                format!(
+                    "segment {} publishes layout {id} as {}",
+                    seg.name, e.message
+                ),
+            )
+        })?;
+        Ok(found)
     }
 
     /// Adds the blocks of `t` to a batch and starts them: one request per

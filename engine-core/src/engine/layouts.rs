@@ -274,6 +274,13 @@ mod tests {
             .unwrap_err()
             .message
             .contains("address space"));
+        // A peer's stride that would wrap the offsets of later blocks.
+        let huge = BlockLayout {
+            stride: u64::MAX / 2,
+            count: 3,
+            ..L
+        };
+        assert!(huge.extent().is_err());
         // One block needs no stride.
         assert!(BlockLayout {
             stride: 0,
