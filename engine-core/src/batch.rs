@@ -123,13 +123,12 @@ struct Group {
     count: usize,
     /// Completions still expected: 1, or one per request sharing its token.
     parts: usize,
-    /// The first failure of a part, reported when the last part ends.
+    /// The first failure of a part, reported with the last part.
     failed_part: Option<Error>,
     local: Arc<LocalBuffer>,
     done: bool,
     observer: Option<Arc<dyn GroupObserver>>,
-    /// Who retries it once if the peer refuses its key, and its index in
-    /// that hand-over (taken at the first refusal).
+    /// Who retries it once if the peer refuses its key, and its index.
     retry: Option<(Arc<dyn Retry>, usize)>,
     /// Where its completion counts (none with metrics off).
     tally: Option<GroupTally>,
@@ -137,8 +136,7 @@ struct Group {
 
 #[derive(Default)]
 struct BatchState {
-    /// A byte per request (PENDING, COMPLETED, FAILED): 64 KiB for 65,536
-    /// blocks, not 2 MiB of statuses; inline for a few.
+    /// A byte per request (not 2 MiB of statuses for 65,536 blocks).
     states: SmallVec<[u8; 8]>,
     /// Why requests failed: each failed range (start, count) and its error.
     failures: Vec<(usize, usize, Error)>,
@@ -174,9 +172,20 @@ pub struct Batch {
     state: Mutex<BatchState>,
     pending: AtomicUsize,
     done: Condvar,
+    /// How long its last hand-over should take, in ns (0: unknown).
+    expected_ns: AtomicU64,
 }
 
 impl Batch {
+    pub(crate) fn expect(&self, d: Duration) {
+        let ns = d.as_nanos().min(u64::MAX as u128) as u64;
+        self.expected_ns.store(ns, Ordering::Relaxed);
+    }
+
+    pub(crate) fn expected(&self) -> Duration {
+        Duration::from_nanos(self.expected_ns.load(Ordering::Relaxed))
+    }
+
     /// Reserves `count` request slots; returns the index of the first.
     pub(crate) fn reserve(&self, count: usize) -> Result<usize> {
         let mut st = self.state.lock();
@@ -261,9 +270,8 @@ impl Batch {
         let _ = self.complete_group(group, Err(e));
     }
 
-    /// Finishes a group (from a plugin, or the engine when submit failed).
-    /// Returns false when the group is still pending: a refusal went to its
-    /// [`Retry`] instead, or other parts of it are still expected.
+    /// Finishes a group (from a plugin, or the engine when submit failed);
+    /// false while it is still pending (a [`Retry`] took it, or parts left).
     pub(crate) fn complete_group(
         &self,
         group: usize,
@@ -286,8 +294,7 @@ impl Batch {
         }
         if let Err(e) = &result {
             if let Some((retry, index)) = refused_by_peer(e).then(|| g.retry.take()).flatten() {
-                // The first attempt ends here (it is no measurement); the
-                // group, its slots and its local buffer's count stay.
+                // The first attempt ends (no measurement); the group stays.
                 let observer = g.observer.take();
                 drop(st);
                 if let Some(o) = observer {
@@ -346,8 +353,7 @@ impl Batch {
         }
         let hook = st.hook_if_done();
         drop(st);
-        // Measured before waiters wake: what a finished batch showed counts
-        // for the next one.
+        // Measured before waiters wake: it counts for the next batch.
         if let Some(o) = observer {
             o.finished(ok);
         }
@@ -387,17 +393,15 @@ impl Batch {
         Error::new(
             ErrorCode::InvalidArgument,
             format!(
-                "batch {} carries a notification already: it takes no more requests (use a new \
-                 batch)",
+                "batch {} carries a notification: it takes no more requests",
                 self.id
             ),
         )
     }
 
-    /// Attaches a notification: `hook` runs once every request submitted so
-    /// far has finished (now, if none is pending), and the batch stays
-    /// pending until [`Batch::finish_notify`]. After this the batch takes
-    /// no more requests.
+    /// Attaches a notification: `hook` runs once every request so far has
+    /// finished, and the batch stays pending (taking no more requests)
+    /// until [`Batch::finish_notify`].
     pub(crate) fn attach_notify(&self, hook: DoneHook) -> Result<()> {
         let mut st = self.state.lock();
         if st.notify.is_some() {
@@ -466,11 +470,10 @@ impl Batch {
         }
     }
 
-    /// Waits until every submitted request finished or `timeout` passed, and
-    /// returns the status either way. For up to `spin` it polls, calling
-    /// `progress` so that this thread picks up completions itself: a small
-    /// transfer completes within microseconds, much sooner than a sleeping
-    /// thread wakes up (a wake-up costs tens of microseconds on a VM).
+    /// Waits until every request finished or `timeout` passed; returns the
+    /// status either way. For up to `spin` it polls, calling `progress` to
+    /// pick up completions itself: sooner than a sleeping thread wakes up
+    /// (tens of microseconds on a VM).
     pub fn wait(&self, timeout: Duration, spin: Duration, progress: impl FnMut()) -> BatchStatus {
         self.wait_reporting(timeout, spin, progress).0
     }
@@ -535,6 +538,7 @@ impl BatchTable {
             state: Mutex::new(BatchState::default()),
             pending: AtomicUsize::new(0),
             done: Condvar::new(),
+            expected_ns: AtomicU64::new(0),
         });
         self.batches.write().insert(id, batch.clone());
         Ok(batch)

@@ -18,6 +18,7 @@ use ferry_plugins_abi::sys;
 use smallvec::SmallVec;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Requests for one (segment, transport), each with its index in the
 /// plan's `routed` (a few inline: most submissions are small).
@@ -505,6 +506,15 @@ impl Shared {
                 l.bytes,
             );
             batch.observe([(group_of(l.token), 0)], &flight, None);
+            if let Some(mbps) = self
+                .transports
+                .meter
+                .get(l.segment.id, l.transport)
+                .bandwidth()
+            {
+                // Mbit/s, measured from hand-over to completion.
+                batch.expect(Duration::from_secs_f64(l.bytes as f64 * 8.0 / mbps / 1e6));
+            }
             if !l.single_requests {
                 return t.submit_blocks(&peer, &raw);
             }
