@@ -498,11 +498,12 @@ impl Shared {
         let mut raw = l.raw;
         raw.blocks = l.blocks.as_ptr();
         let result = l.segment.peer(l.transport, t).and_then(|peer| {
+            // One completion group for the whole list.
             let flight: Arc<dyn GroupObserver> = Flight::start(
                 self.transports.meter.clone(),
                 l.segment.id,
                 l.transport,
-                l.blocks.len(),
+                1,
                 l.bytes,
             );
             batch.observe([(group_of(l.token), 0)], &flight, None);
