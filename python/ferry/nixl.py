@@ -27,6 +27,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -85,9 +86,17 @@ class nixlNoTelemetryError(nixlError): pass  # noqa: E701
 
 
 class nixlXferTelemetry:
-    """NIXL's telemetry record type (vLLM imports it); never produced here:
-    ``get_xfer_telemetry`` raises nixlNoTelemetryError, as NIXL does when
-    telemetry capture is off. Ferry's figures: ``get_engine().metrics()``."""
+    """NIXL's per-request telemetry (``get_xfer_telemetry`` with
+    ``capture_telemetry=True``, as vLLM's NixlConnector makes its agent):
+    times in microseconds (``startTime`` since the epoch), the bytes and
+    descriptors of the request's last posting. Ferry's own figures:
+    ``get_engine().metrics()``."""
+
+    __slots__ = ("startTime", "postDuration", "xferDuration", "totalBytes", "descCount")
+
+    def __init__(self, startTime=0, postDuration=0, xferDuration=0, totalBytes=0, descCount=0):
+        self.startTime, self.postDuration, self.xferDuration = startTime, postDuration, xferDuration
+        self.totalBytes, self.descCount = totalBytes, descCount
 
 
 def _raise(exc_type, what: str, cause: Optional[BaseException] = None):
@@ -217,6 +226,10 @@ class _Xfer:
     running: List[Transfer] = field(default_factory=list)
     state: str = "INIT"  # INIT, PROC, DONE, ERR
     notif_due: bool = False
+    #: telemetry: bytes and descriptors, start (epoch us), post and transfer durations (us)
+    nbytes: int = 0
+    ndescs: int = 0
+    times: Tuple[int, int, int] = (0, 0, 0)
 
 
 class nixl_agent:
@@ -239,6 +252,7 @@ class nixl_agent:
         except FerryError as e:
             _from_ferry(e, "nixl_agent: the Ferry engine did not start")
         self._token = nixl_metadata.cluster_token()
+        self._telemetry = bool(conf.capture_telemetry)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._remotes: Dict[str, Segment] = {}
@@ -570,7 +584,7 @@ class nixl_agent:
         lens = lp.rows[li, 1]
         if not np.array_equal(lens, rp.rows[ri, 1]):
             _raise(nixlInvalidParamError, "make_prepped_xfer: local and remote descriptors differ in length")
-        x = _Xfer(op, rp.agent, _as_bytes(notif_msg), None, None)
+        x = _Xfer(op, rp.agent, _as_bytes(notif_msg), None, None, nbytes=int(lens.sum()), ndescs=len(li))
         if lp.runs is not None and rp.runs is not None:
             x.groups = _group(*lp.blocks(li), *rp.blocks(ri))
         else:
@@ -584,7 +598,8 @@ class nixl_agent:
         lr, rr = local_descs.rows(), remote_descs.rows()
         if len(lr) != len(rr) or not np.array_equal(lr[:, 1], rr[:, 1]):
             _raise(nixlInvalidParamError, "initialize_xfer: the lists differ in count or lengths")
-        x = _Xfer(op, _name(remote_agent), _as_bytes(notif_msg), None, (lr[:, 0].copy(), rr[:, 0].copy(), lr[:, 1].copy()))
+        x = _Xfer(op, _name(remote_agent), _as_bytes(notif_msg), None, (lr[:, 0].copy(), rr[:, 0].copy(), lr[:, 1].copy()),
+                  nbytes=int(lr[:, 1].sum()), ndescs=len(lr))
         return self._new_xfer(x)
 
     def _new_xfer(self, x: _Xfer):
@@ -622,6 +637,7 @@ class nixl_agent:
             x.notif = _as_bytes(notif_msg)
         seg = self._segment(x.agent, "transfer")
         x.running, x.notif_due = [], bool(x.notif)
+        t0 = time.monotonic_ns()
         try:
             if x.groups is not None:
                 submit = seg.submit_write_blocks if x.op == "write" else seg.submit_read_blocks
@@ -633,6 +649,7 @@ class nixl_agent:
             logger.error("ferry.nixl: transfer to %r: %s", x.agent, e)
             x.state = "ERR"
             return "ERR"
+        x.times = (time.time_ns() // 1000, (time.monotonic_ns() - t0) // 1000, t0)
         x.state = "PROC"
         return self._update(x)
 
@@ -655,15 +672,23 @@ class nixl_agent:
                 logger.error("ferry.nixl: notification to %r: %s", x.agent, e)
                 x.state = "ERR"
                 return "ERR"
+        start, post, t0 = x.times
+        x.times = (start, post, (time.monotonic_ns() - t0) // 1000)  # t0 -> the transfer's duration
         x.state = "DONE"
         return "DONE"
 
     def check_xfer_state(self, handle) -> str:
         return self._update(self._xfer(handle))
 
-    def get_xfer_telemetry(self, handle):
-        self._xfer(handle)
-        raise nixlNoTelemetryError("ferry.nixl keeps no per-request telemetry: see get_engine().metrics()")
+    def get_xfer_telemetry(self, handle) -> nixlXferTelemetry:
+        """The request's last posting: with ``capture_telemetry`` only, as
+        NIXL (else nixlNoTelemetryError). Durations are wall time seen by
+        this agent: the submission, and post to the DONE it observed."""
+        x = self._xfer(handle)
+        if not self._telemetry:
+            raise nixlNoTelemetryError("telemetry capture is off (nixl_agent_config(capture_telemetry=True) turns it on)")
+        start, post, xfer = x.times if x.state == "DONE" else (*x.times[:2], 0)
+        return nixlXferTelemetry(start, post, xfer, x.nbytes, x.ndescs)
 
     def release_xfer_handle(self, handle):
         handle.release()

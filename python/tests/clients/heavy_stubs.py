@@ -16,8 +16,9 @@ custom-op registration (``torch.library.Library``), dtype objects and
 ``infer_schema`` (a schema string from the signature; vLLM's IR parses
 it), ``register_fake`` and ``triton_op`` (decorators that register),
 ``torch.Tensor.__int__`` and friends as values, ``nn.Module``
-subclasses constructed at import (running one raises), and tensor
-constants (``torch.tensor``/``zeros``/...) that raise on any use. ABSENT
+subclasses constructed at import (running one raises), tensor
+constants (``torch.tensor``/``zeros``/...) that raise on any use, and
+``torch.tensor([], dtype=d).element_size()`` (vLLM's dtype-size helper). ABSENT
 names real torch lacks (``hasattr(torch, "npu")`` probes).
 """
 
@@ -189,8 +190,23 @@ def _schema(f):
     return "(" + ", ".join(f"Tensor {p}" for p in sig.parameters) + ") -> " + returns
 
 
+class _EmptyOf:
+    """``torch.tensor([], dtype=d)``: vLLM's ``get_dtype_size`` asks an
+    empty tensor its ``element_size()``, a fact of the dtype; nothing else."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def element_size(self):
+        return self.dtype.itemsize
+
+
 def _maker(name):
-    return lambda *args, **kwargs: _Inert(f"torch.{name}")
+    def make(*args, **kwargs):
+        if name == "tensor" and args and args[0] == [] and isinstance(kwargs.get("dtype"), _DType):
+            return _EmptyOf(kwargs["dtype"])
+        return _Inert(f"torch.{name}")
+    return make
 
 
 #: The few stub calls that must answer, each the truthful answer on a
@@ -219,6 +235,9 @@ ANSWERS = {
     "torch.iinfo": _info,
     "torch.dtype": _DType,
     **{f"torch.{n}": d for n, d in DTYPES.items()},
+    # torch's own CPU set_device does nothing (vLLM's CPU platform calls it
+    # before a NIXL handshake).
+    "torch.cpu.set_device": lambda *a, **k: None,
     "torch.no_grad": _GradMode,
     "torch.inference_mode": _GradMode,
     "torch.enable_grad": _GradMode,

@@ -2,8 +2,9 @@
 0.5.6's ``mooncake_te`` transfer channel, SGLang 0.5.23's
 ``MooncakeTransferEngine`` and ``MooncakeKVManager`` send paths
 (sglang_peer.py) and vLLM 0.34.0's ``MooncakeConnectorWorker`` and
-encoder-cache ``MooncakeTransfer`` (vllm_peer.py; both installed by
-FERRY_REAL_CLIENTS=full), installed from PyPI with
+encoder-cache ``MooncakeTransfer`` (vllm_peer.py), and its
+``NixlConnectorWorker`` on ``ferry.nixl`` (vllm_nixl_peer.py; vLLM and
+SGLang installed by FERRY_REAL_CLIENTS=full), installed from PyPI with
 --no-deps into its own venv (target/clients-venv, made by
 scripts/test-clients) with ``mooncake.engine`` resolving to
 ``ferry.TransferEngine`` (a ``ferry-as-mooncake.pth`` line), in two
@@ -250,3 +251,50 @@ def test_vllm_mooncake_connector_sends_blocks_and_survives_sleep_and_wake_up():
                 assert ask(target, {"sleep": 3}) == {"ok": True, "unregistered": False}
     finally:
         close(*(p for p in (initiator, target) if p is not None))
+
+
+# --- vLLM 0.34.0's NixlConnector on ferry.nixl (vllm_nixl_peer.py) ----------
+
+
+def vllm_nixl(*args, **extra):
+    return subprocess.Popen([sys.executable, str(HERE / "vllm_nixl_peer.py"), *map(str, args)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env(**extra), cwd=str(HERE))
+
+
+@needs_vllm
+def test_vllm_nixl_connector_worker_pulls_blocks_by_id_with_notifications():
+    """vLLM's NixlConnectorWorker (pull) on both sides, unedited, on
+    ferry.nixl through ``ferry.nixl.install()`` (made with __new__,
+    vllm_nixl_peer.py says which attributes and the one platform stand-in):
+    register_kv_caches over host-memory tensors; D's start_load_kv runs
+    vLLM's ZMQ handshake against P's own side-channel listener
+    (compatibility hash, NixlAgentMetadata, add_remote_agent), then reads
+    ten blocks of four layers by id (make_prepped_xfer READ with the
+    request's notification); get_finished reports the request received on
+    D with the bytes in place and sent on P (the notification). A second
+    request reuses the handshake."""
+    prefill = vllm_nixl("prefill", FERRY_AUTH_TOKEN=TOKEN)
+    decode = None
+    try:
+        line = prefill.stdout.readline()
+        assert line, f"prefill did not start:\n{prefill.communicate(timeout=30)[1][-4000:]}"
+        info = json.loads(line)
+        decode = vllm_nixl("decode", json.dumps(info), FERRY_AUTH_TOKEN=TOKEN)
+        for rnd, req in enumerate(("req-1", "req-2")):
+            for p in (prefill, decode):
+                p.stdin.write(json.dumps({"req": req}) + "\n")
+                p.stdin.flush()
+            line = decode.stdout.readline()
+            assert line, f"decode stopped ({req}):\n{decode.stderr.read()[-4000:]}"
+            d = json.loads(line)
+            assert d["agent"] == "ferry.nixl" and d["handshake"] == (rnd == 0), d
+            assert d["done"] == [req] and d["failed"] == [] and d["failed_transfers"] == 0, d
+            assert len(d["ok"]) == 40 and all(d["ok"]) and d["untouched_zero"], d
+            # vLLM's stats come from get_xfer_telemetry: 40 descriptors of 2 KiB a request.
+            assert (d["descs"], d["bytes"]) == (40 * (rnd + 1), 40 * 2048 * (rnd + 1)), d
+            line = prefill.stdout.readline()
+            assert line, f"prefill stopped ({req}):\n{prefill.stderr.read()[-4000:]}"
+            assert json.loads(line) == {"sent": [req], "pending": []}
+    finally:
+        close(*(p for p in (decode, prefill) if p is not None))
