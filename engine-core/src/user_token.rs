@@ -88,7 +88,7 @@ fn locate(env: &dyn Fn(&str) -> Option<OsString>, uid: libc::uid_t) -> Result<Ba
         // caller's): not ours to use; the configuration directory is.
         if let Ok(dir) = open_dir(&run) {
             if dir.metadata().is_ok_and(|m| m.uid() == uid) {
-                check_dir(&dir, &run, "XDG_RUNTIME_DIR", uid)?;
+                check_dir(&dir, &run, "XDG_RUNTIME_DIR", uid, false)?;
                 return Ok(Base {
                     path: run,
                     var: "XDG_RUNTIME_DIR",
@@ -154,14 +154,16 @@ fn refused(path: &Path, why: impl std::fmt::Display) -> Error {
     )
 }
 
-/// A directory unfit to hold the token: names it, what is wrong, and the
-/// variable that chose it.
-fn unfit_dir(path: &Path, var: &str, why: impl std::fmt::Display) -> Error {
+/// A directory unfit to hold the token: names it, what is wrong, what to
+/// do about it (`fix`, for a directory of Ferry's own) and the variable
+/// that chose it.
+fn unfit_dir(path: &Path, var: &str, why: impl std::fmt::Display, fix: Option<&str>) -> Error {
+    let fix = fix.map(|f| format!("{f}, or ")).unwrap_or_default();
     Error::new(
         ErrorCode::Permission,
         format!(
             "per-user token directory {}: {why}, so another user could choose the token; \
-             fix it, or point {var} at a directory only this user can write, or set \
+             {fix}point {var} at a directory only this user can write, or set \
              FERRY_AUTH_TOKEN or FERRY_AUTH_TOKEN_FILE, or FERRY_AUTH=off",
             path.display()
         ),
@@ -169,19 +171,25 @@ fn unfit_dir(path: &Path, var: &str, why: impl std::fmt::Display) -> Error {
 }
 
 /// Refuses a directory (already opened) that is not ours or that group or
-/// others may write.
-fn check_dir(dir: &File, path: &Path, var: &str, uid: libc::uid_t) -> Result<()> {
-    let meta = dir
-        .metadata()
-        .map_err(|e| unfit_dir(path, var, format!("cannot inspect it: {e}")))?;
+/// others may write; `ferry` when it is the `ferry/` directory (which the
+/// user may remove or chmod), not one the environment named.
+fn check_dir(dir: &File, path: &Path, var: &str, uid: libc::uid_t, ferry: bool) -> Result<()> {
+    let meta = dir.metadata().map_err(|e| {
+        Error::new(
+            ErrorCode::Permission,
+            format!("per-user token directory {}: {e}", path.display()),
+        )
+    })?;
+    let remove = ferry.then_some("remove it");
     if !meta.is_dir() {
-        return Err(unfit_dir(path, var, "is not a directory"));
+        return Err(unfit_dir(path, var, "is not a directory", remove));
     }
     if meta.uid() != uid {
         return Err(unfit_dir(
             path,
             var,
             format!("belongs to uid {}, not to this user ({uid})", meta.uid()),
+            remove,
         ));
     }
     if meta.mode() & 0o022 != 0 {
@@ -192,6 +200,7 @@ fn check_dir(dir: &File, path: &Path, var: &str, uid: libc::uid_t) -> Result<()>
                 "group or others may write it (mode {:o})",
                 meta.mode() & 0o7777
             ),
+            ferry.then_some("chmod 700 it"),
         ));
     }
     Ok(())
@@ -243,12 +252,14 @@ fn token_dir(base: Base, uid: libc::uid_t) -> Result<TokenDir> {
     let file =
         open_at(&base_dir, DIR_NAME, dir_flags(true), 0).map_err(|e| match e.raw_os_error() {
             Some(libc::ELOOP | libc::ENOTDIR) if is_link(&base_dir, DIR_NAME) => {
-                unfit_dir(&path, base.var, "is a symbolic link")
+                unfit_dir(&path, base.var, "is a symbolic link", Some("remove it"))
             }
-            Some(libc::ELOOP | libc::ENOTDIR) => unfit_dir(&path, base.var, "is not a directory"),
+            Some(libc::ELOOP | libc::ENOTDIR) => {
+                unfit_dir(&path, base.var, "is not a directory", Some("remove it"))
+            }
             _ => refused(&token, format!("cannot open its directory: {e}")),
         })?;
-    check_dir(&file, &path, base.var, uid)?;
+    check_dir(&file, &path, base.var, uid, true)?;
     Ok(TokenDir {
         file,
         path,

@@ -173,7 +173,7 @@ fn a_token_directory_others_may_write_is_refused() {
             &[
                 &ferry.display().to_string(),
                 &format!("group or others may write it (mode {mode:o})"),
-                "point XDG_CONFIG_HOME at",
+                "chmod 700 it, or point XDG_CONFIG_HOME at",
             ],
         );
     }
@@ -186,7 +186,13 @@ fn a_token_directory_that_is_a_symbolic_link_is_refused() {
     std::fs::create_dir(&real).unwrap();
     chmod(&real, 0o700);
     std::os::unix::fs::symlink(&real, dir.path().join("ferry")).unwrap();
-    assert_refused(load(dir.path()), &["ferry: is a symbolic link"]);
+    assert_refused(
+        load(dir.path()),
+        &[
+            "ferry: is a symbolic link",
+            "remove it, or point XDG_CONFIG_HOME",
+        ],
+    );
 }
 
 #[test]
@@ -223,7 +229,7 @@ fn a_runtime_directory_others_may_write_is_refused() {
             &[
                 &run.path().display().to_string(),
                 &format!("group or others may write it (mode {mode:o})"),
-                "point XDG_RUNTIME_DIR at",
+                "token; point XDG_RUNTIME_DIR at",
             ],
         );
     }
