@@ -163,6 +163,42 @@ impl NativeEngine {
         }
     }
 
+    /// A transfer by layouts, submitted (its batch id) or waited for
+    /// (`wait`: 0 once done), the GIL released.
+    fn blocks(
+        &self,
+        py: Python<'_>,
+        wait: bool,
+        op: &str,
+        segment: u64,
+        (local, local_ids, remote, remote_ids): (u32, AddrList, u32, AddrList),
+        transport: Option<String>,
+    ) -> PyResult<u64> {
+        let op = parse_op(py, op)?;
+        let engine = self.get(py)?;
+        let transport = transport.filter(|t| !t.is_empty());
+        py.detach(|| {
+            let t = BlockTransfer {
+                op,
+                segment,
+                local,
+                local_ids: &local_ids.0,
+                remote,
+                remote_ids: &remote_ids.0,
+                transport: transport.as_deref(),
+            };
+            if wait {
+                return engine.transfer_blocks(&t).map(|()| 0);
+            }
+            let batch = engine.allocate_batch(local_ids.0.len().max(1))?;
+            engine
+                .submit_blocks(batch, &t)
+                .map(|()| batch)
+                .inspect_err(|_| drop(engine.free_batch(batch)))
+        })
+        .map_err(|e| ferry_err(py, e))
+    }
+
     fn requests(
         &self,
         py: Python<'_>,
@@ -606,29 +642,8 @@ impl NativeEngine {
         remote_ids: AddrList,
         transport: Option<String>,
     ) -> PyResult<u64> {
-        let op = parse_op(py, op)?;
-        let engine = self.get(py)?;
-        let transport = transport.filter(|t| !t.is_empty());
-        py.detach(|| {
-            let batch = engine.allocate_batch(local_ids.0.len().max(1))?;
-            let t = BlockTransfer {
-                op,
-                segment,
-                local: local_layout,
-                local_ids: &local_ids.0,
-                remote: remote_layout,
-                remote_ids: &remote_ids.0,
-                transport: transport.as_deref(),
-            };
-            match engine.submit_blocks(batch, &t) {
-                Ok(()) => Ok(batch),
-                Err(e) => {
-                    let _ = engine.free_batch(batch);
-                    Err(e)
-                }
-            }
-        })
-        .map_err(|e| ferry_err(py, e))
+        let ids = (local_layout, local_ids, remote_layout, remote_ids);
+        self.blocks(py, false, op, segment, ids, transport)
     }
 
     /// [`submit_blocks`] waited for (the GIL released); raises on the first
@@ -646,21 +661,8 @@ impl NativeEngine {
         remote_ids: AddrList,
         transport: Option<String>,
     ) -> PyResult<()> {
-        let op = parse_op(py, op)?;
-        let engine = self.get(py)?;
-        let transport = transport.filter(|t| !t.is_empty());
-        py.detach(|| {
-            engine.transfer_blocks(&BlockTransfer {
-                op,
-                segment,
-                local: local_layout,
-                local_ids: &local_ids.0,
-                remote: remote_layout,
-                remote_ids: &remote_ids.0,
-                transport: transport.as_deref(),
-            })
-        })
-        .map_err(|e| ferry_err(py, e))
+        let ids = (local_layout, local_ids, remote_layout, remote_ids);
+        self.blocks(py, true, op, segment, ids, transport).map(drop)
     }
 
     /// Stops the engine: its listener closes, peers can no longer reach its
