@@ -20,50 +20,24 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
-from pathlib import Path
 from typing import Optional, Tuple
+
+from .lib import _ferry
 
 MAGIC = b"FERRY-NIXL-MD/1\n"
 _CONTEXT = b"ferry-nixl-metadata-v1\0"
 
 
-def _user_token_path() -> Optional[Path]:
-    """Where the engine keeps this user's token (engine-core/src/user_token.rs)."""
-    uid = os.geteuid()
-    run = os.environ.get("XDG_RUNTIME_DIR")
-    if run and os.path.isabs(run):
-        try:
-            st = os.stat(run)
-            if os.path.isdir(run) and st.st_uid == uid:
-                return Path(run) / "ferry" / "token"
-        except OSError:
-            pass
-    config = os.environ.get("XDG_CONFIG_HOME")
-    if not (config and os.path.isabs(config)):
-        home = os.environ.get("HOME") or os.path.expanduser("~")
-        config = os.path.join(home, ".config")
-    return Path(config) / "ferry" / "token"
-
-
 def cluster_token(configured: Optional[str] = None) -> Optional[bytes]:
     """The token the engine authenticates with, as bytes; None with
-    FERRY_AUTH=off. Same order as the engine: the ``auth_token`` given,
-    FERRY_AUTH_TOKEN, FERRY_AUTH_TOKEN_FILE, then this user's token file
-    (which the engine created when it started)."""
-    if configured:
-        return configured.strip().encode()
-    if os.environ.get("FERRY_AUTH", "").strip().lower() in ("off", "0", "false", "no"):
-        return None
-    if os.environ.get("FERRY_AUTH_TOKEN"):
-        return os.environ["FERRY_AUTH_TOKEN"].strip().encode()
-    path = os.environ.get("FERRY_AUTH_TOKEN_FILE")
-    if path:
-        return Path(path).read_text().strip().encode()
-    user = _user_token_path()
-    if user is not None and user.is_file():
-        return user.read_text().strip().encode()
-    return None
+    FERRY_AUTH=off. The engine's own rule decides (native
+    ``cluster_token``): the ``auth_token`` given, FERRY_AUTH_TOKEN,
+    FERRY_AUTH_TOKEN_FILE, then this user's token file, opened without
+    following a symbolic link and checked (owner, mode) as the engine checks
+    it; a refusal raises FerryError with its reason."""
+    options = [("auth_token", configured.strip())] if configured else []
+    token = _ferry.cluster_token(options)
+    return None if token is None else token.encode()
 
 
 def _proof(token: bytes, payload: bytes) -> str:

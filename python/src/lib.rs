@@ -58,6 +58,27 @@ fn effective_config(
 /// objects with `__index__`) or a 1-D array of 8-byte integers, by the one
 /// rule every address and length list follows (`addrs::AddrList`); a
 /// TypeError or OverflowError says which item is wrong.
+/// The token an engine started with these options (over the FERRY_*
+/// variables) authenticates with, as its text; None with FERRY_AUTH=off.
+/// With none configured it is this user's token file, read and checked
+/// (owner, mode, no symbolic link) exactly as an engine reads it: the
+/// refusal, if any, is the error.
+#[pyfunction]
+fn cluster_token(py: Python<'_>, options: Vec<(String, String)>) -> PyResult<Option<String>> {
+    py.detach(|| -> ferry_core::Result<Option<String>> {
+        let mut config = ferry_core::EngineConfig::from_env()?;
+        for (k, v) in &options {
+            config.set(k, v)?;
+        }
+        Ok(match (&config.auth_token, config.auth_off) {
+            (Some(t), _) => Some(t.expose()),
+            (None, true) => None,
+            (None, false) => Some(ferry_core::user_token::load_or_create()?.0.expose()),
+        })
+    })
+    .map_err(|e| ferry_err(py, e))
+}
+
 #[pyfunction]
 fn int_list(values: addrs::AddrList) -> Vec<u64> {
     values.0
@@ -101,6 +122,7 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(info_report, m)?)?;
     m.add_function(wrap_pyfunction!(error_codes, m)?)?;
     m.add_function(wrap_pyfunction!(int_list, m)?)?;
+    m.add_function(wrap_pyfunction!(cluster_token, m)?)?;
     m.add_function(wrap_pyfunction!(plugin_search_path, m)?)?;
     m.add_function(wrap_pyfunction!(effective_config, m)?)?;
     Ok(())

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import ferry
 import ferry.nixl as nixl
 from ferry import nixl_metadata
 
@@ -118,3 +119,19 @@ def test_metadata_through_etcd(etcd_url, monkeypatch):
     finally:
         b.close()
         a.close()
+
+
+def test_the_user_token_is_read_with_the_engines_checks(tmp_path, monkeypatch):
+    # A token directory another user could write (XDG_RUNTIME_DIR=/tmp, the
+    # race of issue 34): refused with the engine's reason, never read.
+    for var in ("FERRY_AUTH_TOKEN", "FERRY_AUTH_TOKEN_FILE", "FERRY_AUTH"):
+        monkeypatch.delenv(var, raising=False)
+    shared = tmp_path / "run"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(shared))
+    with pytest.raises(ferry.FerryError) as e:
+        nixl_metadata.cluster_token()
+    assert "group or others may write it" in str(e.value)
+    # A token given explicitly is used as it is.
+    assert nixl_metadata.cluster_token("s3cret") == b"s3cret"
