@@ -13,6 +13,16 @@ use ferry_plugins_abi::sdk::{
 use ferry_plugins_abi::ErrorCode;
 use std::sync::Arc;
 
+thread_local! {
+    /// A block list's descriptors, kept for the thread's next list: 65,536
+    /// blocks are 1.5 MiB, which the allocator would map, fault in and
+    /// unmap on every list.
+    static SPARE: std::cell::Cell<Vec<Desc>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// Most descriptors a kept list holds (24 MiB).
+const SPARE_MAX: usize = 1 << 20;
+
 impl CudaIpcInstance {
     /// What a run of requests with one key and one local registration
     /// needs before their copies are queued: decoded, looked up, checked as
@@ -129,19 +139,23 @@ impl CudaIpcInstance {
         check_local(&res.local, list.local_addr, local_end)?;
         let view = res.import.view()?;
         let remote = view.local(list.remote_addr, remote_end)?;
-        let copies: Vec<Desc> = list
-            .blocks
-            .iter()
-            .map(|b| {
-                desc(
-                    list.op,
-                    list.local_addr + b.local_offset,
-                    remote + b.remote_offset,
-                    b.length,
-                )
-            })
-            .collect();
-        let event = self.gpus.copy_list(res.gpu, &copies, res.device_only)?;
+        let mut copies = SPARE.with(|s| s.take());
+        copies.clear();
+        copies.extend(list.blocks.iter().map(|b| {
+            desc(
+                list.op,
+                list.local_addr + b.local_offset,
+                remote + b.remote_offset,
+                b.length,
+            )
+        }));
+        let queued = self.gpus.copy_list(res.gpu, &copies, res.device_only);
+        // The descriptors are in the launch's ring (or queued) now: keep
+        // their memory for this thread's next list.
+        if copies.capacity() <= SPARE_MAX {
+            SPARE.with(|s| s.set(copies));
+        }
+        let event = queued?;
         drop(view);
         self.copies.add(vec![InFlight {
             event,
