@@ -231,64 +231,10 @@ fn a_listener_other_hosts_can_reach_needs_a_token_or_an_explicit_off() {
 /// to an abstract Unix name, sends `msg` and collects what comes back until
 /// the other end closes (or 5 s pass).
 fn seqpacket_exchange(name: &[u8], msg: &[u8]) -> Vec<u8> {
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-    // SAFETY: plain socket(2); the result is checked before use and owned.
-    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) };
-    assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
-    // SAFETY: fd is a fresh descriptor nobody else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: a zeroed sockaddr_un is a valid value.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    assert!(name.len() < addr.sun_path.len());
-    for (d, s) in addr.sun_path[1..].iter_mut().zip(name) {
-        *d = *s as libc::c_char;
-    }
-    let len = std::mem::size_of::<libc::sa_family_t>() + 1 + name.len();
-    let tv = libc::timeval {
-        tv_sec: 5,
-        tv_usec: 0,
-    };
-    // SAFETY: valid fd, address of `len` bytes, and a timeval of its size.
-    unsafe {
-        assert_eq!(
-            libc::connect(
-                fd.as_raw_fd(),
-                (&addr as *const libc::sockaddr_un).cast(),
-                len as libc::socklen_t
-            ),
-            0,
-            "connect: {}",
-            std::io::Error::last_os_error()
-        );
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            (&tv as *const libc::timeval).cast(),
-            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
-        );
-    }
-    // SAFETY: msg is valid for its length; a failed send is fine here (the
-    // peer may already have closed).
-    unsafe {
-        libc::send(
-            fd.as_raw_fd(),
-            msg.as_ptr().cast(),
-            msg.len(),
-            libc::MSG_NOSIGNAL,
-        )
-    };
-    let mut got = Vec::new();
-    let mut buf = [0u8; 4096];
-    loop {
-        // SAFETY: buf is valid for its length; ancillary data (passed
-        // descriptors) is not asked for, so none is received.
-        let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-        if n <= 0 {
-            break;
-        }
-        got.extend_from_slice(&buf[..n as usize]);
-    }
-    got
+    use std::io::Write;
+    assert!(name.len() < 107, "an abstract name of {} bytes", name.len());
+    let mut s = ferry_tests::listeners::Seq::connect(name).expect("connect");
+    // A failed send is fine here (the peer may already have closed).
+    let _ = s.write(msg);
+    ferry_tests::listeners::read_to_close(&mut s)
 }

@@ -107,11 +107,14 @@ fn samples(dir: &Path) -> Vec<(&'static str, String)> {
         ("auth_token", "s3cret".into()),
         ("auth", "required".into()),
         ("select", "declared".into()),
+        ("prefer", "tcp".into()),
         ("metrics", "off".into()),
+        ("hugepages", "off".into()),
         ("metrics_listen", "127.0.0.1:9464".into()),
         ("auth_timeout_ms", "750".into()),
         ("auth_max_pending", "32".into()),
         ("auth_max_pending_per_host", "4".into()),
+        ("control_max_per_host", "16".into()),
         ("integrity", "payload".into()),
     ]
     .into_iter()

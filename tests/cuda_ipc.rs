@@ -13,11 +13,10 @@
 //! depends on timing.
 
 use ferry_core::{Engine, EngineConfig, Location, Op, Request, SegmentId};
-use ferry_tests::{built, c_compiler, pattern};
+use ferry_tests::{built, pattern};
 use std::io::{BufRead, BufReader, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::OnceLock;
 
 const CHILD: &str = "FERRY_CUDA_IPC_TEST_CHILD";
 const MIB: u64 = 1 << 20;
@@ -30,35 +29,7 @@ const SECOND: (u64, u64) = (6 * MIB + 4096, 5 * MIB);
 // ---- the parent's side ---------------------------------------------------
 
 fn emulator() -> &'static Path {
-    static LIB: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    &LIB.get_or_init(|| {
-        let dir = tempfile::tempdir().unwrap();
-        let out = dir.path().join("libcuda.so.1");
-        let src = ferry_tests::repo_root().join("tests/cuda-emulator/libcuda.c");
-        let o = Command::new(c_compiler())
-            .args([
-                "-shared",
-                "-fPIC",
-                "-std=gnu11",
-                "-O1",
-                "-Wall",
-                "-Wextra",
-                "-Werror",
-            ])
-            .args(["-fvisibility=hidden", "-Wl,-soname,libcuda.so.1", "-o"])
-            .arg(&out)
-            .arg(&src)
-            .arg("-lpthread")
-            .output()
-            .expect("run the C compiler");
-        assert!(
-            o.status.success(),
-            "building the CUDA emulator failed:\n{}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        (dir, out)
-    })
-    .1
+    ferry_tests::cuda_emulator()
 }
 
 /// Runs the ignored test `name` in a child process with the emulator and
@@ -258,6 +229,19 @@ fn target_process() {
                 // SAFETY: back is live for len bytes; addr is our device memory.
                 unsafe { e.copy_memory(back.as_mut_ptr() as u64, addr, len) }.unwrap();
                 format!("ok {:016x}", fnv(&back))
+            }
+            ["layout", base, block, stride, count] => {
+                let n = |w: &str| w.parse::<u64>().unwrap();
+                let l = ferry_core::BlockLayout {
+                    base: n(base),
+                    block_size: n(block),
+                    stride: n(stride),
+                    count: n(count),
+                };
+                match e.register_layout(l) {
+                    Ok(id) => format!("ok {id}"),
+                    Err(err) => format!("error {err}"),
+                }
             }
             _ => "unknown".to_string(),
         };
@@ -961,6 +945,44 @@ impl Raw {
     }
 }
 
+/// One side of a layout list: (base, stride, block count).
+type Side = (u64, u64, u64);
+
+impl Raw {
+    /// Blocks `ids.0[i]` of the local layout to or from `ids.1[i]` of the
+    /// peer's, through the plugin's submit_layouts, waited for.
+    fn layouts(
+        &self,
+        op: u32,
+        local: (Side, u64),
+        remote: Side,
+        block_size: u64,
+        ids: (&[u64], &[u64]),
+        token: u64,
+    ) -> Result<(), ferry_core::Error> {
+        let list = ferry_plugins_abi::sys::ferry_layout_list_t {
+            op,
+            reserved: 0,
+            local_base: local.0 .0,
+            local_stride: local.0 .1,
+            local_blocks: local.0 .2,
+            local_mem: local.1,
+            remote_base: remote.0,
+            remote_stride: remote.1,
+            remote_blocks: remote.2,
+            remote_key: self.key.as_ptr(),
+            remote_key_len: self.key.len(),
+            block_size,
+            local_ids: ids.0.as_ptr(),
+            remote_ids: ids.1.as_ptr(),
+            count: ids.0.len(),
+            token,
+        };
+        self.raw.submit_layouts(&self.peer, &list)?;
+        self.wait(token)
+    }
+}
+
 fn block(l: u64, r: u64, n: u64) -> ferry_plugins_abi::sys::ferry_block_t {
     ferry_plugins_abi::sys::ferry_block_t {
         local_offset: l,
@@ -1145,9 +1167,230 @@ fn scenario_lists() {
         format!("ok {:016x}", fnv(&remote)),
         "the good requests landed, the bad ones did not"
     );
+    // Blocks by layout and index (submit_layouts): strided layouts on both
+    // sides, 4 KiB blocks and blocks longer than the kernel's piece (odd
+    // lengths, unaligned bases), written and read back, as the indices say.
+    assert!(r.raw.takes_layout_lists());
+    let data3 = pattern(len as usize, 53);
+    fill(&e, src.0, &data3);
+    fill(&e, dst.0, &vec![0u8; len as usize]);
+    let all = || [emu_calls(0), emu_calls(1), emu_calls(2), emu_calls(3)];
+    for (n, (block_size, lstride, rstride, rbase)) in [
+        (4096u64, 8192u64, 12_288u64, 100u64),
+        (40 * 1024 + 12, 40 * 1024 + 12, 45 * 1024, 7),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let lcount = (4 * MIB - block_size) / lstride + 1;
+        let rcount = (4 * MIB - rbase - block_size) / rstride + 1;
+        let count = lcount.min(rcount) * 2 / 3;
+        let lids: Vec<u64> =
+            ferry_tests::shuffled(lcount, 11 + n as u64)[..count as usize].to_vec();
+        let rids: Vec<u64> =
+            ferry_tests::shuffled(rcount, 13 + n as u64)[..count as usize].to_vec();
+        let as_blocks: Vec<sys::ferry_block_t> = lids
+            .iter()
+            .zip(&rids)
+            .map(|(&l, &rr)| block(l * lstride, rbase + rr * rstride, block_size))
+            .collect();
+        let local_side = |b: (u64, u64)| ((b.0, lstride, lcount), b.1);
+        let remote_side = (t.first + rbase, rstride, rcount);
+        let before = all();
+        r.layouts(
+            sys::FERRY_OP_WRITE,
+            local_side(src),
+            remote_side,
+            block_size,
+            (&lids, &rids),
+            200 + n as u64,
+        )
+        .unwrap();
+        let after = all();
+        apply(&mut remote, &data3, &as_blocks, true);
+        assert_eq!(
+            t.ask(&format!("hash {} {len}", t.first)),
+            format!("ok {:016x}", fnv(&remote)),
+            "the blocks written where the indices say, and nothing else"
+        );
+        let moved: Vec<i64> = (0..4).map(|k| after[k] - before[k]).collect();
+        let want = match expect.as_str() {
+            "kernel" => vec![0, 0, 0, 1],
+            "batch" => vec![0, 0, 1, 0],
+            _ => vec![count as i64, 0, 0, 0],
+        };
+        assert_eq!(
+            moved, want,
+            "copy calls (memcpy, list launches, batches, layout launches)"
+        );
+        r.layouts(
+            sys::FERRY_OP_READ,
+            local_side(dst),
+            remote_side,
+            block_size,
+            (&lids, &rids),
+            210 + n as u64,
+        )
+        .unwrap();
+        let mut want_local = vec![0u8; len as usize];
+        apply(&mut want_local, &remote, &as_blocks, false);
+        assert!(
+            read(&e, dst.0, len) == want_local,
+            "the blocks read where the indices say, and nothing else"
+        );
+        // Zeros again for the next case.
+        fill(&e, dst.0, &vec![0u8; len as usize]);
+
+        // An index past its layout, or a layout that runs past the peer's
+        // registration, is refused whole before anything moves.
+        let before = all();
+        let mut bad_local = lids.clone();
+        bad_local[count as usize / 2] = lcount;
+        let mut bad_remote = rids.clone();
+        bad_remote[0] = rcount + 5;
+        // Its last block ends past the peer's registration of `len` bytes.
+        let too_long = (t.first + rbase, rstride, len / rstride + 2);
+        for (ids, side, code, what) in [
+            (
+                (&bad_local[..], &rids[..]),
+                remote_side,
+                ErrorCode::OutOfBounds,
+                "the local index",
+            ),
+            (
+                (&lids[..], &bad_remote[..]),
+                remote_side,
+                ErrorCode::OutOfBounds,
+                "the remote index",
+            ),
+            (
+                (&lids[..], &rids[..]),
+                too_long,
+                ErrorCode::OutOfBounds,
+                "outside",
+            ),
+        ] {
+            let err = r
+                .layouts(
+                    sys::FERRY_OP_WRITE,
+                    local_side(src),
+                    side,
+                    block_size,
+                    ids,
+                    220,
+                )
+                .expect_err(what);
+            assert_eq!(err.code, code, "{err}");
+            assert!(err.message.contains(what), "{err}");
+            assert!(
+                r.rec.0.lock().unwrap().is_empty(),
+                "a refused layout list completes nothing"
+            );
+        }
+        assert_eq!(all(), before, "nothing was queued");
+        assert_eq!(
+            t.ask(&format!("hash {} {len}", t.first)),
+            format!("ok {:016x}", fnv(&remote)),
+            "nothing was touched"
+        );
+    }
     let detail = r.raw.describe(&r.peer).unwrap_or_default();
     assert!(detail.contains("lists of GPU copies by"), "{detail}");
     drop(r);
+    drop(t);
+}
+
+#[test]
+fn blocks_by_layout_through_the_engine_by_the_kernel() {
+    child("scenario_layouts", &[]);
+}
+
+#[test]
+fn blocks_by_layout_through_the_engine_one_copy_each() {
+    child("scenario_layouts", &[("FERRY_CUDA_IPC_COPY", "per-copy")]);
+}
+
+/// Engine::transfer_blocks over cuda-ipc: the layouts and index arrays
+/// reach the plugin (ABI 1.5) and the bytes land where the indices say,
+/// written and read back; an index out of range is refused, nothing moved.
+#[test]
+#[ignore]
+fn scenario_layouts() {
+    use ferry_core::{BlockLayout, BlockTransfer, ErrorCode};
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    ferry_core::init_logging();
+    let mut t = Target::start();
+    let e = engine();
+    let seg: SegmentId = e.open_segment(&t.name).unwrap();
+    let len = FIRST.1;
+    let (block, lstride, rstride) = (4096 + 8, 8192u64, 12_288u64);
+    let lcount = (len - block) / lstride + 1;
+    let rcount = (len - block) / rstride + 1;
+    let reply = t.ask(&format!("layout {} {block} {rstride} {rcount}", t.first));
+    let remote: u32 = reply
+        .strip_prefix("ok ")
+        .unwrap_or_else(|| panic!("{reply}"))
+        .parse()
+        .unwrap();
+    let src = device_buffer(&e, len);
+    let dst = device_buffer(&e, len);
+    let layout = |base| BlockLayout {
+        base,
+        block_size: block,
+        stride: lstride,
+        count: lcount,
+    };
+    let (ls, ld) = (
+        e.register_layout(layout(src)).unwrap(),
+        e.register_layout(layout(dst)).unwrap(),
+    );
+    let data = pattern(len as usize, 61);
+    fill(&e, src, &data);
+    fill(&e, dst, &vec![0u8; len as usize]);
+    let n = lcount.min(rcount) as usize / 2;
+    let lids = ferry_tests::shuffled(lcount, 17)[..n].to_vec();
+    let rids = ferry_tests::shuffled(rcount, 19)[..n].to_vec();
+    let transfer = |op, local, local_ids: &[u64], remote_ids: &[u64]| {
+        e.transfer_blocks(&BlockTransfer {
+            op,
+            segment: seg,
+            local,
+            local_ids,
+            remote,
+            remote_ids,
+            transport: None,
+        })
+    };
+    let mut want_remote = pattern(TARGET_ALLOC as usize, 7)[..len as usize].to_vec();
+    let mut want_local = vec![0u8; len as usize];
+    for (&l, &r) in lids.iter().zip(&rids) {
+        let (l, r, b) = (
+            (l * lstride) as usize,
+            (r * rstride) as usize,
+            block as usize,
+        );
+        want_remote[r..r + b].copy_from_slice(&data[l..l + b]);
+        want_local[l..l + b].copy_from_slice(&data[l..l + b]);
+    }
+    transfer(Op::Write, ls, &lids, &rids).unwrap();
+    assert_eq!(
+        t.ask(&format!("hash {} {len}", t.first)),
+        format!("ok {:016x}", fnv(&want_remote)),
+        "the blocks written where the indices say, and nothing else"
+    );
+    transfer(Op::Read, ld, &lids, &rids).unwrap();
+    assert!(read(&e, dst, len) == want_local, "the blocks read back");
+    let mut bad = rids.clone();
+    bad[n / 2] = rcount;
+    let err = transfer(Op::Write, ls, &lids, &bad).unwrap_err();
+    assert_eq!(err.code, ErrorCode::OutOfBounds, "{err}");
+    assert_eq!(
+        t.ask(&format!("hash {} {len}", t.first)),
+        format!("ok {:016x}", fnv(&want_remote)),
+        "nothing was touched"
+    );
     drop(t);
 }
 
@@ -1171,4 +1414,142 @@ fn scenario_forced_kernel_missing() {
         .unwrap_err();
     assert!(err.message.contains("cuda_ipc.copy=kernel"), "{err}");
     assert_eq!(emu_calls(1), 0);
+}
+
+#[test]
+fn request_lists_between_one_pair_of_buffers_go_as_one_list() {
+    child("scenario_request_lists", &[]);
+}
+
+/// Many small requests through the engine (Rust's `submit`, what the C and
+/// Python lists become): shuffled 4 KiB blocks between one local buffer and
+/// one of the peer's registrations move in one launch and land where each
+/// request says; a batch with one request outside the peer's registration
+/// is refused whole, naming it, with nothing touched; a batch spanning both
+/// of the peer's registrations still completes, request by request.
+#[test]
+#[ignore]
+fn scenario_request_lists() {
+    use ferry_core::ErrorCode;
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    ferry_core::init_logging();
+    let mut t = Target::start();
+    let e = engine();
+    let seg: SegmentId = e.open_segment(&t.name).unwrap();
+    let len = FIRST.1;
+    let src = device_buffer(&e, len);
+    let data = pattern(len as usize, 23);
+    fill(&e, src, &data);
+    let mut remote = pattern(TARGET_ALLOC as usize, 7)[..len as usize].to_vec();
+    let slots = len / 4096;
+    let (ls, rs) = (
+        ferry_tests::shuffled(slots, 9),
+        ferry_tests::shuffled(slots, 13),
+    );
+    let n = slots as usize / 2;
+    let reqs: Vec<Request> = (0..n)
+        .map(|i| {
+            Request::new(
+                Op::Write,
+                src + ls[i] * 4096,
+                seg,
+                t.first + rs[i] * 4096,
+                4096,
+            )
+        })
+        .collect();
+    let launches = emu_calls(1);
+    e.transfer_sync(&reqs).unwrap();
+    assert_eq!(emu_calls(1) - launches, 1, "one launch for the batch");
+    for i in 0..n {
+        let (l, r) = (ls[i] as usize * 4096, rs[i] as usize * 4096);
+        remote[r..r + 4096].copy_from_slice(&data[l..l + 4096]);
+    }
+    let hash = format!("ok {:016x}", fnv(&remote));
+    assert_eq!(
+        t.ask(&format!("hash {} {len}", t.first)),
+        hash,
+        "each block where its request said"
+    );
+
+    // Read back into zeros through other local blocks.
+    let dst = device_buffer(&e, len);
+    fill(&e, dst, &vec![0u8; len as usize]);
+    let back: Vec<Request> = (0..n)
+        .map(|i| {
+            Request::new(
+                Op::Read,
+                dst + ls[n + i] * 4096,
+                seg,
+                t.first + rs[i] * 4096,
+                4096,
+            )
+        })
+        .collect();
+    e.transfer_sync(&back).unwrap();
+    let got = read(&e, dst, len);
+    for i in 0..n {
+        let (l, r) = (ls[n + i] as usize * 4096, rs[i] as usize * 4096);
+        assert!(
+            got[l..l + 4096] == remote[r..r + 4096],
+            "block {i} read back"
+        );
+    }
+
+    // One request past the peer's registration: the batch is refused,
+    // naming it, and nothing moves.
+    let mut bad = reqs[..64].to_vec();
+    bad[40].remote_addr = t.first + len - 100;
+    let before = [emu_calls(0), emu_calls(1), emu_calls(2)];
+    let err = e.transfer_sync(&bad).unwrap_err();
+    assert_eq!(err.code, ErrorCode::OutOfBounds, "{err}");
+    assert!(err.message.contains("request 40"), "{err}");
+    assert_eq!(
+        [emu_calls(0), emu_calls(1), emu_calls(2)],
+        before,
+        "nothing queued"
+    );
+    assert_eq!(
+        t.ask(&format!("hash {} {len}", t.first)),
+        hash,
+        "nothing touched"
+    );
+
+    // One past the local buffer: the same.
+    let mut bad = reqs[..64].to_vec();
+    bad[3].local_addr = src + len - 1;
+    let err = e.transfer_sync(&bad).unwrap_err();
+    assert_eq!(err.code, ErrorCode::OutOfBounds, "{err}");
+    assert_eq!(
+        t.ask(&format!("hash {} {len}", t.first)),
+        hash,
+        "nothing touched"
+    );
+
+    // Half to each of the peer's registrations: not one run, still moved.
+    let data2 = pattern(len as usize, 29);
+    fill(&e, src, &data2);
+    let mixed: Vec<Request> = (0..64u64)
+        .map(|i| {
+            let remote = if i % 2 == 0 { t.first } else { t.second };
+            Request::new(Op::Write, src + i * 4096, seg, remote + i * 4096, 4096)
+        })
+        .collect();
+    e.transfer_sync(&mixed).unwrap();
+    let back = read(&e, src, 64 * 4096);
+    assert!(back == data2[..64 * 4096], "source intact");
+    let mut second = pattern(TARGET_ALLOC as usize, 7)
+        [SECOND.0 as usize..(SECOND.0 + SECOND.1) as usize]
+        .to_vec();
+    for i in (1..64usize).step_by(2) {
+        second[i * 4096..(i + 1) * 4096].copy_from_slice(&data2[i * 4096..(i + 1) * 4096]);
+    }
+    assert_eq!(
+        t.ask(&format!("hash {} {}", t.second, SECOND.1)),
+        format!("ok {:016x}", fnv(&second)),
+        "the odd requests in the second registration"
+    );
+    drop(t);
 }

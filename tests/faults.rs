@@ -852,7 +852,8 @@ fn slow_peer() {
         "{tally:?}"
     );
     assert!(tally.keys().any(|k| k != "ok"), "{tally:?}");
-    // SAFETY: as above.
+    // SAFETY: kill takes no pointers; pid is the stopped child this test
+    // started and has not reaped.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
     // Recovered: new transfers work and verify (the first may still meet a
     // connection the target dropped meanwhile; bounded retries).

@@ -126,19 +126,31 @@ fn the_driver_numbers_gpus_and_its_attributes_drive_the_decision() {
     assert_eq!(gpu(&v, "cuda:1")["pci"], "0000:1b:00.0");
     assert_eq!(nearest(gpu(&v, "cuda:1")), "mlx5_0 PIX");
 
-    // DMA-BUF when the GPU and libibverbs support it; without libibverbs
-    // (CI), staging, and the reason names it. Without an enabled RDMA
-    // transport (here: no RDMA device), the note says today's path.
-    let verbs = v["gpu_direct"]["libibverbs"]
-        .as_str()
-        .unwrap_or("")
-        .to_string();
+    // DMA-BUF when the GPU and the rdma transport support it; without
+    // libibverbs (CI) the transport says so, the GPU is staged, and the
+    // reason is the transport's. Without an enabled RDMA transport (here: no
+    // RDMA device), the note says today's path.
+    let method_of = |v: &serde_json::Value, memory: &str| -> (bool, String) {
+        let m = v["gpu_direct"]["methods"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["memory"] == memory)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {memory} in {v:#}"));
+        (
+            m["available"].as_bool().unwrap(),
+            m["detail"].as_str().unwrap().to_string(),
+        )
+    };
+    let (dmabuf, dmabuf_detail) = method_of(&v, "cuda-dmabuf");
+    assert!(dmabuf_detail.starts_with("rdma: "), "{dmabuf_detail}");
     let transport = v["gpu_direct"]["transport"]
         .as_str()
         .unwrap_or("")
         .to_string();
     let direct = !transport.starts_with("none");
-    if verbs.contains("exports ibv_reg_dmabuf_mr") {
+    if dmabuf {
         assert_eq!(method(g0), "DMA-BUF", "{g0:#}");
         let note = g0["registration"]["note"].as_str().unwrap_or("");
         if !direct {
@@ -149,31 +161,39 @@ fn the_driver_numbers_gpus_and_its_attributes_drive_the_decision() {
         }
     } else {
         assert_eq!(method(g0), "staging through pinned host memory");
-        assert!(skipped(g0).contains("libibverbs"), "{g0:#}");
+        assert!(skipped(g0).contains(&dmabuf_detail), "{g0:#}");
     }
 
-    // No DMA-BUF on the GPU, no peermem module: staging, both reasons.
+    // No DMA-BUF on the GPU: nvidia-peermem if the transport reports it,
+    // else staging with both reasons.
     let v = with(&[("FERRY_FAKEGPU_DMABUF", "0")]);
     let g0 = gpu(&v, "cuda:0");
+    let (peermem, peermem_detail) = method_of(&v, "cuda-peermem");
+    assert!(!peermem, "{peermem_detail}");
     assert_eq!(method(g0), "staging through pinned host memory", "{g0:#}");
-    if verbs.contains("loads") {
-        let why = skipped(g0);
-        assert!(why.contains("DMA-BUF"), "{why}");
-        assert!(
-            why.contains("nvidia_peermem") || why.contains("peermem"),
-            "{why}"
-        );
-    }
+    let why = skipped(g0);
+    assert!(why.contains("DMA-BUF"), "{why}");
+    assert!(why.contains(&peermem_detail), "{why}");
 
-    // The same with nvidia-peermem loaded: peermem.
+    // The same with nvidia-peermem loaded: peermem, where the transport has
+    // an RDMA stack to use it with (the rdma plugin reads the module from
+    // FERRY_SYSFS_ROOT, the core never does).
     std::fs::create_dir_all(sysfs.path().join("module/nvidia_peermem")).unwrap();
     let v = with(&[("FERRY_FAKEGPU_DMABUF", "0")]);
-    assert!(v["gpu_direct"]["peermem"]
-        .as_str()
-        .unwrap()
-        .contains("nvidia_peermem"));
-    if verbs.contains("loads") {
+    let (peermem, peermem_detail) = method_of(&v, "cuda-peermem");
+    if peermem {
+        assert!(
+            peermem_detail.contains("nvidia_peermem"),
+            "{peermem_detail}"
+        );
         assert_eq!(method(gpu(&v, "cuda:0")), "nvidia-peermem");
+        assert!(v["gpu_direct"]["peermem"]
+            .as_str()
+            .unwrap()
+            .contains("nvidia_peermem"));
+    } else {
+        assert!(peermem_detail.contains("no RDMA"), "{peermem_detail}");
+        assert!(v["gpu_direct"]["peermem"].is_null());
     }
 
     // An operator's "off" wins over everything, and says so.

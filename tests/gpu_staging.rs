@@ -261,3 +261,92 @@ fn hostile_staging_requests_are_refused_and_the_target_keeps_serving() {
         .transfer_sync(&[Request::new(Op::Write, src, seg, dev, 1 << 20)])
         .unwrap();
 }
+
+/// A peer's StageCopyList is network input too: a list with one piece
+/// outside the slot or outside device memory registered here, an unknown
+/// version or a short body is refused whole, naming the piece, and the
+/// good pieces of it touch nothing; a good list then scatters its pieces.
+#[test]
+fn a_hostile_copy_list_is_refused_whole_and_touches_nothing() {
+    use ferry_core::control::{ControlClient, MsgType};
+    use ferry_core::engine::{CopyListRequest, ListPiece};
+    use std::time::Duration;
+    let plugins = fake_gpu_dir();
+    let target = engine(plugins.path(), "tcp");
+    const LEN: u64 = 1 << 20;
+    let dev = target.allocate_device(Location::Cuda(0), LEN).unwrap();
+    target.register_memory(dev, LEN, None).unwrap();
+    let unregistered = target.allocate_device(Location::Cuda(0), LEN).unwrap();
+    let before = pattern(LEN as usize, 9);
+    // SAFETY: before is a live Vec of LEN bytes; dev is device memory.
+    unsafe { target.copy_memory(dev, before.as_ptr() as u64, LEN) }.unwrap();
+    let name = target.segment_name().to_string();
+    let t = Duration::from_secs(5);
+    let link = ferry_core::control::Link::new(t, t, ferry_tests::user_token());
+    let mut c = ControlClient::connect(&name, &link).unwrap();
+    let (kind, _) = c
+        .call(MsgType::StageOpen, br#"{"slots":2,"slot_len":65536}"#)
+        .unwrap();
+    assert_eq!(kind, MsgType::StageOpened);
+    let piece = |slot_offset: u64, device_addr: u64, len: u64| ListPiece {
+        slot_offset,
+        device_addr,
+        len,
+    };
+    let list = |slot: usize, pieces: Vec<ListPiece>| {
+        CopyListRequest {
+            to_device: true,
+            slot,
+            pieces,
+        }
+        .encode()
+    };
+    let good = piece(0, dev + 8192, 4096);
+    let mut refused = |body: Vec<u8>, why: &str, code: ferry_core::ErrorCode| {
+        let e = c
+            .call(MsgType::StageCopyList, &body)
+            .expect_err("a bad list was accepted");
+        assert_eq!(e.code, code, "{e}");
+        assert!(e.message.contains(why), "{why}: {e}");
+    };
+    use ferry_core::ErrorCode::{OutOfBounds, Protocol};
+    refused(list(2, vec![good]), "no such slot", Protocol);
+    refused(
+        list(0, vec![good, piece(65000, dev, 4096)]),
+        "piece 1 falls outside the slot",
+        Protocol,
+    );
+    refused(
+        list(0, vec![good, piece(4096, unregistered, 4096)]),
+        "piece 1: [",
+        OutOfBounds,
+    );
+    refused(
+        list(0, vec![good, piece(4096, dev + LEN - 100, 4096)]),
+        "not inside device memory registered here",
+        OutOfBounds,
+    );
+    let mut v = list(0, vec![good]);
+    v[0] = 9;
+    refused(v, "version 9", Protocol);
+    let v = list(0, vec![good, good]);
+    refused(v[..v.len() - 3].to_vec(), "carries 45 bytes", Protocol);
+    // The good piece of every refused list touched nothing.
+    let mut now = vec![0u8; LEN as usize];
+    // SAFETY: now is a live Vec of LEN bytes; dev is device memory.
+    unsafe { target.copy_memory(now.as_mut_ptr() as u64, dev, LEN) }.unwrap();
+    assert!(now == before, "a refused list moved bytes");
+    // A good list on the same connection scatters the (zeroed) slot.
+    let (kind, _) = c
+        .call(
+            MsgType::StageCopyList,
+            &list(0, vec![good, piece(4096, dev + 65536, 100)]),
+        )
+        .unwrap();
+    assert_eq!(kind, MsgType::StageDone);
+    // SAFETY: as above.
+    unsafe { target.copy_memory(now.as_mut_ptr() as u64, dev, LEN) }.unwrap();
+    assert!(now[8192..12288].iter().all(|&b| b == 0));
+    assert!(now[65536..65636].iter().all(|&b| b == 0));
+    assert!(now[..8192] == before[..8192] && now[12288..65536] == before[12288..65536]);
+}

@@ -1,4 +1,4 @@
-//! The source layout rules (ARCHITECTURE.md, STYLE.md), checked on the
+//! The source layout rules (ARCHITECTURE.md), checked on the
 //! workspace's own files:
 //!
 //! - no two files of a crate import each other, directly or around a longer

@@ -1083,11 +1083,11 @@ fn ferry_info_shows_rdma_and_both_gpu_methods_with_reasons() {
     assert_eq!(p["state"], "enabled", "{text}");
     assert_eq!(p["devices"].as_array().unwrap().len(), 8, "{text}");
     assert!(
-        text.contains("rdma+dmabuf: enabled: ibv_reg_dmabuf_mr is taken by mlx5_0"),
+        text.contains("memory cuda-dmabuf: available: ibv_reg_dmabuf_mr is taken by mlx5_0"),
         "{text}"
     );
     assert!(
-        text.contains("lacks rdma+peermem: disabled: nvidia-peermem is not loaded"),
+        text.contains("memory cuda-peermem: unavailable: nvidia-peermem is not loaded"),
         "{text}"
     );
     assert!(
@@ -1114,7 +1114,7 @@ fn ferry_info_shows_rdma_and_both_gpu_methods_with_reasons() {
     ));
     let (text, _) = info(&with_peermem);
     assert!(
-        text.contains("rdma+peermem: enabled: nvidia-peermem is loaded"),
+        text.contains("memory cuda-peermem: available: nvidia-peermem is loaded"),
         "{text}"
     );
 
@@ -1132,7 +1132,7 @@ fn ferry_info_shows_rdma_and_both_gpu_methods_with_reasons() {
         "{text}"
     );
     assert!(
-        text.contains("lacks rdma+dmabuf: disabled: no RDMA device"),
+        text.contains("memory cuda-dmabuf: unavailable: no RDMA device"),
         "{text}"
     );
     assert!(

@@ -54,23 +54,7 @@ fn another_user_cannot_plant_a_root_engines_token() {
     }
     let home = tempfile::tempdir().unwrap();
 
-    let mut attacker = Command::new("setpriv")
-        .args([
-            "--reuid",
-            "65534",
-            "--regid",
-            "65534",
-            "--clear-groups",
-            "--",
-        ])
-        .arg(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "token_attacker",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
+    let mut attacker = ferry_tests::as_nobody("token_attacker")
         .env(ATTACK_VAR, top.path())
         .stdout(Stdio::piped())
         .spawn()
@@ -207,8 +191,8 @@ fn token_attacker() {
     let Some(top) = std::env::var_os(ATTACK_VAR).map(std::path::PathBuf::from) else {
         return;
     };
-    // SAFETY: geteuid has no preconditions.
     assert_ne!(
+        // SAFETY: geteuid has no preconditions.
         unsafe { libc::geteuid() },
         0,
         "the attacker must not be root"

@@ -21,7 +21,8 @@ pub unsafe extern "C" fn ferry_batch_new(
     out: *mut ferry_batch_id,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
         if out.is_null() {
             return Err(invalid("out"));
@@ -98,9 +99,11 @@ pub unsafe extern "C" fn ferry_batch_submit(
     count: usize,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
-        // SAFETY: per the contract.
+        // SAFETY: the contract (ferry.h) makes `requests` null with count 0, or valid for `count`
+        // requests: what requests_arg needs.
         let reqs = unsafe { requests_arg(requests, count)? };
         e.inner.submit(batch, &reqs)
     })
@@ -151,7 +154,8 @@ pub unsafe extern "C" fn ferry_batch_status(
     out: *mut ferry_batch_summary,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
         // SAFETY: null or valid per the contract.
         let out = unsafe { out.as_mut() }.ok_or_else(|| invalid("out"))?;
@@ -175,7 +179,8 @@ pub unsafe extern "C" fn ferry_batch_request_status(
     error: *mut ferry_status_t,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
         if state.is_null() || error.is_null() {
             return Err(invalid("state or error"));
@@ -212,7 +217,8 @@ pub unsafe extern "C" fn ferry_batch_wait(
     out: *mut ferry_batch_summary,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
         let timeout = if timeout_ms < 0 {
             e.inner.config().timeout * 2
@@ -245,7 +251,8 @@ pub unsafe extern "C" fn ferry_batch_free(
     batch: ferry_batch_id,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         unsafe { obj(engine, "engine")? }.inner.free_batch(batch)
     })
 }
@@ -262,9 +269,11 @@ pub unsafe extern "C" fn ferry_transfer_sync(
     count: usize,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
-        // SAFETY: per the contract.
+        // SAFETY: the contract (ferry.h) makes `requests` null with count 0, or valid for `count`
+        // requests: what requests_arg needs.
         let reqs = unsafe { requests_arg(requests, count)? };
         e.inner.transfer_sync(&reqs)
     })

@@ -23,7 +23,8 @@ pub unsafe extern "C" fn ferry_layout_register(
     out: *mut u32,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
         if out.is_null() {
             return Err(invalid("out"));
@@ -50,7 +51,8 @@ pub unsafe extern "C" fn ferry_layout_unregister(
     layout: u32,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
         e.inner.unregister_layout(layout)
     })
@@ -79,7 +81,8 @@ pub unsafe extern "C" fn ferry_batch_submit_blocks(
     count: usize,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
         let op = match op {
             sys::FERRY_OP_READ => Op::Read,

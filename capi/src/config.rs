@@ -49,9 +49,10 @@ pub unsafe extern "C" fn ferry_config_set(
     value: *const c_char,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `config` is null (refused below) or a handle from ferry_config_new not yet freed,
+        // used by one thread at a time: this function's contract in ferry.h.
         let config = unsafe { config.as_mut() }.ok_or_else(|| invalid("config"))?;
-        // SAFETY: per the contract.
+        // SAFETY: the contract (ferry.h) makes `key` and `value` null (refused) or NUL-terminated.
         let (key, value) = unsafe { (str_arg(key, "key")?, str_arg(value, "value")?) };
         config.inner.set(key, value)
     })
@@ -74,12 +75,14 @@ pub unsafe extern "C" fn ferry_config_get(
     len: *mut usize,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `config` is null (obj refuses it) or a handle from ferry_config_new not yet
+        // freed: this function's contract in ferry.h.
         let config = unsafe { obj(config, "config")? };
-        // SAFETY: per the contract.
+        // SAFETY: the contract (ferry.h) makes `key` null (str_arg refuses it) or NUL-terminated.
         let key = unsafe { str_arg(key, "key")? };
         let value = config.inner.get(key)?;
-        // SAFETY: per the contract.
+        // SAFETY: the contract (ferry.h) makes the output buffer null or writable for its capacity,
+        // and the length pointer null or valid: what copy_text needs.
         unsafe { copy_text(&value, buf, cap, len) }
     })
 }

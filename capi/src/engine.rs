@@ -65,9 +65,11 @@ pub unsafe extern "C" fn ferry_engine_segment_name(
     len: *mut usize,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
-        // SAFETY: per the contract.
+        // SAFETY: the contract (ferry.h) makes the output buffer null or writable for its capacity,
+        // and the length pointer null or valid: what copy_text needs.
         unsafe { copy_text(e.inner.segment_name(), buf, cap, len) }
     })
 }
@@ -85,7 +87,8 @@ pub unsafe extern "C" fn ferry_register_memory(
     location: *const c_char,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
         let location = if location.is_null() {
             None
@@ -114,7 +117,8 @@ pub unsafe extern "C" fn ferry_allocate_memory(
     out: *mut *mut c_void,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
         if out.is_null() {
             return Err(invalid("out"));
@@ -138,7 +142,8 @@ pub unsafe extern "C" fn ferry_free_memory(
     addr: *mut c_void,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         unsafe { obj(engine, "engine")? }
             .inner
             .free_memory(addr as u64)
@@ -156,7 +161,8 @@ pub unsafe extern "C" fn ferry_unregister_memory(
     addr: *mut c_void,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         unsafe { obj(engine, "engine")? }
             .inner
             .unregister_memory(addr as u64)
@@ -174,9 +180,10 @@ pub unsafe extern "C" fn ferry_open_segment(
     out: *mut ferry_segment_id,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
-        // SAFETY: per the contract.
+        // SAFETY: the contract (ferry.h) makes `name` null (str_arg refuses it) or NUL-terminated.
         let name = unsafe { str_arg(name, "name")? };
         if out.is_null() {
             return Err(invalid("out"));
@@ -210,11 +217,13 @@ pub unsafe extern "C" fn ferry_route_json(
     out_len: *mut usize,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
         // Only compared against registered memory, never dereferenced.
         let route = e.inner.route(segment, local as u64, remote_addr, len)?;
-        // SAFETY: per the contract.
+        // SAFETY: the contract (ferry.h) makes the output buffer null or writable for its capacity,
+        // and the length pointer null or valid: what copy_text needs.
         unsafe { copy_text(&route.to_json(), buf, cap, out_len) }
     })
 }
@@ -229,7 +238,8 @@ pub unsafe extern "C" fn ferry_close_segment(
     segment: ferry_segment_id,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         unsafe { obj(engine, "engine")? }
             .inner
             .close_segment(segment)
@@ -250,7 +260,8 @@ pub unsafe extern "C" fn ferry_segment_first_buffer(
     len: *mut u64,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
         if addr.is_null() || len.is_null() {
             return Err(invalid("addr or len"));

@@ -46,7 +46,8 @@ pub unsafe extern "C" fn ferry_info_json(
             Some(text) => text,
             None => ferry_core::info::report_from_env(false)?.to_json_text(false)?,
         };
-        // SAFETY: per the contract.
+        // SAFETY: the contract (ferry.h) makes the output buffer null or writable for its capacity,
+        // and the length pointer null or valid: what copy_text needs.
         let copied = unsafe { copy_text(&text, buf, cap, len) };
         if copied
             .as_ref()
@@ -77,9 +78,11 @@ pub unsafe extern "C" fn ferry_metrics_json(
     len: *mut usize,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
-        // SAFETY: per the contract.
+        // SAFETY: the contract (ferry.h) makes the output buffer null or writable for its capacity,
+        // and the length pointer null or valid: what copy_text needs.
         unsafe { copy_text(&e.inner.metrics_json(), buf, cap, len) }
     })
 }

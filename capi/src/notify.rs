@@ -18,7 +18,7 @@ unsafe fn to_notify(
     msg: *const u8,
     msg_len: usize,
 ) -> Result<ferry_core::Notify, Error> {
-    // SAFETY: per the contract.
+    // SAFETY: the contract (ferry.h) makes `name` null (str_arg refuses it) or NUL-terminated.
     let name = unsafe { str_arg(name, "name")? };
     let msg: &[u8] = if msg_len == 0 {
         &[]
@@ -62,11 +62,14 @@ pub unsafe extern "C" fn ferry_batch_submit_with_notify(
     msg_len: usize,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
-        // SAFETY: per the contract.
+        // SAFETY: the contract (ferry.h) makes `requests` null with count 0, or valid for `count`
+        // requests: what requests_arg needs.
         let reqs = unsafe { requests_arg(requests, count)? };
-        // SAFETY: per the contract.
+        // SAFETY: the contract (ferry.h) makes `name` null or NUL-terminated and `msg` valid for
+        // `msg_len` bytes: what to_notify needs.
         let notify = unsafe { to_notify(name, msg, msg_len)? };
         e.inner.submit_with_notify(batch, &reqs, notify)
     })
@@ -86,9 +89,11 @@ pub unsafe extern "C" fn ferry_notify_send(
     msg_len: usize,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
-        // SAFETY: per the contract.
+        // SAFETY: the contract (ferry.h) makes `name` null or NUL-terminated and `msg` valid for
+        // `msg_len` bytes: what to_notify needs.
         let notify = unsafe { to_notify(name, msg, msg_len)? };
         e.inner.send_notify(segment, notify)
     })
@@ -108,7 +113,8 @@ pub unsafe extern "C" fn ferry_notify_next(
     got: *mut u32,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
         if out.is_null() || got.is_null() {
             return Err(invalid("out or got"));
@@ -161,7 +167,8 @@ pub unsafe extern "C" fn ferry_notifies_dropped(
     out: *mut u64,
 ) -> ferry_status_t {
     ffi_boundary!({
-        // SAFETY: per the contract.
+        // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
+        // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
         if out.is_null() {
             return Err(invalid("out"));

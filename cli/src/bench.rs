@@ -4,7 +4,7 @@
 
 use crate::limits::{device_to_device, memcpy_run, WORKING_SET};
 use crate::util::{human_size, percentile, Buffer};
-use ferry_core::{BatchStatus, Engine, EngineConfig, Location, Op, Request};
+use ferry_core::{BatchStatus, Engine, EngineConfig, Location, Op, Request, SegmentId};
 use serde::Serialize;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -134,14 +134,7 @@ pub fn initiator(args: InitiatorArgs) -> Result<(), String> {
     let seg = engine
         .open_segment(&args.segment)
         .map_err(|e| e.to_string())?;
-    let remote = engine
-        .descriptor_of(seg)
-        .map_err(|e| e.to_string())?
-        .buffers
-        .iter()
-        .max_by_key(|b| b.len)
-        .map(|b| (b.addr, b.len))
-        .ok_or("the target registered no memory")?;
+    let remote = largest_buffer(&engine, seg)?;
     // Each thread works in its own slice of the remote buffer, cycling
     // through it; its local buffer holds one batch.
     let window = remote.1 / args.threads as u64;
@@ -348,7 +341,26 @@ pub fn initiator(args: InitiatorArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn run_batch(engine: &Engine, reqs: &[Request], timeout: Duration) -> Result<Duration, String> {
+/// The largest buffer the peer behind `seg` registered: (address, length).
+pub(crate) fn largest_buffer(engine: &Engine, seg: SegmentId) -> Result<(u64, u64), String> {
+    engine
+        .descriptor_of(seg)
+        .map_err(|e| e.to_string())?
+        .buffers
+        .iter()
+        .max_by_key(|b| b.len)
+        .map(|b| (b.addr, b.len))
+        .ok_or_else(|| "the target registered no memory".to_string())
+}
+
+/// Submits `reqs` as one batch and waits for all of it: the time it took,
+/// or the first failure (a request's error, or requests still pending
+/// after `timeout`).
+pub(crate) fn run_batch(
+    engine: &Engine,
+    reqs: &[Request],
+    timeout: Duration,
+) -> Result<Duration, String> {
     let t0 = Instant::now();
     let batch = engine
         .allocate_batch(reqs.len())
@@ -586,7 +598,7 @@ pub fn device_check(device: Location) -> Result<(), String> {
             use std::os::fd::AsRawFd;
             // SAFETY: fstat on the fd we own, into a zeroed stat.
             let mut st: libc::stat = unsafe { std::mem::zeroed() };
-            // SAFETY: as above.
+            // SAFETY: fstat on the fd we own, writing into `st`, a valid stat.
             let size = if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } == 0 {
                 st.st_size
             } else {

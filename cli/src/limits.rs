@@ -80,7 +80,8 @@ pub(crate) fn device_to_device(
     let started = Instant::now();
     let mut bytes = 0u64;
     while result.is_ok() && (started.elapsed().as_secs_f64() < duration || bytes == 0) {
-        // SAFETY: as above.
+        // SAFETY: a and b are still the device allocations of `size` bytes
+        // made above, freed only after this loop.
         result = unsafe { engine.copy_batch(device, &[(b, a, size), (a, b, size)]) }
             .map_err(|e| e.to_string());
         bytes += 2 * size;

@@ -5,9 +5,11 @@
 
 mod bench;
 mod bench_kv;
+mod bench_scale;
 mod demo;
 mod limits;
 mod plot;
+mod scale_plot;
 mod sweep;
 mod top;
 mod util;
@@ -46,6 +48,7 @@ shows the settings in effect):
   FERRY_AUTH_TIMEOUT_MS          a new connection must authenticate within this (1000)
   FERRY_AUTH_MAX_PENDING         connections authenticating at once per listener (64)
   FERRY_AUTH_MAX_PENDING_PER_HOST  of those, from one address (8)
+  FERRY_CONTROL_MAX_PER_HOST     control connections served from one host (32 of 128)
   FERRY_INTEGRITY                headers (default) or payload: tag TCP payloads too
   FERRY_METADATA                 p2p (default), etcd:// or etcds://host:port[,host:port...]
   FERRY_METADATA_PREFIX          etcd key prefix (/ferry)
@@ -53,7 +56,9 @@ shows the settings in effect):
   FERRY_METADATA_CACERT          etcds://: the CA of etcd's certificates (also _CERT, _KEY)
   FERRY_METADATA_USER            etcd user (its password from a file: docs/metadata.md)
   FERRY_SELECT                   measured (default) or declared: ignore what transfers measure
+  FERRY_PREFER                   a transport requests take wherever it serves them (e.g. tcp)
   FERRY_METRICS                  on (default) or off: count nothing per request
+  FERRY_HUGEPAGES                on (default), or off: allocate_memory uses normal pages
   FERRY_METRICS_LISTEN           serve Prometheus metrics at host:port (none)
  Topology and GPUs
   FERRY_SYSFS_ROOT               read topology from this tree instead of /sys
@@ -69,12 +74,12 @@ shows the settings in effect):
   FERRY_TCP_FRAME_BYTES          bytes of requests per TCP frame (4194304)
   FERRY_TCP_STRIPE_BYTES         requests of twice this are striped (1048576)
   FERRY_TCP_SPIN_US              a target connection polls this long (50)
+  FERRY_TCP_IO_THREADS           threads driving all TCP connections (auto: NIC's NUMA node, <= 8)
   FERRY_TCP_PORT                 TCP data listener port (0: any)
   FERRY_TCP_MAX_CONNECTIONS      TCP data connections a target serves (1024)
   FERRY_TCP_MAX_CONNECTIONS_PER_HOST  of those, from one host (256)
   FERRY_TCP_ADVERTISE            host:port peers connect to for data (behind a NAT or proxy)
   FERRY_SHM_CMA                  on, or off: no cross-memory attach
-  FERRY_SHM_HUGEPAGES            on, or off: engine allocations use normal pages
   FERRY_SHM_COPY_THREADS         threads per large shm copy (auto: the NUMA node's CPUs)
   FERRY_SHM_NONTEMPORAL          on, off, or bytes from which streaming stores are used
   FERRY_SHM_ALLOWED_UIDS         other users whose processes may use this engine's shm socket
@@ -270,6 +275,50 @@ enum BenchMode {
         /// pairs and compare every local block.
         #[arg(long)]
         verify: bool,
+    },
+    /// One engine against many targets at once (scripts/scale.sh): runs of
+    /// --per-peer requests go to each target in turn, --batch-size per batch.
+    ScaleInitiator {
+        /// The targets' segment names (host:port), comma separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        segments: Vec<String>,
+        #[arg(long, value_enum, default_value = "write")]
+        op: OpArg,
+        #[arg(long, default_value = "64K", value_parser = parse_size)]
+        block_size: u64,
+        /// Requests per batch.
+        #[arg(long, default_value_t = 256)]
+        batch_size: usize,
+        /// Consecutive requests of a batch that go to one target.
+        #[arg(long, default_value_t = 16)]
+        per_peer: usize,
+        /// Submitting threads.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// Local registered memory (split between the threads).
+        #[arg(long, default_value = "4M", value_parser = parse_size)]
+        buffer_size: u64,
+        /// Seconds to run; with --window-file, how long to wait for the window.
+        #[arg(long, default_value_t = 5.0)]
+        duration: f64,
+        /// Print `ready SERVED REFUSED` once every target had a batch, then
+        /// count only batches completing between the Unix times this file
+        /// will hold (`START END`), and stop at END.
+        #[arg(long)]
+        window_file: Option<PathBuf>,
+        /// Print one JSON object (served, refused, bytes, gb_per_s, ...).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Plots scale.sh results (target/scale/*.json) against the number of
+    /// peers, one line per file: threads, RSS per connection, CPU s per GB, GB/s.
+    ScalePlot {
+        /// Result files of scripts/scale.sh (one line each, named by their label).
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// Directory for the SVG files.
+        #[arg(long, default_value = "target/scale")]
+        out: PathBuf,
     },
     /// This machine's single-stream TCP loopback limit, for ratios.
     TcpLimit {
@@ -490,6 +539,30 @@ fn main() -> ExitCode {
                 json,
             } => bench::tcp_limit(duration, block as usize, json),
             BenchMode::TcpSink { connect } => bench::tcp_sink(&connect),
+            BenchMode::ScaleInitiator {
+                segments,
+                op,
+                block_size,
+                batch_size,
+                per_peer,
+                threads,
+                buffer_size,
+                duration,
+                window_file,
+                json,
+            } => bench_scale::scale_initiator(bench_scale::ScaleArgs {
+                segments,
+                op: op.into(),
+                block_size,
+                batch_size,
+                per_peer,
+                threads,
+                buffer_size,
+                duration,
+                window_file,
+                json,
+            }),
+            BenchMode::ScalePlot { files, out } => scale_plot::plot(&files, &out),
             BenchMode::DeviceLimit {
                 device,
                 block,

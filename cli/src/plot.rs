@@ -1,5 +1,6 @@
-//! SVG line charts of a measure against block size (log2 x axis), drawn
-//! with plotters.
+//! SVG line charts of a measure against block size (log2 x axis) or
+//! against a count such as the number of peers (log x axis), drawn with
+//! plotters.
 
 use crate::util::human_size;
 use plotters::prelude::*;
@@ -124,5 +125,65 @@ where
         .border_style(BLACK)
         .position(SeriesLabelPosition::UpperLeft)
         .draw()?;
+    Ok(())
+}
+
+/// Writes `lines` to an SVG file at `path`, against a count (`x_label`,
+/// e.g. peers) on a log x axis; their x values are the counts.
+pub fn count_chart(
+    path: &Path,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    lines: &[Line],
+) -> Result<(), String> {
+    let err = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    let all = lines.iter().flat_map(|l| l.points.iter());
+    let (xmin, xmax) = all
+        .clone()
+        .fold((u64::MAX, 1u64), |(a, b), (x, _)| (a.min(*x), b.max(*x)));
+    if xmin > xmax {
+        return Err(err(&"nothing to plot"));
+    }
+    let ymax = all.map(|(_, y)| *y).fold(0.0f64, f64::max) * 1.15;
+    let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let (x0, x1) = (xmin.max(1) as f64 / 1.3, xmax.max(2) as f64 * 1.3);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(14)
+        .x_label_area_size(44)
+        .y_label_area_size(64)
+        .build_cartesian_2d((x0..x1).log_scale(), 0.0..ymax.max(1e-3))
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc(x_label)
+        .y_desc(y_label)
+        .x_label_formatter(&|v: &f64| format!("{v:.0}"))
+        .draw()
+        .map_err(|e| err(&e))?;
+    for (i, l) in lines.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let pts: Vec<(f64, f64)> = l.points.iter().map(|(x, y)| (*x as f64, *y)).collect();
+        chart
+            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label(l.name.clone())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
+        chart
+            .draw_series(pts.iter().map(|p| Circle::new(*p, 3, color.filled())))
+            .map_err(|e| err(&e))?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
     Ok(())
 }

@@ -105,6 +105,15 @@ fn fetch(url: &str) -> Result<Sample, String> {
                     .entry(format!("staged bytes, {}", l("op")))
                     .or_default() += v;
             }
+            "ferry_refusals_total" if v > 0.0 => {
+                *s.events
+                    .entry(format!(
+                        "{} refused connections: {}",
+                        l("listener"),
+                        l("cause")
+                    ))
+                    .or_default() += v;
+            }
             "ferry_plugin_events_total" => {
                 let dev = l("device");
                 let at = if dev.is_empty() {

@@ -96,7 +96,8 @@ impl Buffer {
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as above, and &mut self gives exclusive access from Rust.
+        // SAFETY: ptr is a live mapping of len bytes owned by self, and &mut self
+        // gives exclusive access from Rust.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 }
@@ -112,7 +113,9 @@ impl Drop for Buffer {
 // sharing a Vec<u8> (the engine writes through raw addresses while Rust code
 // does not touch the slice, which the callers arrange).
 unsafe impl Send for Buffer {}
-// SAFETY: as above.
+// SAFETY: &Buffer hands out only shared slices of memory it owns; writes
+// come through the engine's raw addresses while the callers leave the
+// slice alone, as for Send.
 unsafe impl Sync for Buffer {}
 
 /// The p-th percentile of sorted values.

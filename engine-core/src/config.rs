@@ -87,11 +87,22 @@ pub struct EngineConfig {
     /// FERRY_AUTH_MAX_PENDING_PER_HOST 8); more are answered BUSY.
     pub auth_max_pending: usize,
     pub auth_max_pending_per_host: usize,
+    /// Authenticated control connections served from one host
+    /// (FERRY_CONTROL_MAX_PER_HOST, 32, of the listener's 128): at the cap
+    /// a newcomer takes the place of that host's longest-idle connection
+    /// (idle 1 s at least), or is answered BUSY.
+    pub control_max_per_host: usize,
     /// FERRY_SELECT=declared: routes follow the plugins' declared figures
     /// only, never what transfers measured (measured by default).
     pub select_measured: bool,
+    /// FERRY_PREFER: the transport requests prefer when it can serve them
+    /// (Mooncake's `protocol`); `None`: the engine's choice alone.
+    pub prefer: Option<String>,
     /// FERRY_METRICS=off: count nothing per request (on by default).
     pub metrics: bool,
+    /// FERRY_HUGEPAGES=off: memory the engine allocates uses normal pages
+    /// even where hugetlb pages are configured (on by default).
+    pub hugepages: bool,
     /// Where the metrics endpoint listens (FERRY_METRICS_LISTEN, e.g.
     /// 127.0.0.1:9464); none by default.
     pub metrics_listen: Option<String>,
@@ -120,8 +131,11 @@ impl Default for EngineConfig {
             auth_timeout: Duration::from_millis(admission::DEFAULT_AUTH_TIMEOUT_MS),
             auth_max_pending: admission::DEFAULT_MAX_PENDING,
             auth_max_pending_per_host: admission::DEFAULT_MAX_PENDING_PER_SOURCE,
+            control_max_per_host: DEFAULT_CONTROL_MAX_PER_HOST,
             select_measured: true,
+            prefer: None,
             metrics: true,
+            hugepages: true,
             metrics_listen: None,
         }
     }
@@ -253,6 +267,35 @@ impl EngineConfig {
     /// then unchanged.
     pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
         let v = value.trim();
+        let handled = self.set_engine(key, value, v)?
+            || self.set_metadata(key, value, v)?
+            || self.set_auth(key, value, v)?
+            || self.set_discovery(key, value, v)?;
+        if handled {
+            return Ok(());
+        }
+        match key {
+            k if k.contains('.') && !k.starts_with('.') && !k.ends_with('.') => {
+                self.settings.insert(k.to_string(), value.to_string());
+            }
+            _ => {
+                return Err(Error::new(
+                    ErrorCode::InvalidArgument,
+                    format!(
+                        "unknown option {key:?}: expected one of {}, or a plugin setting such as \
+                         tcp.connections",
+                        KEYS.iter().map(|k| k.key).collect::<Vec<_>>().join(", ")
+                    ),
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    /// The engine's own settings: addresses, timeouts, staging, selection,
+    /// metrics, admission limits.
+    /// `Ok(false)`: not one of these keys.
+    fn set_engine(&mut self, key: &str, value: &str, v: &str) -> Result<bool> {
         match key {
             "listen" => {
                 if v.is_empty() || v.contains(char::is_whitespace) || !v.contains(':') {
@@ -288,6 +331,70 @@ impl EngineConfig {
             "staging_depth" => {
                 self.staging_depth = number(key, value, 1..=MAX_STAGING_DEPTH, "chunks")?
             }
+            "prefer" => {
+                if v.contains(|c: char| c.is_whitespace() || c.is_control()) {
+                    return Err(bad(key, value, "a transport name such as tcp, or empty"));
+                }
+                self.prefer = Some(v.to_string()).filter(|v| !v.is_empty())
+            }
+            "select" => {
+                self.select_measured = match value.trim() {
+                    "" | "measured" => true,
+                    "declared" => false,
+                    _ => return Err(bad(key, value, "measured or declared")),
+                }
+            }
+            "metrics" => {
+                self.metrics = match value.trim() {
+                    "" | "on" => true,
+                    "off" => false,
+                    _ => return Err(bad(key, value, "on or off")),
+                }
+            }
+            "hugepages" => {
+                self.hugepages = match value.trim() {
+                    "" | "on" => true,
+                    "off" => false,
+                    _ => return Err(bad(key, value, "on or off")),
+                }
+            }
+            "metrics_listen" => {
+                self.metrics_listen = Some(value.trim().to_string()).filter(|v| !v.is_empty())
+            }
+            "control_max_per_host" => {
+                self.control_max_per_host = number(
+                    key,
+                    value,
+                    1..=crate::config_keys::MAX_CONTROL_CONNECTIONS,
+                    "connections",
+                )?
+            }
+            // Read by the transports.
+            "integrity" => {
+                if v != "headers" && v != "payload" {
+                    return Err(bad(key, value, "headers or payload"));
+                }
+                self.settings.insert("integrity".into(), v.to_string());
+            }
+            "name" => {
+                if v.is_empty() || v.len() > 200 || v.chars().any(|c| c.is_control() || c == '/') {
+                    return Err(bad(
+                        key,
+                        value,
+                        "a segment name of 1 to 200 characters, no '/' or control characters",
+                    ));
+                }
+                self.name = Some(v.to_string());
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// The metadata store and its etcd options.
+    /// `Ok(false)`: not one of these keys.
+    fn set_metadata(&mut self, key: &str, value: &str, v: &str) -> Result<bool> {
+        match key {
             "metadata" => {
                 // Keep a prefix or TTL set before the store.
                 let new = MetadataConfig::parse(value).map_err(|e| {
@@ -380,23 +487,15 @@ impl EngineConfig {
                     *ttl_s = number(key, value, 2..=3600, "seconds")?;
                 }
             }
-            "select" => {
-                self.select_measured = match value.trim() {
-                    "" | "measured" => true,
-                    "declared" => false,
-                    _ => return Err(bad(key, value, "measured or declared")),
-                }
-            }
-            "metrics" => {
-                self.metrics = match value.trim() {
-                    "" | "on" => true,
-                    "off" => false,
-                    _ => return Err(bad(key, value, "on or off")),
-                }
-            }
-            "metrics_listen" => {
-                self.metrics_listen = Some(value.trim().to_string()).filter(|v| !v.is_empty())
-            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// The cluster token and the admission of connections.
+    /// `Ok(false)`: not one of these keys.
+    fn set_auth(&mut self, key: &str, value: &str, v: &str) -> Result<bool> {
+        match key {
             "auth_token" => self.auth_token = Token::new(value),
             "auth_token_file" => {
                 let text = std::fs::read_to_string(v).map_err(|e| {
@@ -426,13 +525,6 @@ impl EngineConfig {
             "auth_max_pending_per_host" => {
                 self.auth_max_pending_per_host = number(key, value, 1..=100_000, "connections")?
             }
-            // Read by the transports.
-            "integrity" => {
-                if v != "headers" && v != "payload" {
-                    return Err(bad(key, value, "headers or payload"));
-                }
-                self.settings.insert("integrity".into(), v.to_string());
-            }
             "auth" => {
                 self.auth_off = match v {
                     "off" => true,
@@ -440,16 +532,15 @@ impl EngineConfig {
                     _ => return Err(bad(key, value, "required or off")),
                 }
             }
-            "name" => {
-                if v.is_empty() || v.len() > 200 || v.chars().any(|c| c.is_control() || c == '/') {
-                    return Err(bad(
-                        key,
-                        value,
-                        "a segment name of 1 to 200 characters, no '/' or control characters",
-                    ));
-                }
-                self.name = Some(v.to_string());
-            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Where plugins and the topology come from.
+    /// `Ok(false)`: not one of these keys.
+    fn set_discovery(&mut self, key: &str, value: &str, v: &str) -> Result<bool> {
+        match key {
             "plugin_path" => {
                 let mut dirs: Vec<_> = std::env::split_paths(value)
                     .filter(|p| !p.as_os_str().is_empty())
@@ -475,21 +566,9 @@ impl EngineConfig {
             "topology_file" => {
                 self.topology.topology_file = Some(PathBuf::from(v)).filter(|_| !v.is_empty())
             }
-            k if k.contains('.') && !k.starts_with('.') && !k.ends_with('.') => {
-                self.settings.insert(k.to_string(), value.to_string());
-            }
-            _ => {
-                return Err(Error::new(
-                    ErrorCode::InvalidArgument,
-                    format!(
-                        "unknown option {key:?}: expected one of {}, or a plugin setting such as \
-                         tcp.connections",
-                        KEYS.iter().map(|k| k.key).collect::<Vec<_>>().join(", ")
-                    ),
-                ))
-            }
+            _ => return Ok(false),
         }
-        Ok(())
+        Ok(true)
     }
 
     /// One option's value as text, in the form [`EngineConfig::set`]
@@ -520,8 +599,10 @@ impl EngineConfig {
             "gpu_direct" => self.gpu_direct.as_str().to_string(),
             "staging_chunk" => self.staging_chunk.to_string(),
             "staging_depth" => self.staging_depth.to_string(),
+            "prefer" => self.prefer.clone().unwrap_or_default(),
             "select" => ["declared", "measured"][usize::from(self.select_measured)].into(),
             "metrics" => if self.metrics { "on" } else { "off" }.to_string(),
+            "hugepages" => if self.hugepages { "on" } else { "off" }.to_string(),
             "metrics_listen" => self.metrics_listen.clone().unwrap_or_default(),
             "plugin_path" => std::env::join_paths(&self.loader.plugin_path)
                 .map(|p| p.to_string_lossy().into_owned())
@@ -566,6 +647,7 @@ impl EngineConfig {
             "auth_timeout_ms" => self.auth_timeout.as_millis().to_string(),
             "auth_max_pending" => self.auth_max_pending.to_string(),
             "auth_max_pending_per_host" => self.auth_max_pending_per_host.to_string(),
+            "control_max_per_host" => self.control_max_per_host.to_string(),
             "integrity" => self
                 .settings
                 .get("integrity")

@@ -11,6 +11,12 @@ pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 5_000;
 /// Default for FERRY_IDLE_TIMEOUT_S: a control or data connection with no
 /// request for this long is closed (clients reconnect when they need it).
 pub const DEFAULT_IDLE_TIMEOUT_S: u64 = 120;
+/// Default for FERRY_CONTROL_MAX_PER_HOST: authenticated control
+/// connections served from one host (of the listener's 128).
+pub const DEFAULT_CONTROL_MAX_PER_HOST: usize = 32;
+/// Authenticated control connections one engine serves at once (the
+/// largest control_max_per_host).
+pub const MAX_CONTROL_CONNECTIONS: usize = 128;
 /// Default for FERRY_SPIN_US: how long a waiting thread polls before sleeping.
 pub const DEFAULT_SPIN_US: u64 = 100;
 /// Default for FERRY_STAGING_CHUNK: bytes per staged chunk.
@@ -109,7 +115,14 @@ pub const KEYS: &[Key] = &[
         "staged chunks in flight per job, 1 to 16",
     ),
     key("select", "FERRY_SELECT", "measured", "routes: measured, or declared only"),
+    key(
+        "prefer",
+        "FERRY_PREFER",
+        "",
+        "transport requests prefer where it serves them (never staging device memory)",
+    ),
     key("metrics", "FERRY_METRICS", "on", "per-request counting: on or off"),
+    key("hugepages", "FERRY_HUGEPAGES", "on", "allocate_memory on huge pages when there are any: on or off"),
     key("metrics_listen", "FERRY_METRICS_LISTEN", "", "metrics endpoint, host:port"),
     key(
         "plugin_path",
@@ -226,5 +239,11 @@ pub const KEYS: &[Key] = &[
     key("auth_timeout_ms", "FERRY_AUTH_TIMEOUT_MS", "1000", "authentication deadline"),
     key("auth_max_pending", "FERRY_AUTH_MAX_PENDING", "64", "connections authenticating"),
     key("auth_max_pending_per_host", "FERRY_AUTH_MAX_PENDING_PER_HOST", "8", "per source"),
+    key(
+        "control_max_per_host",
+        "FERRY_CONTROL_MAX_PER_HOST",
+        "32",
+        "authenticated control connections served from one host (of 128)",
+    ),
     key("integrity", "FERRY_INTEGRITY", "headers", "headers, or payload too"),
 ];

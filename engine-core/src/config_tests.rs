@@ -38,7 +38,9 @@ fn samples(token_file: &str) -> Vec<(&'static str, String, String, Vec<&'static 
         ),
         ("staging_depth", s("8"), s("8"), vec!["0", "17", "four"]),
         ("select", s("declared"), s("declared"), vec!["fastest"]),
+        ("prefer", s(" tcp "), s("tcp"), vec!["tcp shm"]),
         ("metrics", s("off"), s("off"), vec!["sometimes"]),
+        ("hugepages", s("off"), s("off"), vec!["0", "sometimes"]),
         (
             "metrics_listen",
             s("127.0.0.1:9464"),
@@ -113,6 +115,12 @@ fn samples(token_file: &str) -> Vec<(&'static str, String, String, Vec<&'static 
         ("auth_timeout_ms", s("250"), s("250"), vec!["0", "soon"]),
         ("auth_max_pending", s("16"), s("16"), vec!["0", "many"]),
         ("auth_max_pending_per_host", s("2"), s("2"), vec!["0", "-1"]),
+        (
+            "control_max_per_host",
+            s("4"),
+            s("4"),
+            vec!["0", "129", "x"],
+        ),
         ("integrity", s("payload"), s("payload"), vec!["full"]),
     ]
 }

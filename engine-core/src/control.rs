@@ -8,7 +8,7 @@
 //! number (`sdk::auth`): a frame injected, replayed, reordered or altered by
 //! a relay fails its tag and closes the connection. Frames are bounded in
 //! size, and the bodies being read by one listener at once are bounded in
-//! total ([`MAX_BODIES_IN_FLIGHT`]); a whole frame (not each read) must
+//! total ([`MAX_BODIES_IN_FLIGHT`]) and per host; a whole frame (not each read) must
 //! arrive or leave within the I/O deadline, a connection idle for the idle
 //! timeout is closed, and anything malformed closes the connection without
 //! touching engine state.
@@ -23,8 +23,6 @@ use ferry_plugins_abi::sdk::deadline::{self, DeadlineStream};
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 pub const CONTROL_MAGIC: [u8; 4] = *b"FRYC";
@@ -32,10 +30,12 @@ pub const CONTROL_VERSION: u16 = 1;
 pub const HEADER_LEN: usize = 16;
 /// Largest body accepted (a descriptor with ~100k buffers).
 pub const MAX_BODY: usize = 16 << 20;
-/// Bytes of frame bodies one listener reads at once, over all its
-/// connections (8 maximal frames); a frame that would pass it is answered
-/// BUSY and its connection closed. With MAX_BODY, this bounds what peers
-/// can make a listener hold in received frames: 128 MiB.
+/// Bytes of frame bodies one listener holds at once, over all its
+/// connections (8 maximal frames), reserved as they arrive
+/// (`control_budget`, with a share per host): a frame whose next bytes do
+/// not fit waits, and one that waits past the I/O deadline is answered
+/// BUSY and its connection closed. This bounds what peers can make a
+/// listener hold in received frames: 128 MiB.
 pub const MAX_BODIES_IN_FLIGHT: usize = 8 * MAX_BODY;
 /// Body bytes allocated before they arrive: a frame claiming 16 MiB costs
 /// memory only as its bytes come in.
@@ -60,6 +60,9 @@ pub struct Link {
     /// (FERRY_AUTH_MAX_PENDING, FERRY_AUTH_MAX_PENDING_PER_HOST).
     pub max_pending: usize,
     pub max_pending_per_source: usize,
+    /// Authenticated connections this listener serves from one host
+    /// (FERRY_CONTROL_MAX_PER_HOST).
+    pub max_per_host: usize,
 }
 
 impl Link {
@@ -72,6 +75,7 @@ impl Link {
             auth_timeout: Duration::from_millis(admission::DEFAULT_AUTH_TIMEOUT_MS),
             max_pending: admission::DEFAULT_MAX_PENDING,
             max_pending_per_source: admission::DEFAULT_MAX_PENDING_PER_SOURCE,
+            max_per_host: crate::config::DEFAULT_CONTROL_MAX_PER_HOST,
         }
     }
 
@@ -156,6 +160,10 @@ pub enum MsgType {
     /// (BUSY: the receiver's queue is full).
     Notify = 10,
     NotifyAck = 11,
+    /// Many copies between one staging slot and device memory, as one
+    /// device operation (staging/protocol.rs has its wire form); answered
+    /// StageDone.
+    StageCopyList = 12,
 }
 
 impl MsgType {
@@ -172,6 +180,7 @@ impl MsgType {
             9 => Some(MsgType::PluginReply),
             10 => Some(MsgType::Notify),
             11 => Some(MsgType::NotifyAck),
+            12 => Some(MsgType::StageCopyList),
             _ => None,
         }
     }
@@ -182,6 +191,7 @@ impl MsgType {
             MsgType::GetDescriptor
                 | MsgType::StageOpen
                 | MsgType::StageCopy
+                | MsgType::StageCopyList
                 | MsgType::PluginRequest
                 | MsgType::Notify
         )
@@ -192,6 +202,26 @@ impl MsgType {
 pub(crate) struct ErrorBody {
     pub(crate) code: i32,
     pub(crate) message: String,
+}
+
+/// An Error frame's body.
+pub(crate) fn error_body(code: ErrorCode, message: &str) -> Vec<u8> {
+    serde_json::to_vec(&ErrorBody {
+        code: code.as_raw(),
+        message: message.to_string(),
+    })
+    .unwrap_or_default()
+}
+
+/// What a control listener serves; the engine implements it.
+pub trait ControlHandler: Send + Sync + 'static {
+    fn descriptor(&self) -> SegmentDescriptor;
+    /// Any other request on connection `conn`: the reply's type and body.
+    /// It may block (building a descriptor, waiting on a lock).
+    fn request(&self, conn: u64, kind: MsgType, body: &[u8]) -> Result<(MsgType, Vec<u8>)>;
+    /// Connection `conn` is gone: drop what belonged to it. Called once per
+    /// connection, never while a request of it is being answered.
+    fn connection_closed(&self, conn: u64);
 }
 
 /// Encodes one frame.
@@ -272,71 +302,20 @@ pub fn read_frame(stream: &mut impl Read, peer: &str) -> Result<(MsgType, Vec<u8
     Ok((kind, body))
 }
 
-/// Body bytes a listener is reading at once; a place is given back when
-/// dropped.
-#[derive(Clone, Default)]
-pub(crate) struct BodyBudget(Arc<AtomicUsize>);
-
-struct BodyPlace {
-    budget: BodyBudget,
-    len: usize,
-}
-
-impl BodyBudget {
-    fn take(&self, len: usize) -> Option<BodyPlace> {
-        let mut now = self.0.load(Ordering::SeqCst);
-        loop {
-            if now + len > MAX_BODIES_IN_FLIGHT {
-                return None;
-            }
-            match self
-                .0
-                .compare_exchange(now, now + len, Ordering::SeqCst, Ordering::SeqCst)
-            {
-                Ok(_) => {
-                    return Some(BodyPlace {
-                        budget: self.clone(),
-                        len,
-                    })
-                }
-                Err(v) => now = v,
-            }
-        }
-    }
-}
-
-impl Drop for BodyPlace {
-    fn drop(&mut self) {
-        self.budget.0.fetch_sub(self.len, Ordering::SeqCst);
-    }
-}
-
 /// Reads one tagged frame that must arrive whole within `timeout` and
-/// checks its tag; a listener passes its body budget.
+/// checks its tag (the client side; the listener parses the same frames
+/// without blocking, in `control_conn`).
 pub(crate) fn read_sealed(
     stream: &TcpStream,
     peer: &str,
     timeout: Duration,
     rx: &mut Direction,
-    budget: Option<&BodyBudget>,
 ) -> Result<(MsgType, Vec<u8>)> {
     let mut s = DeadlineStream::new(stream, timeout);
     let mut header = [0u8; HEADER_LEN];
     s.read_exact(&mut header)
         .map_err(|e| io_error("reading from", peer, &e))?;
     let (kind, len) = decode_header(&header)?;
-    let _place = match budget {
-        None => None,
-        Some(b) => Some(b.take(len).ok_or_else(|| {
-            Error::new(
-                ErrorCode::Busy,
-                format!(
-                    "control frames being received take {MAX_BODIES_IN_FLIGHT} bytes already; \
-                     try again"
-                ),
-            )
-        })?),
-    };
     let mut body = Vec::with_capacity(len.min(BODY_CHUNK));
     (&mut s)
         .take(len as u64)
@@ -362,7 +341,7 @@ pub fn read_frame_sealed(
     timeout: Duration,
     rx: &mut Direction,
 ) -> Result<(MsgType, Vec<u8>)> {
-    read_sealed(stream, peer, timeout, rx, None)
+    read_sealed(stream, peer, timeout, rx)
 }
 
 /// Writes one tagged frame within `timeout`.
@@ -493,7 +472,6 @@ impl ControlClient {
             &self.name,
             self.io_timeout,
             &mut self.session.recv,
-            None,
         )?;
         self.last_used = std::time::Instant::now();
         if reply == MsgType::Error {
@@ -530,7 +508,7 @@ pub fn fetch_descriptor(name: &str, link: &Link) -> Result<SegmentDescriptor> {
         MsgType::GetDescriptor,
         b"{}",
     )?;
-    let (kind, body) = read_sealed(&stream, name, link.io_timeout, &mut session.recv, None)?;
+    let (kind, body) = read_sealed(&stream, name, link.io_timeout, &mut session.recv)?;
     let _ = stream.shutdown(Shutdown::Both);
     match kind {
         MsgType::Descriptor => SegmentDescriptor::from_json(&body),

@@ -7,6 +7,7 @@ use ferry_loader::{LoadedLibrary, Plugin};
 use ferry_plugins_abi::has_field;
 use ferry_plugins_abi::sys;
 use std::ffi::{c_char, c_void, CStr};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// A device as its plugin describes it (the SDK's type: one definition
@@ -28,13 +29,17 @@ pub struct Device {
     library: Arc<LoadedLibrary>,
     table: *const sys::ferry_device_plugin_v1_t,
     instance: *mut c_void,
+    /// Whether copying a list one by one was logged (once).
+    said_one_by_one: AtomicBool,
 }
 
 // SAFETY: the instance pointer is only handed back to the plugin, which must
 // accept calls from any thread (plugin.h, "Threads"); the table is
 // immutable static data of `library`, kept loaded by this struct.
 unsafe impl Send for Device {}
-// SAFETY: as above.
+// SAFETY: shared access only reads the immutable table and hands the
+// instance pointer to the plugin, which must accept concurrent calls
+// (plugin.h, "Threads").
 unsafe impl Sync for Device {}
 
 /// A copy stream of one device; destroyed when dropped.
@@ -158,6 +163,7 @@ impl Device {
             table: table as *const sys::ferry_device_plugin_v1_t,
             library,
             instance,
+            said_one_by_one: AtomicBool::new(false),
         }))
     }
 
@@ -299,6 +305,14 @@ impl Device {
         }
     }
 
+    /// Whether the plugin queues a list of copies as one operation (ABI
+    /// 1.5 `copy_list_async`); without it staging copies one by one.
+    pub fn has_copy_list(&self) -> bool {
+        let table = self.table();
+        has_field!(table, sys::ferry_device_plugin_v1_t, copy_list_async)
+            && table.copy_list_async.is_some()
+    }
+
     pub fn stream(self: &Arc<Self>, ordinal: u32) -> Result<Stream> {
         let mut raw: *mut c_void = std::ptr::null_mut();
         let ord = i32::try_from(ordinal)
@@ -324,6 +338,51 @@ impl Stream {
             // driver checks.
             unsafe { f(d.instance, self.raw, dst, src, len, &mut err) }
         })
+    }
+
+    /// Queues every copy of `copies` (each `(dst, src, len)` as [`copy`]):
+    /// as one device operation where the plugin has list copies (ABI 1.5),
+    /// else one copy each. The caller keeps every range alive and checked
+    /// against its registrations until [`sync`].
+    ///
+    /// [`copy`]: Stream::copy
+    /// [`sync`]: Stream::sync
+    pub fn copy_list(&mut self, copies: &[sys::ferry_device_copy_t]) -> Result<()> {
+        if copies.is_empty() {
+            return Ok(());
+        }
+        if self.device.has_copy_list() {
+            let d = &self.device;
+            let listed = call!(d, copy_list_async, "copy_list_async", |f, err| {
+                // SAFETY: valid instance and stream; `copies` is a live slice
+                // of copies.len() entries for the call (the plugin copies
+                // what it keeps); its ranges are numbers the plugin checks.
+                unsafe {
+                    f(
+                        d.instance,
+                        self.raw,
+                        copies.as_ptr(),
+                        copies.len(),
+                        &mut err,
+                    )
+                }
+            });
+            match listed {
+                Err(e) if e.code == ErrorCode::Unsupported => {}
+                other => return other,
+            }
+        }
+        if !self.device.said_one_by_one.swap(true, Ordering::Relaxed) {
+            log::info!(
+                "{}: the device plugin has no list copies (copy_list_async, ABI 1.5); staging \
+                 gathers and scatters small blocks one copy each",
+                self.device.name
+            );
+        }
+        for c in copies {
+            self.copy(c.dst, c.src, c.len)?;
+        }
+        Ok(())
     }
 
     /// Waits for every copy queued on this stream.

@@ -1,23 +1,23 @@
 //! How GPU memory gets registered for RDMA, decided per GPU (and per GPU/NIC
-//! pair once a NIC is known), in the order DESIGN.md sets out:
+//! pair once a NIC is known), in the order docs/gpu.md sets out:
 //!
 //! 1. policy: FERRY_GPU_DIRECT=auto|dmabuf|peermem|off;
 //! 2. the GPU supports GPUDirect RDMA (CUDA attribute 116);
-//! 3. an RDMA stack exists (libibverbs);
+//! 3. a transport registers GPU memory here (it reports how, per memory
+//!    kind, at probe: ABI 1.5 memory methods);
 //! 4. the path from GPU to NIC is PXB or better (else the traffic would
 //!    cross host bridges or sockets, and staging is faster and safer);
 //! 5. DMA-BUF: the GPU supports it (attribute 124), the driver exports it,
-//!    libibverbs has ibv_reg_dmabuf_mr, and the NIC accepts it (a probe
-//!    registration with fd -1 answers EBADF, not EOPNOTSUPP);
-//! 6. nvidia-peermem: its kernel module is loaded;
+//!    the transport reports DMA-BUF registration available, and the NIC
+//!    accepts it (the transport's probe registration);
+//! 6. nvidia-peermem: the transport reports it available;
 //! 7. otherwise staging through pinned host memory.
 //!
 //! Every tier that is skipped carries its reason, so `ferry info` can say
 //! why the better methods were not used. The trial registration that is the
 //! final word belongs to the RDMA transport.
 
-use crate::topology::PathClass;
-use std::path::Path;
+use crate::topology::{NicKind, PathClass, Topology};
 
 /// FERRY_GPU_DIRECT, the `gpu_direct` setting of EngineConfig.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,70 +79,113 @@ pub struct GpuFacts {
     pub dmabuf_export: bool,
 }
 
-/// What the host offers.
+/// What the host offers for GPU memory, as the transports reported it at
+/// probe (memory methods, by FERRY_MEM_* bit): the core detects none of it
+/// itself.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostFacts {
-    /// The path that shows nvidia-peermem is loaded, if one does.
-    pub peermem: Option<String>,
-    /// libibverbs: Err(why not) or Ok(whether it exports ibv_reg_dmabuf_mr).
-    pub verbs: Result<bool, String>,
-    /// Why no enabled transport registers GPU memory directly (the rdma
-    /// plugin is disabled, or none is installed); `None` when one does.
+    /// DMA-BUF registration: Ok(how) or Err(why not), in the transport's words.
+    pub dmabuf: Result<String, String>,
+    /// nvidia-peermem registration, the same way.
+    pub peermem: Result<String, String>,
+    /// Why no enabled transport registers GPU memory directly (the plugin
+    /// that would is disabled, or none is installed); `None` when one does.
     pub no_transport: Option<String>,
 }
 
+/// The FERRY_MEM_* bits of direct GPU-memory registration.
+pub const DIRECT: u64 =
+    ferry_plugins_abi::sys::FERRY_MEM_CUDA_DMABUF | ferry_plugins_abi::sys::FERRY_MEM_CUDA_PEERMEM;
+
 impl HostFacts {
-    /// What this host offers, found under `sysfs_root`; `no_transport` from
-    /// the plugins (see [`no_direct_transport`]).
-    pub fn detect(sysfs_root: &Path, no_transport: Option<String>) -> HostFacts {
+    /// What the transports of `set` reported: for each method, an
+    /// available report of an enabled transport first, else the first
+    /// reason it is not (enabled transports first), else that none reports it.
+    pub fn from_plugins(set: &ferry_loader::PluginSet) -> HostFacts {
         HostFacts {
-            peermem: detect_peermem(sysfs_root),
-            verbs: detect_verbs(),
-            no_transport,
+            dmabuf: method_fact(
+                set,
+                ferry_plugins_abi::sys::FERRY_MEM_CUDA_DMABUF,
+                "DMA-BUF",
+            ),
+            peermem: method_fact(
+                set,
+                ferry_plugins_abi::sys::FERRY_MEM_CUDA_PEERMEM,
+                "nvidia-peermem",
+            ),
+            no_transport: no_direct_transport(set),
         }
+    }
+}
+
+/// Transports that are not shadowed, enabled ones first.
+fn transports(set: &ferry_loader::PluginSet) -> Vec<&ferry_loader::Plugin> {
+    use ferry_loader::{PluginKind, PluginState};
+    let mut t: Vec<_> = set
+        .plugins
+        .iter()
+        .filter(|p| p.report.kind == PluginKind::Transport)
+        .filter(|p| p.report.state != PluginState::Shadowed)
+        .collect();
+    t.sort_by_key(|p| p.report.state != PluginState::Enabled);
+    t
+}
+
+fn method_fact(set: &ferry_loader::PluginSet, bit: u64, name: &str) -> Result<String, String> {
+    use ferry_loader::PluginState;
+    let reports: Vec<_> = transports(set)
+        .into_iter()
+        .flat_map(|p| {
+            p.report
+                .memory_methods
+                .iter()
+                .filter(move |m| m.kind == bit)
+                .map(move |m| (p, m))
+        })
+        .collect();
+    if let Some((p, m)) = reports
+        .iter()
+        .find(|(p, m)| m.available && p.report.state == PluginState::Enabled)
+    {
+        return Ok(format!("{}: {}", p.report.name, m.detail));
+    }
+    match reports
+        .iter()
+        .find(|(_, m)| !m.available)
+        .or(reports.first())
+    {
+        Some((p, m)) => Err(format!("{}: {}", p.report.name, m.detail)),
+        None => Err(format!(
+            "no transport plugin reports registering GPU memory by {name}"
+        )),
     }
 }
 
 /// Why none of these plugins registers GPU memory directly, or `None` when
 /// an enabled transport offers DMA-BUF or nvidia-peermem registration.
 pub fn no_direct_transport(set: &ferry_loader::PluginSet) -> Option<String> {
-    use ferry_loader::{PluginKind, PluginState};
-    use ferry_plugins_abi::sys;
-    let direct = sys::FERRY_MEM_CUDA_DMABUF | sys::FERRY_MEM_CUDA_PEERMEM;
-    let transports: Vec<_> = set
-        .plugins
-        .iter()
-        .filter(|p| p.report.kind == PluginKind::Transport)
-        .collect();
+    use ferry_loader::PluginState;
+    let transports = transports(set);
     if transports.iter().any(|p| {
-        p.report.state == PluginState::Enabled && p.report.capabilities.mem_bits & direct != 0
+        p.report.state == PluginState::Enabled && p.report.capabilities.mem_bits & DIRECT != 0
     }) {
         return None;
     }
     // The transport that would have moved GPU memory directly: one that
-    // says which GPU-memory capability it lacks here (by the capability's
-    // name, never the plugin's), enabled ones first.
-    let would = |p: &&&ferry_loader::Plugin| {
-        p.report.state != PluginState::Shadowed
-            && p.report
-                .missing
-                .iter()
-                .any(|m| m.capability.starts_with("cuda") || m.capability.starts_with("rdma+"))
-    };
-    let direct_capable = transports
+    // reported a direct memory method (by its bit, never a name), enabled
+    // ones first.
+    let would = transports
         .iter()
-        .filter(|p| p.report.state == PluginState::Enabled)
-        .find(would)
-        .or_else(|| transports.iter().find(would));
-    Some(match direct_capable {
+        .find(|p| p.report.memory_methods.iter().any(|m| m.kind & DIRECT != 0));
+    Some(match would {
         Some(p) if p.report.state == PluginState::Enabled => format!(
             "the {} transport registers no GPU memory here ({})",
             p.report.name,
             p.report
-                .missing
+                .memory_methods
                 .iter()
-                .filter(|m| m.capability.starts_with("cuda") || m.capability.starts_with("rdma+"))
-                .map(|m| m.reason.as_str())
+                .filter(|m| m.kind & DIRECT != 0 && !m.available)
+                .map(|m| format!("{}: {}", m.memory, m.detail))
                 .collect::<Vec<_>>()
                 .join("; ")
         ),
@@ -164,6 +207,27 @@ pub struct PairFacts {
     /// The NIC's answer to a DMA-BUF probe registration: Ok (EBADF: it
     /// takes DMA-BUF), Err(why not), or None when not probed.
     pub nic_dmabuf: Option<Result<(), String>>,
+}
+
+/// The NIC a GPU's memory would go through directly: the first usable RDMA
+/// NIC in the location's whole ranking (nearest first, NICs whose ports are
+/// down never). The one rule: the engine decides with it and `ferry info`
+/// reports with it, so they cannot name different methods.
+pub fn direct_nic(topology: &Topology, location: &str) -> Option<PairFacts> {
+    topology
+        .preferred_nics(location)?
+        .iter()
+        .find(|r| {
+            r.usable
+                && topology
+                    .nic(&r.name)
+                    .is_some_and(|n| n.kind == NicKind::Rdma)
+        })
+        .map(|r| PairFacts {
+            nic: r.name.clone(),
+            class: r.class,
+            nic_dmabuf: None,
+        })
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -211,13 +275,6 @@ pub fn decide(
         );
         return staged(skipped);
     }
-    let dmabuf_symbol = match &host.verbs {
-        Ok(sym) => *sym,
-        Err(why) => {
-            both(&mut skipped, format!("no RDMA stack ({why})"));
-            return staged(skipped);
-        }
-    };
     if let Some(why) = &host.no_transport {
         both(&mut skipped, why.clone());
         return staged(skipped);
@@ -246,8 +303,8 @@ pub fn decide(
         Some("the driver cannot say whether DMA-BUF is supported (attribute 124 unknown: driver older than CUDA 11.7?)".into())
     } else if !gpu.dmabuf_export {
         Some("the driver cannot export DMA-BUF (cuMemGetHandleForAddressRange is missing)".into())
-    } else if !dmabuf_symbol {
-        Some("libibverbs lacks ibv_reg_dmabuf_mr (rdma-core older than v34)".into())
+    } else if let Err(why) = &host.dmabuf {
+        Some(why.clone())
     } else {
         match pair.and_then(|p| p.nic_dmabuf.clone()) {
             Some(Err(why)) => Some(why),
@@ -270,45 +327,15 @@ pub fn decide(
         return staged(skipped);
     }
     match &host.peermem {
-        Some(_) => Decision {
+        Ok(_) => Decision {
             method: Method::PeerMem,
             skipped,
         },
-        None => {
-            skipped.push((
-                Method::PeerMem,
-                "nvidia-peermem is not loaded (no module/nvidia_peermem, module/nv_peer_mem or \
-                 kernel/mm/memory_peers/nv_mem/version under sysfs)"
-                    .into(),
-            ));
+        Err(why) => {
+            skipped.push((Method::PeerMem, why.clone()));
             staged(skipped)
         }
     }
-}
-
-/// Which of the paths that prove nvidia-peermem exists under `sysfs_root`.
-pub fn detect_peermem(sysfs_root: &Path) -> Option<String> {
-    [
-        "module/nvidia_peermem",
-        "module/nv_peer_mem",
-        "kernel/mm/memory_peers/nv_mem/version",
-    ]
-    .into_iter()
-    .map(|p| sysfs_root.join(p))
-    .find(|p| p.exists())
-    .map(|p| p.display().to_string())
-}
-
-/// Whether libibverbs loads here and exports ibv_reg_dmabuf_mr. Loading it
-/// has no side effect beyond mapping the library (it opens no device).
-pub fn detect_verbs() -> Result<bool, String> {
-    // SAFETY: loading the system's libibverbs runs only its constructors,
-    // which register providers; no device is opened.
-    let lib = unsafe { libloading::Library::new("libibverbs.so.1") }
-        .map_err(|_| "libibverbs.so.1 not found".to_string())?;
-    // SAFETY: only asks whether the symbol exists; it is never called here.
-    let sym = unsafe { lib.get::<unsafe extern "C" fn()>(b"ibv_reg_dmabuf_mr\0") }.is_ok();
-    Ok(sym)
 }
 
 #[cfg(test)]
@@ -323,10 +350,16 @@ mod tests {
         }
     }
 
-    fn host(peermem: bool, verbs: Result<bool, String>) -> HostFacts {
+    /// The host as the rdma plugin would report it: DMA-BUF `Ok` or why
+    /// not, nvidia-peermem loaded or not.
+    fn host(peermem: bool, dmabuf: Result<&str, &str>) -> HostFacts {
         HostFacts {
-            peermem: peermem.then(|| "/sys/module/nvidia_peermem".into()),
-            verbs,
+            dmabuf: dmabuf.map(String::from).map_err(String::from),
+            peermem: if peermem {
+                Ok("rdma: nvidia-peermem is loaded".into())
+            } else {
+                Err("rdma: nvidia-peermem is not loaded".into())
+            },
             no_transport: None,
         }
     }
@@ -341,7 +374,7 @@ mod tests {
 
     #[test]
     fn a_capable_gpu_and_stack_use_dmabuf() {
-        let d = decide(Policy::Auto, &gpu(), &host(false, Ok(true)), None);
+        let d = decide(Policy::Auto, &gpu(), &host(false, Ok("dmabuf")), None);
         assert_eq!(d.method, Method::DmaBuf);
         assert!(d.skipped.is_empty());
     }
@@ -350,7 +383,7 @@ mod tests {
     fn each_missing_dmabuf_piece_falls_back_to_peermem_with_its_reason() {
         type Case = (
             GpuFacts,
-            Result<bool, String>,
+            Result<&'static str, &'static str>,
             Option<PairFacts>,
             &'static str,
         );
@@ -360,7 +393,7 @@ mod tests {
                     dmabuf: Some(false),
                     ..gpu()
                 },
-                Ok(true),
+                Ok("dmabuf"),
                 None,
                 "attribute 124 is 0",
             ),
@@ -369,14 +402,19 @@ mod tests {
                     dmabuf_export: false,
                     ..gpu()
                 },
-                Ok(true),
+                Ok("dmabuf"),
                 None,
                 "cannot export",
             ),
-            (gpu(), Ok(false), None, "lacks ibv_reg_dmabuf_mr"),
             (
                 gpu(),
-                Ok(true),
+                Err("rdma: libibverbs lacks ibv_reg_dmabuf_mr"),
+                None,
+                "lacks ibv_reg_dmabuf_mr",
+            ),
+            (
+                gpu(),
+                Ok("dmabuf"),
                 Some(pair(
                     PathClass::Pix,
                     Some(Err("mlx5_0 answers EOPNOTSUPP".into())),
@@ -385,7 +423,7 @@ mod tests {
             ),
         ];
         for (g, verbs, p, why) in cases {
-            let d = decide(Policy::Auto, &g, &host(true, verbs.clone()), p.as_ref());
+            let d = decide(Policy::Auto, &g, &host(true, verbs), p.as_ref());
             assert_eq!(d.method, Method::PeerMem, "{why}");
             assert_eq!(d.skipped.len(), 1);
             assert!(d.skipped[0].1.contains(why), "{:?}", d.skipped);
@@ -393,7 +431,7 @@ mod tests {
             assert_eq!(d.method, Method::Staged);
             assert!(d
                 .explain()
-                .contains("not nvidia-peermem: nvidia-peermem is not loaded"));
+                .contains("not nvidia-peermem: rdma: nvidia-peermem is not loaded"));
         }
     }
 
@@ -403,20 +441,12 @@ mod tests {
             gpu_direct_rdma: Some(false),
             ..gpu()
         };
-        let d = decide(Policy::Auto, &no_gdr, &host(true, Ok(true)), None);
+        let d = decide(Policy::Auto, &no_gdr, &host(true, Ok("dmabuf")), None);
         assert_eq!(d.method, Method::Staged);
         assert!(d.explain().contains("attribute 116 is 0"));
-        let d = decide(
-            Policy::Auto,
-            &gpu(),
-            &host(true, Err("libibverbs.so.1 not found".into())),
-            None,
-        );
-        assert_eq!(d.method, Method::Staged);
-        assert!(d.explain().contains("no RDMA stack"));
         let no_rdma = HostFacts {
             no_transport: Some("the rdma transport is disabled: no RDMA device".into()),
-            ..host(true, Ok(true))
+            ..host(true, Ok("dmabuf"))
         };
         let d = decide(Policy::Auto, &gpu(), &no_rdma, None);
         assert_eq!(d.method, Method::Staged);
@@ -424,7 +454,7 @@ mod tests {
             .explain()
             .contains("not DMA-BUF: the rdma transport is disabled"));
         let far = pair(PathClass::Sys, Some(Ok(())));
-        let d = decide(Policy::Auto, &gpu(), &host(true, Ok(true)), Some(&far));
+        let d = decide(Policy::Auto, &gpu(), &host(true, Ok("dmabuf")), Some(&far));
         assert_eq!(d.method, Method::Staged);
         assert!(
             d.explain().contains("the path to mlx5_0 is SYS"),
@@ -433,14 +463,14 @@ mod tests {
         );
         let near = pair(PathClass::Pxb, Some(Ok(())));
         assert_eq!(
-            decide(Policy::Auto, &gpu(), &host(true, Ok(true)), Some(&near)).method,
+            decide(Policy::Auto, &gpu(), &host(true, Ok("dmabuf")), Some(&near)).method,
             Method::DmaBuf
         );
     }
 
     #[test]
     fn policy_is_obeyed() {
-        let h = host(true, Ok(true));
+        let h = host(true, Ok("dmabuf"));
         assert_eq!(decide(Policy::Off, &gpu(), &h, None).method, Method::Staged);
         assert_eq!(
             decide(Policy::PeerMem, &gpu(), &h, None).method,
@@ -461,22 +491,67 @@ mod tests {
         assert_eq!(Policy::parse("DMABUF").unwrap(), Policy::DmaBuf);
     }
 
-    #[test]
-    fn peermem_is_found_through_the_sysfs_root() {
+    fn topology(machine: crate::topology::fixture::SysfsBuilder) -> (tempfile::TempDir, Topology) {
         let dir = tempfile::tempdir().unwrap();
-        assert_eq!(detect_peermem(dir.path()), None);
-        std::fs::create_dir_all(dir.path().join("kernel/mm/memory_peers/nv_mem")).unwrap();
-        std::fs::write(
-            dir.path().join("kernel/mm/memory_peers/nv_mem/version"),
-            "1.0",
-        )
-        .unwrap();
-        assert!(detect_peermem(dir.path())
-            .unwrap()
-            .ends_with("nv_mem/version"));
-        std::fs::create_dir_all(dir.path().join("module/nvidia_peermem")).unwrap();
-        assert!(detect_peermem(dir.path())
-            .unwrap()
-            .ends_with("module/nvidia_peermem"));
+        machine.write(dir.path()).unwrap();
+        let t = Topology::discover(&crate::topology::TopologyConfig::for_sysfs_root(dir.path()))
+            .unwrap();
+        (dir, t)
+    }
+
+    #[test]
+    fn the_direct_nic_is_the_nearest_usable_rdma_one_of_the_whole_ranking() {
+        use crate::topology::fixture::*;
+        // cuda:0's own switch holds mlx5_0, whose port is down: the direct
+        // NIC is the next usable RDMA NIC, wherever it ranks.
+        let (_d, t) = topology(named("port-down").unwrap());
+        let nic = direct_nic(&t, "cuda:0").unwrap().nic;
+        assert_ne!(nic, "mlx5_0");
+        assert!(t.nic(&nic).unwrap().state.is_usable());
+
+        // Every RDMA NIC down: none, so the engine stages (and info says so).
+        let all_down = SysfsBuilder::new()
+            .numa_node(0, "0-7")
+            .host_bridge("0000:00", 0)
+            .gpu("0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0")
+            .rdma_nic(
+                "mlx5_0",
+                "0000:00:01.0/0000:01:00.0/0000:02:01.0/0000:04:00.0",
+                PORT_DOWN,
+                INFINIBAND,
+                NDR_400,
+            );
+        let (_d, t) = topology(all_down);
+        assert_eq!(direct_nic(&t, "cuda:0"), None);
+
+        // Five plain Ethernet NICs on the GPU's switch, nearer than the RDMA
+        // NIC on another root port: the RDMA NIC still is the direct one
+        // (looking only at the nearest four would find none).
+        let mut crowded = SysfsBuilder::new()
+            .numa_node(0, "0-7")
+            .host_bridge("0000:00", 0)
+            .gpu("0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0");
+        for i in 1..=5 {
+            crowded = crowded.net_nic(
+                &format!("eth{i}"),
+                &format!("0000:00:01.0/0000:01:00.0/0000:02:0{i}.0/0000:1{i}:00.0"),
+                "up",
+                100_000,
+            );
+        }
+        let crowded = crowded.rdma_nic(
+            "mlx5_0",
+            "0000:00:02.0/0000:20:00.0",
+            PORT_ACTIVE,
+            INFINIBAND,
+            NDR_400,
+        );
+        let (_d, t) = topology(crowded);
+        let ranked = t.preferred_nics("cuda:0").unwrap();
+        assert!(
+            ranked.iter().take(5).all(|r| r.name.starts_with("eth")),
+            "{ranked:?}"
+        );
+        assert_eq!(direct_nic(&t, "cuda:0").unwrap().nic, "mlx5_0");
     }
 }

@@ -312,6 +312,19 @@ fn render_plugin(out: &mut String, p: &PluginReport) {
             esc(&m.reason)
         );
     }
+    for m in &p.memory_methods {
+        let _ = writeln!(
+            out,
+            "      memory {}: {}: {}",
+            esc(&m.memory),
+            if m.available {
+                "available"
+            } else {
+                "unavailable"
+            },
+            esc(&m.detail)
+        );
+    }
     for n in &p.notes {
         let _ = writeln!(out, "      {}: {}", esc(&n.key), esc(&n.value));
     }
@@ -382,10 +395,28 @@ pub struct GpuDirectReport {
     /// Always null: a gpu_direct value that is not a policy is rejected
     /// with its reason before any report (kept: fields are only added).
     pub policy_warning: Option<String>,
+    /// Deprecated (the transport's words now, kept because fields are only
+    /// added): what `methods` says of nvidia-peermem when it is available,
+    /// else null.
     pub peermem: Option<String>,
+    /// Deprecated, as `peermem`: what `methods` says of DMA-BUF.
     pub libibverbs: String,
+    /// How GPU memory can be registered directly, as the transports
+    /// reported it at probe: DMA-BUF and nvidia-peermem, each available or
+    /// not with the words of the transport that said so.
+    pub methods: Vec<MethodReport>,
     /// Which enabled transport registers GPU memory directly, or why none.
     pub transport: String,
+}
+
+/// One direct GPU-memory registration method, as the transports reported it.
+#[derive(Clone, Debug, Serialize)]
+pub struct MethodReport {
+    /// `cuda-dmabuf` or `cuda-peermem`.
+    pub memory: String,
+    pub available: bool,
+    /// "<transport>: how", or why not.
+    pub detail: String,
 }
 
 impl InfoReport {
@@ -398,42 +429,34 @@ impl InfoReport {
         topology: Option<&Topology>,
         policy: Policy,
     ) -> InfoReport {
-        use crate::gpudirect::{self, GpuFacts, HostFacts, PairFacts};
-        let sysfs = topology
-            .map(|t| t.sysfs_root().to_path_buf())
-            .unwrap_or_else(|| std::path::PathBuf::from("/sys"));
-        let host = HostFacts::detect(&sysfs, gpudirect::no_direct_transport(set));
+        use crate::gpudirect::{self, GpuFacts, HostFacts};
+        let host = HostFacts::from_plugins(set);
+        let method = |memory: &str, fact: &Result<String, String>| MethodReport {
+            memory: memory.to_string(),
+            available: fact.is_ok(),
+            detail: fact.clone().unwrap_or_else(|why| why),
+        };
         self.gpu_direct = Some(GpuDirectReport {
             policy: policy.as_str().to_string(),
             policy_warning: None,
-            peermem: host.peermem.clone(),
-            libibverbs: match &host.verbs {
-                Ok(true) => "loads, exports ibv_reg_dmabuf_mr".into(),
-                Ok(false) => "loads, lacks ibv_reg_dmabuf_mr".into(),
-                Err(e) => e.clone(),
-            },
+            peermem: host.peermem.clone().ok(),
+            libibverbs: host.dmabuf.clone().unwrap_or_else(|why| why),
+            methods: vec![
+                method("cuda-dmabuf", &host.dmabuf),
+                method("cuda-peermem", &host.peermem),
+            ],
             transport: match &host.no_transport {
                 None => set
                     .enabled(PluginKind::Transport)
-                    .filter(|p| {
-                        p.report.capabilities.mem_bits
-                            & (ferry_plugins_abi::sys::FERRY_MEM_CUDA_DMABUF
-                                | ferry_plugins_abi::sys::FERRY_MEM_CUDA_PEERMEM)
-                            != 0
-                    })
-                    .map(|p| {
-                        format!(
-                            "{} ({})",
-                            p.report.name,
-                            p.report
-                                .capabilities
-                                .memory
-                                .iter()
-                                .filter(|m| *m == "cuda-dmabuf" || *m == "cuda-peermem")
-                                .cloned()
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        )
+                    .filter_map(|p| {
+                        let direct = p.report.capabilities.mem_bits & gpudirect::DIRECT;
+                        (direct != 0).then(|| {
+                            format!(
+                                "{} ({})",
+                                p.report.name,
+                                ferry_plugins_abi::caps::mem_kind_names(direct).join(", ")
+                            )
+                        })
                     })
                     .collect::<Vec<_>>()
                     .join(", "),
@@ -466,15 +489,8 @@ impl InfoReport {
                 })
                 .collect()
         };
-        let decide = |facts: &GpuFacts, nics: &[NicRank], loc: &str| -> Registration {
-            let pair = topology.and_then(|t| {
-                let best = nics.iter().find(|n| n.kind == "rdma")?;
-                Some(PairFacts {
-                    nic: best.name.clone(),
-                    class: t.path_class(loc, &best.name)?,
-                    nic_dmabuf: None,
-                })
-            });
+        let decide = |facts: &GpuFacts, loc: &str| -> Registration {
+            let pair = topology.and_then(|t| gpudirect::direct_nic(t, loc));
             // The method this GPU gets once a transport can register GPU
             // memory (an RDMA NIC); what applies today goes in the note.
             let able = HostFacts {
@@ -484,12 +500,14 @@ impl InfoReport {
             let d = gpudirect::decide(policy, facts, &able, pair.as_ref());
             let today = gpudirect::decide(policy, facts, &host, pair.as_ref());
             let reason = match d.method {
-                gpudirect::Method::DmaBuf => "the GPU supports DMA-BUF (attribute 124), the driver \
-                    exports it (cuMemGetHandleForAddressRange) and libibverbs has ibv_reg_dmabuf_mr"
-                    .to_string(),
+                gpudirect::Method::DmaBuf => format!(
+                    "the GPU supports DMA-BUF (attribute 124), the driver exports it \
+                     (cuMemGetHandleForAddressRange), and {}",
+                    host.dmabuf.as_deref().unwrap_or_else(|why| why)
+                ),
                 gpudirect::Method::PeerMem => format!(
-                    "the GPU supports GPUDirect RDMA (attribute 116) and nvidia-peermem is loaded ({})",
-                    host.peermem.as_deref().unwrap_or("?")
+                    "the GPU supports GPUDirect RDMA (attribute 116), and {}",
+                    host.peermem.as_deref().unwrap_or_else(|why| why)
                 ),
                 gpudirect::Method::Staged => {
                     "every transport can move it through pinned host memory".to_string()
@@ -548,7 +566,7 @@ impl InfoReport {
                     dmabuf: g.info.dmabuf,
                     dmabuf_export: g.info.dmabuf_export,
                 };
-                let registration = decide(&facts, &nics, &topo_name);
+                let registration = decide(&facts, &topo_name);
                 self.gpus.push(GpuReport {
                     name: g.location.to_string(),
                     model: Some(g.info.name.clone()),
@@ -596,13 +614,22 @@ fn render_gpus(out: &mut String, report: &InfoReport) {
     if let Some(g) = &report.gpu_direct {
         let _ = writeln!(
             out,
-            "\nGPU memory for RDMA: FERRY_GPU_DIRECT={}; nvidia-peermem: {}; libibverbs: {}",
-            esc(&g.policy),
-            g.peermem
-                .as_deref()
-                .map_or("not loaded".to_string(), |p| format!("loaded ({})", esc(p))),
-            esc(&g.libibverbs)
+            "\nGPU memory for RDMA: FERRY_GPU_DIRECT={}",
+            esc(&g.policy)
         );
+        for m in &g.methods {
+            let _ = writeln!(
+                out,
+                "  {}: {}: {}",
+                m.memory,
+                if m.available {
+                    "available"
+                } else {
+                    "unavailable"
+                },
+                esc(&m.detail)
+            );
+        }
         let _ = writeln!(out, "  transport for GPU memory: {}", esc(&g.transport));
     }
     if report.gpus.is_empty() {

@@ -64,7 +64,9 @@ pub struct Transport {
 // requires to accept calls from any thread; the other fields are immutable
 // after init or are Send + Sync themselves.
 unsafe impl Send for Transport {}
-// SAFETY: as above.
+// SAFETY: shared access passes the instance pointer to the plugin, which
+// plugin.h requires to accept concurrent calls; the other fields are only
+// read after init, or are Sync themselves.
 unsafe impl Sync for Transport {}
 
 /// An opaque peer handle from `connect`; disconnected when dropped.
@@ -75,7 +77,8 @@ pub struct PeerHandle {
 
 // SAFETY: as for Transport: the handle is only passed back to the plugin.
 unsafe impl Send for PeerHandle {}
-// SAFETY: as above.
+// SAFETY: shared access only passes the handle back to the plugin, which
+// plugin.h requires to accept concurrent calls on one peer.
 unsafe impl Sync for PeerHandle {}
 
 impl Drop for PeerHandle {
@@ -491,6 +494,41 @@ impl Transport {
             Ok(())
         } else {
             Err(err.error(&self.name, "submit_blocks", status))
+        }
+    }
+
+    /// Whether the plugin takes blocks by layout and index
+    /// (`submit_layouts`, ABI 1.5).
+    pub fn takes_layout_lists(&self) -> bool {
+        let table = self.table();
+        ferry_plugins_abi::has_field!(table, sys::ferry_transport_plugin_v1_t, submit_layouts)
+            && table.submit_layouts.is_some()
+    }
+
+    /// Hands blocks by layout and index to the plugin, completed once with
+    /// `list.token`; `Unsupported` when it takes none (nothing accepted).
+    pub fn submit_layouts(&self, peer: &PeerHandle, list: &sys::ferry_layout_list_t) -> Result<()> {
+        let table = self.table();
+        let f = if self.takes_layout_lists() {
+            table.submit_layouts
+        } else {
+            None
+        };
+        let f = f.ok_or_else(|| {
+            Error::new(
+                ErrorCode::Unsupported,
+                format!("transport {} takes no layout lists", self.name),
+            )
+        })?;
+        let mut err = ErrBuf::new();
+        let mut raw = err.raw();
+        // SAFETY: list, its key and its two index arrays (count entries
+        // each) are valid for the call; peer came from connect.
+        let status = unsafe { f(self.instance, peer.handle, list, &mut raw) };
+        if status == sys::FERRY_OK {
+            Ok(())
+        } else {
+            Err(err.error(&self.name, "submit_layouts", status))
         }
     }
 

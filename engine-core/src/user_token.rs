@@ -403,7 +403,8 @@ fn create_in(dir: &TokenDir) -> Result<bool> {
             Err(std::io::Error::last_os_error())
         }
     });
-    // SAFETY: as above.
+    // SAFETY: d is the directory fd opened above and still open; tmp is a
+    // NUL-terminated name; unlinkat reads nothing else.
     unsafe { libc::unlinkat(d, tmp.as_ptr(), 0) };
     match linked {
         Ok(()) => Ok(true),

@@ -104,7 +104,9 @@ pub(crate) struct ServicesTable {
 // only Send + Sync data (a String and an Arc<dyn HostServices + Send + Sync>);
 // the raw ctx pointer inside the table points at that HostCtx.
 unsafe impl Send for ServicesTable {}
-// SAFETY: as above; every service function only reads the context.
+// SAFETY: shared references from several threads only ever read: the table
+// is immutable after construction, and every service function takes the
+// context by shared reference and reaches only Send + Sync data through it.
 unsafe impl Sync for ServicesTable {}
 
 impl ServicesTable {
@@ -316,7 +318,8 @@ unsafe extern "C" fn svc_peer_request(
             return sys::FERRY_ERR_INVALID_ARGUMENT;
         };
         if body_len > sys::FERRY_PEER_MSG_MAX || (body.is_null() && body_len > 0) {
-            // SAFETY: as above.
+            // SAFETY: `err` is null or a valid error buffer, as the ABI requires
+            // of every service's caller; write_err checks for null.
             unsafe {
                 write_err(
                     err,
@@ -341,7 +344,8 @@ unsafe extern "C" fn svc_peer_request(
                     unsafe { *reply_len = data.len() };
                 }
                 if data.len() > reply_cap || (reply.is_null() && !data.is_empty()) {
-                    // SAFETY: as above.
+                    // SAFETY: `err` is null or a valid error buffer, as the ABI requires
+                    // of every service's caller; write_err checks for null.
                     unsafe {
                         write_err(
                             err,
@@ -360,7 +364,8 @@ unsafe extern "C" fn svc_peer_request(
                 sys::FERRY_OK
             }
             Err((code, msg)) => {
-                // SAFETY: as above.
+                // SAFETY: `err` is null or a valid error buffer, as the ABI requires
+                // of every service's caller; write_err checks for null.
                 unsafe { write_err(err, &msg) };
                 code.as_raw()
             }

@@ -59,8 +59,8 @@ pub use helper::HELPER_NAME;
 pub use host::{config_env_var, EnvHost, HostServices};
 pub use library::{missing_device_functions, missing_transport_functions, LoadedLibrary};
 pub use report::{
-    Capabilities, DeviceReport, MissingCapability, Note, PluginKind, PluginReport, PluginState,
-    ProbeSource, Stage,
+    Capabilities, DeviceReport, MemoryMethod, MissingCapability, Note, PluginKind, PluginReport,
+    PluginState, ProbeSource, Stage,
 };
 pub use self_location::containing_object;
 pub use set::{Isolation, Plugin, PluginSet, ProbeSetup};

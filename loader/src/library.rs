@@ -44,7 +44,8 @@ pub struct LoadedLibrary {
 // loaded as long as this struct lives; the ABI requires plugins to accept
 // calls from any thread (plugin.h, "Threads").
 unsafe impl Send for LoadedLibrary {}
-// SAFETY: as above.
+// SAFETY: shared access only reads the immutable table, and the ABI requires
+// plugins to accept concurrent calls from any thread (plugin.h, "Threads").
 unsafe impl Sync for LoadedLibrary {}
 
 impl LoadedLibrary {
@@ -80,7 +81,8 @@ impl LoadedLibrary {
         };
         // SAFETY: strings of a validated table are C strings or null.
         let version = unsafe { plugin_str(version) }.unwrap_or_default();
-        // SAFETY: as above.
+        // SAFETY: the same validated table: its description is null or a C
+        // string inside the library, which stays loaded while `self` lives.
         let description = unsafe { plugin_str(description) }.unwrap_or_default();
         (
             version,
@@ -324,7 +326,8 @@ fn check_strings(
 ) -> Result<(), String> {
     // SAFETY: strings in a validated table are C strings per the ABI.
     let name = unsafe { plugin_str(name) }.ok_or("its table has no name")?;
-    // SAFETY: as above.
+    // SAFETY: the same validated table: its version is null or a C string
+    // per the ABI, inside the library the caller holds loaded.
     if unsafe { plugin_str(version) }.is_none() {
         return Err("its table has no version".into());
     }

@@ -4,7 +4,8 @@
 
 use crate::library::{plugin_str, LoadedLibrary};
 use crate::report::{
-    bounded, MissingCapability, Note, Outcome, ProbedDevice, Stage, MAX_PROBE_ITEMS, MAX_REASON,
+    bounded, MemoryMethod, MissingCapability, Note, Outcome, ProbedDevice, Stage, MAX_PROBE_ITEMS,
+    MAX_REASON,
 };
 use ferry_plugins_abi::caps;
 use ferry_plugins_abi::sys;
@@ -20,6 +21,7 @@ struct Findings {
     scopes: u32,
     devices: Vec<ProbedDevice>,
     missing: Vec<MissingCapability>,
+    memory_methods: Vec<MemoryMethod>,
     notes: Vec<Note>,
 }
 
@@ -40,6 +42,7 @@ pub(crate) fn probe_outcome(lib: &LoadedLibrary, load_us: u64) -> Outcome {
     outcome.scopes = findings.scopes;
     outcome.devices = findings.devices;
     outcome.missing = findings.missing;
+    outcome.memory_methods = findings.memory_methods;
     outcome.notes = findings.notes;
     if status == sys::FERRY_OK {
         outcome.enabled = true;
@@ -161,6 +164,7 @@ fn run_probe(lib: &LoadedLibrary) -> (sys::ferry_status_t, String, Findings) {
         add_device: Some(sink_add_device),
         add_missing: Some(sink_add_missing),
         add_note: Some(sink_add_note),
+        add_memory_method: Some(sink_add_memory_method),
     };
     let mut buf = vec![0u8; 2048];
     let mut err = sys::ferry_errbuf_t {
@@ -217,10 +221,12 @@ unsafe extern "C" fn sink_add_device(ctx: *mut c_void, device: *const sys::ferry
         };
         let report = ProbedDevice {
             name,
-            // SAFETY: as above.
+            // SAFETY: the same device record: its PCI id is null or a C
+            // string that lives for this callback, per the ABI.
             pci: unsafe { plugin_str(d.pci_bus_id) },
             numa: (d.numa_node >= 0).then_some(d.numa_node),
-            // SAFETY: as above.
+            // SAFETY: the same device record: its detail is null or a C
+            // string that lives for this callback, per the ABI.
             detail: unsafe { plugin_str(d.detail) },
             mem_kinds: d.mem_kinds,
             bandwidth_mbps: (declared && d.bandwidth_mbps > 0).then_some(d.bandwidth_mbps),
@@ -250,6 +256,34 @@ unsafe extern "C" fn sink_add_missing(
         let mut f = f.lock().unwrap_or_else(|e| e.into_inner());
         if f.missing.len() < MAX_PROBE_ITEMS {
             f.missing.push(MissingCapability { capability, reason });
+        }
+    }));
+}
+
+unsafe extern "C" fn sink_add_memory_method(
+    ctx: *mut c_void,
+    mem_kind: u64,
+    available: i32,
+    detail: *const c_char,
+) {
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: ctx from our sink; detail is a C string per the ABI.
+        let (Some(f), Some(detail)) = (unsafe { findings(ctx) }, unsafe { plugin_str(detail) })
+        else {
+            return;
+        };
+        // One kind per entry; anything else is the plugin's mistake, dropped.
+        if mem_kind.count_ones() != 1 {
+            return;
+        }
+        let mut f = f.lock().unwrap_or_else(|e| e.into_inner());
+        if f.memory_methods.len() < MAX_PROBE_ITEMS {
+            f.memory_methods.push(MemoryMethod {
+                kind: mem_kind,
+                memory: caps::mem_kind_names(mem_kind).join(","),
+                available: available != 0,
+                detail,
+            });
         }
     }));
 }

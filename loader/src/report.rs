@@ -102,6 +102,21 @@ pub struct MissingCapability {
     pub reason: String,
 }
 
+/// One way a plugin registers a kind of memory, and whether it works here
+/// (ABI 1.5): what the engine decides GPU-memory registration from, by the
+/// bit.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryMethod {
+    /// One FERRY_MEM_* bit.
+    #[serde(rename = "bit")]
+    pub kind: u64,
+    /// The bit's name (`cuda-dmabuf`, ...), for people.
+    pub memory: String,
+    pub available: bool,
+    /// How it works, or why it does not.
+    pub detail: String,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Note {
     pub key: String,
@@ -134,6 +149,7 @@ pub struct PluginReport {
     pub capabilities: Capabilities,
     pub devices: Vec<DeviceReport>,
     pub missing: Vec<MissingCapability>,
+    pub memory_methods: Vec<MemoryMethod>,
     pub notes: Vec<Note>,
     pub load_us: Option<u64>,
     pub probe_us: Option<u64>,
@@ -180,6 +196,9 @@ pub struct Outcome {
     pub scopes: u32,
     pub devices: Vec<ProbedDevice>,
     pub missing: Vec<MissingCapability>,
+    /// Absent in cache entries of plugins probed before ABI 1.5.
+    #[serde(default)]
+    pub memory_methods: Vec<MemoryMethod>,
     pub notes: Vec<Note>,
     pub load_us: Option<u64>,
     pub probe_us: Option<u64>,
@@ -202,6 +221,7 @@ impl Outcome {
             scopes: 0,
             devices: Vec::new(),
             missing: Vec::new(),
+            memory_methods: Vec::new(),
             notes: Vec::new(),
             load_us: None,
             probe_us: None,
@@ -236,6 +256,7 @@ impl Outcome {
         if self.devices.len() > MAX_PROBE_ITEMS
             || self.missing.len() > MAX_PROBE_ITEMS
             || self.notes.len() > MAX_PROBE_ITEMS
+            || self.memory_methods.len() > MAX_PROBE_ITEMS
         {
             return Err(format!("more than {MAX_PROBE_ITEMS} items in a list"));
         }
@@ -248,6 +269,16 @@ impl Outcome {
         for m in &self.missing {
             short("capability", &m.capability)?;
             short("capability reason", &m.reason)?;
+        }
+        for m in &self.memory_methods {
+            if m.kind.count_ones() != 1 {
+                return Err(format!(
+                    "a memory method of {:#x}, not one memory kind",
+                    m.kind
+                ));
+            }
+            short("memory method", &m.memory)?;
+            short("memory method detail", &m.detail)?;
         }
         for n in &self.notes {
             short("note key", &n.key)?;

@@ -96,7 +96,7 @@ struct Resolved {
 }
 
 enum Slot {
-    Done(Plugin),
+    Done(Box<Plugin>),
     Pending(Pending),
 }
 
@@ -124,14 +124,14 @@ impl PluginSet {
         let mut slots: Vec<Slot> = Vec::with_capacity(candidates.len());
         for cand in candidates {
             let slot = match first_decision(&cand, &mut slots, config, &mut warnings) {
-                Some(p) => Slot::Done(p),
+                Some(p) => Slot::Done(Box::new(p)),
                 None => match elf::inspect(&cand.path) {
                     Ok(facts) => Slot::Pending(Pending {
                         cand,
                         facts,
                         shadows: Vec::new(),
                     }),
-                    Err(reason) => Slot::Done(disabled(&cand, Stage::Discovered, reason)),
+                    Err(reason) => Slot::Done(Box::new(disabled(&cand, Stage::Discovered, reason))),
                 },
             };
             slots.push(slot);
@@ -197,7 +197,7 @@ impl PluginSet {
         let mut plugins: Vec<Plugin> = Vec::with_capacity(slots.len());
         for slot in slots {
             let plugin = match slot {
-                Slot::Done(p) => p,
+                Slot::Done(p) => *p,
                 Slot::Pending(p) => {
                     let Some(r) = resolved.next() else { break };
                     match r.source {
@@ -463,6 +463,7 @@ impl Pass<'_> {
         report.capabilities = r.outcome.capabilities();
         report.devices = r.outcome.device_reports();
         report.missing = r.outcome.missing.clone();
+        report.memory_methods = r.outcome.memory_methods.clone();
         report.notes = r.outcome.notes.clone();
         report.load_us = r.outcome.load_us;
         report.probe_us = r.outcome.probe_us;
@@ -526,6 +527,7 @@ fn report_for(cand: &Candidate, state: PluginState, stage: Stage, reason: String
         capabilities: Capabilities::default(),
         devices: Vec::new(),
         missing: Vec::new(),
+        memory_methods: Vec::new(),
         notes: Vec::new(),
         load_us: None,
         probe_us: None,

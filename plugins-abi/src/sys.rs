@@ -10,7 +10,7 @@ use std::ffi::c_char;
 use std::ffi::c_void;
 
 pub const FERRY_PLUGIN_ABI_MAJOR: u16 = 1;
-pub const FERRY_PLUGIN_ABI_MINOR: u16 = 4;
+pub const FERRY_PLUGIN_ABI_MINOR: u16 = 5;
 
 pub type ferry_status_t = i32;
 
@@ -186,6 +186,15 @@ pub struct ferry_probe_sink_t {
     >,
     pub add_note:
         Option<unsafe extern "C" fn(ctx: *mut c_void, key: *const c_char, value: *const c_char)>,
+    // ABI 1.5
+    pub add_memory_method: Option<
+        unsafe extern "C" fn(
+            ctx: *mut c_void,
+            mem_kind: u64,
+            available: i32,
+            detail: *const c_char,
+        ),
+    >,
 }
 
 pub type ferry_probe_fn = unsafe extern "C" fn(
@@ -260,6 +269,15 @@ pub struct ferry_transfer_request_t {
     pub token: u64,
 }
 
+/// One copy of a device copy list (ABI 1.5; see plugin.h).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ferry_device_copy_t {
+    pub src: u64,
+    pub dst: u64,
+    pub len: u64,
+}
+
 /// One block of a block list (ABI 1.4; see plugin.h).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -282,6 +300,29 @@ pub struct ferry_block_list_t {
     pub remote_key: *const u8,
     pub remote_key_len: usize,
     pub blocks: *const ferry_block_t,
+    pub count: usize,
+    pub token: u64,
+}
+
+/// Blocks of two layouts by index, completed once (ABI 1.5; see
+/// plugin.h).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ferry_layout_list_t {
+    pub op: u32,
+    pub reserved: u32,
+    pub local_base: u64,
+    pub local_stride: u64,
+    pub local_blocks: u64,
+    pub local_mem: u64,
+    pub remote_base: u64,
+    pub remote_stride: u64,
+    pub remote_blocks: u64,
+    pub remote_key: *const u8,
+    pub remote_key_len: usize,
+    pub block_size: u64,
+    pub local_ids: *const u64,
+    pub remote_ids: *const u64,
     pub count: usize,
     pub token: u64,
 }
@@ -416,6 +457,15 @@ pub struct ferry_transport_plugin_v1_t {
             instance: *mut c_void,
             peer_handle: *mut c_void,
             list: *const ferry_block_list_t,
+            err: *mut ferry_errbuf_t,
+        ) -> ferry_status_t,
+    >,
+    // ABI 1.5
+    pub submit_layouts: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            peer_handle: *mut c_void,
+            list: *const ferry_layout_list_t,
             err: *mut ferry_errbuf_t,
         ) -> ferry_status_t,
     >,
@@ -560,6 +610,16 @@ pub struct ferry_device_plugin_v1_t {
         ) -> ferry_status_t,
     >,
     pub unpin_host: Option<unsafe extern "C" fn(instance: *mut c_void, addr: u64)>,
+    // ABI 1.5
+    pub copy_list_async: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            stream: *mut c_void,
+            copies: *const ferry_device_copy_t,
+            count: usize,
+            err: Err,
+        ) -> ferry_status_t,
+    >,
 }
 
 pub const FERRY_DEVICE_PLUGIN_V1_SYMBOL: &str = "ferry_device_plugin_v1";
@@ -570,5 +630,7 @@ pub type ferry_device_plugin_v1_entry_fn =
 // pointers to 'static data (string literals, functions), so sharing a
 // reference between threads cannot race.
 unsafe impl Sync for ferry_transport_plugin_v1_t {}
-// SAFETY: as above.
+// SAFETY: a device plugin table, like a transport's, is immutable after
+// construction and holds only pointers to 'static data, so shared
+// references cannot race.
 unsafe impl Sync for ferry_device_plugin_v1_t {}

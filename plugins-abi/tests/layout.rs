@@ -79,7 +79,8 @@ fn rust_layouts() -> Vec<Layout> {
                 set_capabilities,
                 add_device,
                 add_missing,
-                add_note
+                add_note,
+                add_memory_method
             ]
         ),
         layout!(
@@ -149,6 +150,28 @@ fn rust_layouts() -> Vec<Layout> {
             ]
         ),
         layout!(
+            "ferry_layout_list_t",
+            ferry_layout_list_t,
+            [
+                op,
+                reserved,
+                local_base,
+                local_stride,
+                local_blocks,
+                local_mem,
+                remote_base,
+                remote_stride,
+                remote_blocks,
+                remote_key,
+                remote_key_len,
+                block_size,
+                local_ids,
+                remote_ids,
+                count,
+                token
+            ]
+        ),
+        layout!(
             "ferry_transport_plugin_v1_t",
             ferry_transport_plugin_v1_t,
             [
@@ -173,7 +196,8 @@ fn rust_layouts() -> Vec<Layout> {
                 on_peer_request,
                 accepts_pair,
                 flags,
-                submit_blocks
+                submit_blocks,
+                submit_layouts
             ]
         ),
         layout!(
@@ -221,9 +245,11 @@ fn rust_layouts() -> Vec<Layout> {
                 copy_async,
                 stream_sync,
                 pin_host,
-                unpin_host
+                unpin_host,
+                copy_list_async
             ]
         ),
+        layout!("ferry_device_copy_t", ferry_device_copy_t, [src, dst, len]),
     ]
 }
 

@@ -7,7 +7,8 @@
 //!   `__index__` (numpy integer scalars, 0-d integer arrays; pyo3 calls
 //!   `PyNumber_Index`), checked one by one: an item that is no integer is a
 //!   `TypeError` naming its position, a negative one or one over 2**64-1
-//!   an `OverflowError`;
+//!   an `OverflowError`; a list of plain `int`s (what callers hold) is
+//!   read in one pass through the C API, with no per-item PyO3 object;
 //! - any other object exporting a C-contiguous, one-dimensional buffer of
 //!   8-byte integers (numpy `int64`/`uint64` arrays, `array.array('q')`,
 //!   memoryviews of them), copied in one pass with no Python per item;
@@ -20,6 +21,7 @@
 
 use crate::buffer::{with_exported, RawBuffer, PYBUF_C_CONTIGUOUS, PYBUF_FORMAT};
 use pyo3::exceptions::{PyOverflowError, PyTypeError};
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use std::ffi::CStr;
@@ -90,6 +92,75 @@ fn item(i: usize, obj: Bound<'_, PyAny>) -> PyResult<u64> {
     })
 }
 
+// `PyLong_AsUnsignedLong` returns all 64 bits on the hosts this module
+// builds for (LP64: x86_64 and aarch64 Linux).
+const _: () = assert!(std::mem::size_of::<std::os::raw::c_ulong>() == 8);
+
+/// Which sequence [`exact_ints`] reads.
+#[derive(Clone, Copy)]
+enum Items {
+    List,
+    Tuple,
+}
+
+/// The items of a list or tuple in one pass through the C API, when every
+/// one is an `int` from 0 to 2**64-1; `None` (no error set) at the first
+/// that is not, for the checked path to convert and explain. No Python
+/// code runs meanwhile (`PyLong_AsUnsignedLong` calls no `__index__`),
+/// so the sequence cannot change under the pass. An item that is the same
+/// object as the one before (`[4096] * n`) is not converted again.
+fn exact_ints(seq: *mut ffi::PyObject, kind: Items) -> Option<Vec<u64>> {
+    // SAFETY: `seq` is a live list or tuple (the caller cast it) and the
+    // GIL is held for the whole pass; its size is read once and nothing
+    // that runs here can change it.
+    let len = unsafe {
+        match kind {
+            Items::List => ffi::PyList_Size(seq),
+            Items::Tuple => ffi::PyTuple_Size(seq),
+        }
+    };
+    let len = usize::try_from(len).ok()?;
+    let mut out = Vec::with_capacity(len);
+    let (mut prev, mut prev_value): (*mut ffi::PyObject, u64) = (std::ptr::null_mut(), 0);
+    for i in 0..len {
+        // SAFETY: `i` is below the size read above, which no code run in
+        // this loop changes (the GIL is held, no Python code runs); the
+        // item is borrowed from the sequence, which holds it meanwhile.
+        let item = unsafe {
+            match kind {
+                Items::List => ffi::PyList_GetItem(seq, i as ffi::Py_ssize_t),
+                Items::Tuple => ffi::PyTuple_GetItem(seq, i as ffi::Py_ssize_t),
+            }
+        };
+        if item.is_null() {
+            // SAFETY: the GIL is held; the index error is dropped (the
+            // checked path reads the sequence again).
+            unsafe { ffi::PyErr_Clear() };
+            return None;
+        }
+        if item == prev {
+            out.push(prev_value);
+            continue;
+        }
+        // SAFETY: `item` is a live object (borrowed above) and the GIL is
+        // held. For an `int` this reads its value; for anything else it
+        // sets a TypeError without calling into Python. (`unsigned long`,
+        // 64 bits here (asserted below), rather than `unsigned long long`:
+        // CPython before 3.13 converts the latter byte by byte.)
+        let v: u64 = unsafe { ffi::PyLong_AsUnsignedLong(item) };
+        // SAFETY: the GIL is held; (u64)-1 is also a valid value, so the
+        // error indicator tells a failure apart, and is cleared.
+        if v == u64::MAX && unsafe { !ffi::PyErr_Occurred().is_null() } {
+            // SAFETY: the GIL is held.
+            unsafe { ffi::PyErr_Clear() };
+            return None;
+        }
+        out.push(v);
+        (prev, prev_value) = (item, v);
+    }
+    Some(out)
+}
+
 /// The items of an exported buffer, checked to be a 1-D run of 8-byte
 /// integers.
 fn from_buffer(obj: &Bound<'_, PyAny>, view: &RawBuffer) -> PyResult<Vec<u64>> {
@@ -149,12 +220,18 @@ impl<'py> FromPyObject<'_, 'py> for AddrList {
 
     fn extract(obj: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
         if let Ok(list) = obj.cast::<PyList>() {
+            if let Some(values) = exact_ints(obj.as_ptr(), Items::List) {
+                return Ok(AddrList(values));
+            }
             // A snapshot: items the list gains or loses meanwhile are not seen.
             let items: Vec<_> = list.iter().collect();
             return from_sequence(items.into_iter().enumerate().map(|(i, o)| item(i, o)))
                 .map(AddrList);
         }
         if let Ok(tuple) = obj.cast::<PyTuple>() {
+            if let Some(values) = exact_ints(obj.as_ptr(), Items::Tuple) {
+                return Ok(AddrList(values));
+            }
             return from_sequence(tuple.iter().enumerate().map(|(i, o)| item(i, o))).map(AddrList);
         }
         let obj = obj.to_owned();

@@ -2,13 +2,9 @@
 //! registration, opening a segment, submitting, waiting) runs with the GIL
 //! released, so other Python threads keep running while bytes move.
 //!
-//! Transport preference (Mooncake's `protocol`): when the engine runs the
-//! preferred transport, requests carry it as a hint; if it cannot serve a
-//! segment (the engine refuses before submitting anything), that segment
-//! falls back to the engine's own choice, said once in the log, and stays
-//! there. GPU buffers that a same-host transport shares directly (cuda-ipc)
-//! go by the engine's own choice to a peer on this host: the protocol names
-//! a network transport, which would stage them through host memory.
+//! Transport preference (Mooncake's `protocol`) is the engine's `prefer`
+//! setting, the same rule for Rust, C and Python (engine-core's selection):
+//! this module keeps no routing policy of its own.
 
 use crate::addrs::AddrList;
 use crate::errors::{ferry_err, invalid};
@@ -16,9 +12,8 @@ use ferry_core::{
     BatchId, BatchStatus, BlockLayout, BlockTransfer, Engine, EngineConfig, Error, ErrorCode,
     Notify, NotifyStatus, Op, Request,
 };
-use parking_lot::{Mutex, RwLock};
+use parking_lot::RwLock;
 use pyo3::prelude::*;
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -60,13 +55,6 @@ type LayoutTuple = (u32, u64, u64, u64, u64);
 #[pyclass(name = "NativeEngine", module = "ferry", frozen)]
 pub struct NativeEngine {
     engine: RwLock<Option<Arc<Engine>>>,
-    /// The transport requests prefer, when this engine runs it.
-    preferred: Option<String>,
-    /// Segments the preferred transport could not serve.
-    declined: Mutex<HashSet<u64>>,
-    /// Whether each segment asked about is on this host (where GPU buffers
-    /// shared directly ignore the preference).
-    same_host: Mutex<std::collections::HashMap<u64, bool>>,
 }
 
 impl NativeEngine {
@@ -77,84 +65,20 @@ impl NativeEngine {
             .ok_or_else(|| invalid(py, "this engine is closed"))
     }
 
-    /// Whether the engine's own choice carries these requests: their local
-    /// buffer is GPU memory a same-host transport shares directly
-    /// (`FERRY_MEM_CUDA_IPC`) and the segment is an engine on this host
-    /// (asked once per segment, through a route). Said once per segment.
-    fn engine_chooses(&self, engine: &Engine, segment: u64, reqs: &[Request]) -> bool {
-        let Some(r) = reqs.first() else {
-            return false;
-        };
-        let shared = engine.registrations(r.local_addr).is_ok_and(|v| {
-            v.iter()
-                .any(|(_, kind)| *kind == ferry_plugins_abi::sys::FERRY_MEM_CUDA_IPC)
-        });
-        if !shared {
-            return false;
-        }
-        if let Some(&here) = self.same_host.lock().get(&segment) {
-            return here;
-        }
-        let Ok(route) = engine.route(r.segment, r.local_addr, r.remote_addr, r.length) else {
-            return false;
-        };
-        let here = route.scope != ferry_core::Scope::CrossHost;
-        if here {
-            log::info!(
-                "segment {segment} is on this host: its GPU buffers go by the engine's choice \
-                 ({}) rather than the preferred transport",
-                route.transport
-            );
-        }
-        self.same_host.lock().insert(segment, here);
-        here
-    }
-
     /// Allocates a batch and submits `reqs` to it (with `notify` attached,
-    /// if given), preferring the preferred transport for this segment
-    /// unless it was declined before.
-    fn submit_preferring(
+    /// if given); the batch is freed again when the submit is refused.
+    fn submit_batch(
         &self,
         engine: &Engine,
-        segment: u64,
-        mut reqs: Vec<Request>,
+        reqs: Vec<Request>,
         notify: Option<Notify>,
     ) -> Result<BatchId, Error> {
         let batch = engine.allocate_batch(reqs.len().max(1))?;
-        let submit = |reqs: &[Request]| match &notify {
-            Some(n) => engine.submit_with_notify(batch, reqs, n.clone()),
-            None => engine.submit(batch, reqs),
+        let submitted = match &notify {
+            Some(n) => engine.submit_with_notify(batch, &reqs, n.clone()),
+            None => engine.submit(batch, &reqs),
         };
-        let pinned = reqs.iter().any(|r| r.transport.is_some());
-        if let (Some(p), false) = (&self.preferred, pinned) {
-            if !self.declined.lock().contains(&segment)
-                && !self.engine_chooses(engine, segment, &reqs)
-            {
-                for r in &mut reqs {
-                    r.transport = Some(p.clone());
-                }
-                match submit(&reqs) {
-                    Ok(()) => return Ok(batch),
-                    // Refused while routing: nothing was submitted.
-                    Err(e) if e.code == ErrorCode::Unsupported => {
-                        log::info!(
-                            "preferred transport {p} cannot serve segment {segment}; using \
-                             the engine's choice for it ({})",
-                            e.message
-                        );
-                        self.declined.lock().insert(segment);
-                        for r in &mut reqs {
-                            r.transport = None;
-                        }
-                    }
-                    Err(e) => {
-                        let _ = engine.free_batch(batch);
-                        return Err(e);
-                    }
-                }
-            }
-        }
-        match submit(&reqs) {
+        match submitted {
             Ok(()) => Ok(batch),
             Err(e) => {
                 let _ = engine.free_batch(batch);
@@ -282,30 +206,14 @@ impl NativeEngine {
                 for (k, v) in &options {
                     config.set(k, v)?;
                 }
+                if let Some(p) = prefer.filter(|p| !p.is_empty()) {
+                    config.set("prefer", &p)?;
+                }
                 Engine::new(config)
             })
             .map_err(|e| ferry_err(py, e))?;
-        let preferred = prefer.filter(|p| !p.is_empty()).and_then(|p| {
-            let names = engine.transports();
-            let found = names
-                .iter()
-                .find(|n| **n == p)
-                .or_else(|| names.iter().find(|n| n.starts_with(&p)))
-                .cloned();
-            if found.is_none() {
-                log::info!(
-                    "preferred transport {p:?} does not run here (running: {}; `ferry info` \
-                     says why); the engine chooses per request",
-                    names.join(", ")
-                );
-            }
-            found
-        });
         Ok(NativeEngine {
             engine: RwLock::new(Some(Arc::new(engine))),
-            preferred,
-            declined: Mutex::new(HashSet::new()),
-            same_host: Mutex::new(std::collections::HashMap::new()),
         })
     }
 
@@ -333,8 +241,8 @@ impl NativeEngine {
 
     /// The transport requests prefer, if this engine runs it.
     #[getter]
-    fn preferred(&self) -> Option<String> {
-        self.preferred.clone()
+    fn preferred(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        Ok(self.get(py)?.preferred_transport())
     }
 
     #[pyo3(signature = (addr, length, location = None))]
@@ -391,8 +299,6 @@ impl NativeEngine {
 
     fn close_segment(&self, py: Python<'_>, segment: u64) -> PyResult<()> {
         let engine = self.get(py)?;
-        self.declined.lock().remove(&segment);
-        self.same_host.lock().remove(&segment);
         py.detach(|| engine.close_segment(segment))
             .map_err(|e| ferry_err(py, e))
     }
@@ -460,7 +366,7 @@ impl NativeEngine {
             drop_empty,
         )?;
         let engine = self.get(py)?;
-        py.detach(|| self.submit_preferring(&engine, segment, reqs, None))
+        py.detach(|| self.submit_batch(&engine, reqs, None))
             .map_err(|e| ferry_err(py, e))
     }
 
@@ -505,7 +411,7 @@ impl NativeEngine {
             };
         }
         py.detach(|| {
-            let batch = self.submit_preferring(&engine, segment, reqs, notify)?;
+            let batch = self.submit_batch(&engine, reqs, notify)?;
             finish(&engine, batch, engine.config().timeout * 2)
         })
         .map_err(|e| ferry_err(py, e))

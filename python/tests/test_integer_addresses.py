@@ -140,6 +140,30 @@ def test_int_list_is_the_one_rule():
         _ferry.int_list("12")
 
 
+def test_lists_of_plain_ints_read_in_one_pass_keep_the_rule():
+    # The one-pass read of plain ints (addrs.rs) gives what the checked
+    # path gives, at both ends of the range and for repeated objects, and
+    # hands whatever is not a plain int in range to the checked path.
+    big = [0x7F00_0000_0000 + 4096 * i for i in range(5000)]
+    assert _ferry.int_list(big) == big
+    assert _ferry.int_list(tuple(big)) == big
+    assert _ferry.int_list([4096] * 7) == [4096] * 7
+    assert _ferry.int_list([0, 2**64 - 1, 2**64 - 1, 1]) == [0, 2**64 - 1, 2**64 - 1, 1]
+    assert _ferry.int_list([True, 3]) == [1, 3]
+
+    class Sub(int):
+        pass
+
+    assert _ferry.int_list([Sub(5), 6]) == [5, 6]
+    with pytest.raises(OverflowError, match="item 4999"):
+        _ferry.int_list(big[:-1] + [2**64])
+    with pytest.raises(OverflowError, match="item 3"):
+        _ferry.int_list([1, 2, 3, -4096])
+    with pytest.raises(TypeError, match="item 2 is a str"):
+        _ferry.int_list([1, 2, "3"])
+    assert _ferry.int_list([1, np.int64(2), 3]) == [1, 2, 3]
+
+
 def test_a_cpu_tensor_of_addresses_if_torch_is_here():
     torch = pytest.importorskip("torch")
     if not hasattr(torch, "tensor") or getattr(torch, "__ferry_stub__", False):

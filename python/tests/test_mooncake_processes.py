@@ -30,7 +30,8 @@ def test_quick_start_p2p_handshake(proc, protocol):
     assert host == "localhost" and int(port) > 0
     if protocol == "tcp":
         # The protocol asked for is used when it can serve the peer...
-        assert "using tcp (tcp was requested)" in client.stderr, client.stderr
+        assert "using tcp (" in client.stderr, client.stderr
+        assert "preferred: the prefer setting names it" in client.stderr, client.stderr
     else:
         # ...and is a preference, not a condition: this host runs no RDMA
         # transport, so the engine picks one that serves (Mooncake fails).

@@ -2,7 +2,8 @@
  * Ferry's CUDA emulator: a test-only libcuda.so.1 that runs the cuda device
  * plugin and the cuda-ipc transport's real code on a machine without a GPU
  * (as tests/verbs-emulator does for RDMA). Never shipped. Pointed at with
- * FERRY_CUDA_LIBRARY.
+ * FERRY_CUDA_LIBRARY (tests/cuda_ipc.rs) or the plugin's cuda.library
+ * setting (the plugin's unit tests, devices/cuda/src/tests.rs).
  *
  * "Device memory" is host memory in memfds, so that another process can
  * open it as a real driver lets it open GPU memory:
@@ -20,27 +21,83 @@
  *     give an fd per chunk (unless FERRY_CUDA_EMU_NO_POSIX_FD is set), and
  *     cuMemImportFromShareableHandle + cuMemAddressReserve + cuMemMap open it.
  *
- * Strict where the real driver is: calls that need a context fail without a
- * current one; streams are used in their own context. Copies happen when
- * queued; events report done FERRY_CUDA_EMU_COPY_DELAY_US after they are
- * recorded (default 0), so completion polling is exercised.
+ * Strict where the real driver is, and where Ferry promises to be careful:
+ * calls that need a context fail without a current one, streams are used in
+ * their own context (both counted as context violations), pinned
+ * allocations and registrations must be PORTABLE, DMA-BUF ranges must be
+ * page-aligned. Copies happen when queued; events report done
+ * FERRY_CUDA_EMU_COPY_DELAY_US after they are recorded (default 0), so
+ * completion polling is exercised.
  *
- * Other settings: FERRY_CUDA_EMU_DEVICES (default 1), FERRY_CUDA_EMU_PEER=0
- * (no peer access between devices), FERRY_CUDA_EMU_NO_KERNEL=1
- * (cuModuleLoadData refuses every image, as a driver too old for the PTX).
+ * Settings, read from the environment when used; a build fixes one with
+ * -D<name>=<value> (then the environment is not asked for it), and
+ * -DFERRY_CUDA_EMU_NO_ENV leaves every setting it does not fix at its
+ * default (the plugin's unit tests share one process environment):
+ *   FERRY_CUDA_EMU_DEVICES=n         how many devices (default 1)
+ *   FERRY_CUDA_EMU_INIT_RESULT=n     what cuInit returns (default 0, or 100,
+ *                                    CUDA_ERROR_NO_DEVICE, with no device);
+ *                                    anything but 0 leaves the driver
+ *                                    uninitialised
+ *   FERRY_CUDA_EMU_DRIVER_VERSION=n  cuDriverGetVersion (default 13000)
+ *   FERRY_CUDA_EMU_PCI_BUS=b0,b1...  each device's PCI bus number in hex
+ *                                    (default 18, 28, 38...: 0x18 + 0x10 d)
+ *   FERRY_CUDA_EMU_GPU_DIRECT=mask   devices (bit d: device d) that report
+ *                                    GPUDirect RDMA and DMA-BUF support,
+ *                                    attributes 116 and 124 (default 0)
+ *   FERRY_CUDA_EMU_PEER=0            no peer access between devices
+ *   FERRY_CUDA_EMU_NO_KERNEL=1       cuModuleLoadData refuses every image,
+ *                                    as a driver too old for the PTX
+ *   FERRY_CUDA_EMU_KERNEL_NOOP=1     launches of the copy kernel check their
+ *                                    arguments and move nothing (to time
+ *                                    the host's side of a launch alone;
+ *                                    the bytes are then wrong)
+ *   FERRY_CUDA_EMU_POINTER_NEEDS_CTX=1  cuPointerGetAttributes fails with
+ *                                    CUDA_ERROR_INVALID_CONTEXT without a
+ *                                    current context, as some drivers do
+ *   FERRY_CUDA_EMU_VMM_CHUNK, FERRY_CUDA_EMU_NO_POSIX_FD,
+ *   FERRY_CUDA_EMU_COPY_DELAY_US     above
+ *
+ * Build options (-D only: they decide what the library exports):
+ *   FERRY_CUDA_EMU_MINIMAL       export cuInit only
+ *   FERRY_CUDA_EMU_PROC_ADDRESS  export cuGetProcAddress_v2, which resolves
+ *                                every function below at the CUDA version
+ *                                whose ABI it has here (12000; 12080 for
+ *                                cuMemcpyBatchAsync) and no other; without
+ *                                it a loader finds functions by dlsym
+ *   FERRY_CUDA_EMU_DMABUF        export cuMemGetHandleForAddressRange
+ *                                (DMA-BUF fds of cuMemAlloc memory)
  *
  * Ferry's copy kernel: cuModuleLoadData accepts an image that declares the
  * entry ferry_copy_list (the cuda-ipc plugin's PTX) and nothing else;
  * cuLaunchKernel of it performs the copies its descriptor array names
  * (struct ferry_copy: src, dst, len) on the CPU, in stream order (as every
- * copy here, when queued). cuMemcpyBatchAsync (the CUDA 12.8 ABI, with
+ * copy here, when queued). Its second entry, ferry_copy_layouts (found when
+ * the image declares it), moves blocks of two layouts by index arrays,
+ * piece by piece as the kernel splits them. cuMemcpyBatchAsync (the CUDA 12.8 ABI, with
  * failIdx) copies each entry likewise.
  *
- * Test hooks: ferry_cuda_emu_open_imports() counts what this process has
- * open of other processes' memory (IPC handles, mapped VMM chunks),
- * ferry_cuda_emu_host_registrations() its cuMemHostRegister ranges, and
- * ferry_cuda_emu_calls(kind) the copy calls so far: 0 cuMemcpyAsync, 1
- * kernel launches, 2 cuMemcpyBatchAsync.
+ * Test hooks (exported, so dlsym finds them in the loaded emulator):
+ *   ferry_cuda_emu_open_imports()        what this process has open of
+ *                                        other processes' memory (IPC
+ *                                        handles, mapped VMM chunks)
+ *   ferry_cuda_emu_host_registrations()  its cuMemHostRegister ranges
+ *   ferry_cuda_emu_calls(kind)           copy calls so far: 0 cuMemcpyAsync,
+ *                                        1 kernel launches, 2
+ *                                        cuMemcpyBatchAsync, 3 launches of
+ *                                        ferry_copy_layouts
+ *   ferry_cuda_emu_live_retains()        primary context retains not yet
+ *                                        released, all devices
+ *   ferry_cuda_emu_live_allocations()    allocations, registrations,
+ *                                        mappings, reservations and
+ *                                        allocation handles still held
+ *   ferry_cuda_emu_live_streams()        streams not yet destroyed
+ *   ferry_cuda_emu_context_violations()  calls refused for want of the
+ *                                        right current context
+ *   ferry_cuda_emu_proc_address_calls()  cuGetProcAddress_v2 calls
+ *   ferry_cuda_emu_current_context()     this thread's current context
+ *   ferry_cuda_emu_set_current(device)   makes device's primary context
+ *                                        current on this thread (-1: none),
+ *                                        as an application would
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -66,6 +123,7 @@ typedef unsigned long long CUmemGenericAllocationHandle;
 #define INVALID_VALUE 1
 #define OUT_OF_MEMORY 2
 #define NOT_INITIALIZED 3
+#define NO_DEVICE 100
 #define INVALID_DEVICE 101
 #define INVALID_CONTEXT 201
 #define ALREADY_MAPPED 208
@@ -76,13 +134,88 @@ typedef unsigned long long CUmemGenericAllocationHandle;
 #define MAX_DEVICES 8
 #define MAX_ALLOCS 4096
 
+/* Settings fixed by the build (-DFERRY_CUDA_EMU_DEVICES=2): their values
+ * as text, as the environment would give them. */
+#define EMU_TEXT_(...) #__VA_ARGS__
+#define EMU_TEXT(...) EMU_TEXT_(__VA_ARGS__)
+static const struct {
+    const char *name, *value;
+} fixed_settings[] = {
+#ifdef FERRY_CUDA_EMU_DEVICES
+    {"FERRY_CUDA_EMU_DEVICES", EMU_TEXT(FERRY_CUDA_EMU_DEVICES)},
+#endif
+#ifdef FERRY_CUDA_EMU_INIT_RESULT
+    {"FERRY_CUDA_EMU_INIT_RESULT", EMU_TEXT(FERRY_CUDA_EMU_INIT_RESULT)},
+#endif
+#ifdef FERRY_CUDA_EMU_DRIVER_VERSION
+    {"FERRY_CUDA_EMU_DRIVER_VERSION", EMU_TEXT(FERRY_CUDA_EMU_DRIVER_VERSION)},
+#endif
+#ifdef FERRY_CUDA_EMU_PCI_BUS
+    {"FERRY_CUDA_EMU_PCI_BUS", EMU_TEXT(FERRY_CUDA_EMU_PCI_BUS)},
+#endif
+#ifdef FERRY_CUDA_EMU_GPU_DIRECT
+    {"FERRY_CUDA_EMU_GPU_DIRECT", EMU_TEXT(FERRY_CUDA_EMU_GPU_DIRECT)},
+#endif
+#ifdef FERRY_CUDA_EMU_PEER
+    {"FERRY_CUDA_EMU_PEER", EMU_TEXT(FERRY_CUDA_EMU_PEER)},
+#endif
+#ifdef FERRY_CUDA_EMU_NO_KERNEL
+    {"FERRY_CUDA_EMU_NO_KERNEL", EMU_TEXT(FERRY_CUDA_EMU_NO_KERNEL)},
+#endif
+#ifdef FERRY_CUDA_EMU_KERNEL_NOOP
+    {"FERRY_CUDA_EMU_KERNEL_NOOP", EMU_TEXT(FERRY_CUDA_EMU_KERNEL_NOOP)},
+#endif
+#ifdef FERRY_CUDA_EMU_POINTER_NEEDS_CTX
+    {"FERRY_CUDA_EMU_POINTER_NEEDS_CTX", EMU_TEXT(FERRY_CUDA_EMU_POINTER_NEEDS_CTX)},
+#endif
+#ifdef FERRY_CUDA_EMU_VMM_CHUNK
+    {"FERRY_CUDA_EMU_VMM_CHUNK", EMU_TEXT(FERRY_CUDA_EMU_VMM_CHUNK)},
+#endif
+#ifdef FERRY_CUDA_EMU_NO_POSIX_FD
+    {"FERRY_CUDA_EMU_NO_POSIX_FD", EMU_TEXT(FERRY_CUDA_EMU_NO_POSIX_FD)},
+#endif
+#ifdef FERRY_CUDA_EMU_COPY_DELAY_US
+    {"FERRY_CUDA_EMU_COPY_DELAY_US", EMU_TEXT(FERRY_CUDA_EMU_COPY_DELAY_US)},
+#endif
+    {NULL, NULL},
+};
+
+/* A setting's value: fixed by the build, else the environment's; NULL when
+ * unset. */
+static const char *setting(const char *name) {
+    for (int i = 0; fixed_settings[i].name; i++)
+        if (strcmp(fixed_settings[i].name, name) == 0) return fixed_settings[i].value;
+#ifdef FERRY_CUDA_EMU_NO_ENV
+    return NULL;
+#else
+    return getenv(name);
+#endif
+}
+static long env_long(const char *name, long dflt) {
+    const char *v = setting(name);
+    return v && *v ? strtol(v, NULL, 0) : dflt;
+}
+static int devices(void) {
+    long n = env_long("FERRY_CUDA_EMU_DEVICES", 1);
+    return n < 0 ? 0 : n > MAX_DEVICES ? MAX_DEVICES : (int)n;
+}
+static int initialised;
+
+EXPORT CUresult cuInit(unsigned int flags) {
+    if (flags != 0) return INVALID_VALUE;
+    long r = env_long("FERRY_CUDA_EMU_INIT_RESULT", devices() == 0 ? NO_DEVICE : SUCCESS);
+    initialised = r == SUCCESS;
+    return (CUresult)r;
+}
+
+#ifndef FERRY_CUDA_EMU_MINIMAL
+
 struct ctx {
     int device;
     int retains;
 };
 static struct ctx contexts[MAX_DEVICES];
 static __thread struct ctx *current;
-static int initialised;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 
 enum kind {
@@ -140,14 +273,22 @@ struct event {
     uint64_t ready_at;
 };
 
-static long env_long(const char *name, long dflt) {
-    const char *v = getenv(name);
-    return v && *v ? strtol(v, NULL, 0) : dflt;
+static int live_streams;
+static int context_violations;
+static int proc_address_calls;
+
+/* A call refused for want of the right current context: counted, so a
+ * test sees the plugin's context discipline fail even where an error is
+ * handled. */
+static CUresult violation(void) {
+    __atomic_add_fetch(&context_violations, 1, __ATOMIC_SEQ_CST);
+    return INVALID_CONTEXT;
 }
-static int devices(void) {
-    long n = env_long("FERRY_CUDA_EMU_DEVICES", 1);
-    return n < 0 ? 0 : n > MAX_DEVICES ? MAX_DEVICES : (int)n;
-}
+#define NEED_CONTEXT()                    \
+    do {                                  \
+        if (!current) return violation(); \
+    } while (0)
+
 static uint64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -180,6 +321,33 @@ EXPORT int ferry_cuda_emu_host_registrations(void) {
     pthread_mutex_unlock(&lock);
     return n;
 }
+EXPORT int ferry_cuda_emu_live_retains(void) {
+    int n = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_DEVICES; i++) n += contexts[i].retains;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+EXPORT int ferry_cuda_emu_live_allocations(void) {
+    int n = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) n += (allocs[i].kind != FREE) + (handles[i].refs > 0);
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+EXPORT int ferry_cuda_emu_live_streams(void) {
+    return __atomic_load_n(&live_streams, __ATOMIC_SEQ_CST);
+}
+EXPORT int ferry_cuda_emu_context_violations(void) {
+    return __atomic_load_n(&context_violations, __ATOMIC_SEQ_CST);
+}
+EXPORT int ferry_cuda_emu_proc_address_calls(void) {
+    return __atomic_load_n(&proc_address_calls, __ATOMIC_SEQ_CST);
+}
+EXPORT void *ferry_cuda_emu_current_context(void) { return current; }
+EXPORT void ferry_cuda_emu_set_current(int device) {
+    current = device < 0 || device >= MAX_DEVICES ? NULL : &contexts[device];
+}
 
 /* ----------------------------------------------------------------- basics */
 
@@ -189,12 +357,16 @@ static const char *error_name(CUresult r, const char **text) {
     case INVALID_VALUE: *text = "invalid argument"; return "CUDA_ERROR_INVALID_VALUE";
     case OUT_OF_MEMORY: *text = "out of memory"; return "CUDA_ERROR_OUT_OF_MEMORY";
     case NOT_INITIALIZED: *text = "initialization error"; return "CUDA_ERROR_NOT_INITIALIZED";
+    case NO_DEVICE: *text = "no CUDA-capable device is detected"; return "CUDA_ERROR_NO_DEVICE";
     case INVALID_DEVICE: *text = "invalid device ordinal"; return "CUDA_ERROR_INVALID_DEVICE";
     case INVALID_CONTEXT: *text = "invalid device context"; return "CUDA_ERROR_INVALID_CONTEXT";
     case ALREADY_MAPPED: *text = "resource already mapped"; return "CUDA_ERROR_ALREADY_MAPPED";
     case INVALID_HANDLE: *text = "invalid resource handle"; return "CUDA_ERROR_INVALID_HANDLE";
     case NOT_READY: *text = "device not ready"; return "CUDA_ERROR_NOT_READY";
     case NOT_SUPPORTED: *text = "operation not supported"; return "CUDA_ERROR_NOT_SUPPORTED";
+    case 804: /* for FERRY_CUDA_EMU_INIT_RESULT=804 */
+        *text = "forward compatibility was attempted on non supported HW";
+        return "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE";
     default: return NULL;
     }
 }
@@ -209,14 +381,8 @@ EXPORT CUresult cuGetErrorString(CUresult r, const char **out) {
     *out = text;
     return SUCCESS;
 }
-EXPORT CUresult cuInit(unsigned int flags) {
-    if (flags != 0) return INVALID_VALUE;
-    if (devices() == 0) return 100; /* CUDA_ERROR_NO_DEVICE */
-    initialised = 1;
-    return SUCCESS;
-}
 EXPORT CUresult cuDriverGetVersion(int *v) {
-    *v = 13000;
+    *v = (int)env_long("FERRY_CUDA_EMU_DRIVER_VERSION", 13000);
     return SUCCESS;
 }
 EXPORT CUresult cuDeviceGetCount(int *n) {
@@ -233,8 +399,21 @@ EXPORT CUresult cuDeviceGetName(char *buf, int len, CUdevice d) {
     snprintf(buf, (size_t)len, "Emulated GPU %d", d);
     return SUCCESS;
 }
+/* Device d's PCI bus number: the d-th of FERRY_CUDA_EMU_PCI_BUS, else
+ * 0x18 + 0x10 d. */
+static long pci_bus(int d) {
+    const char *v = setting("FERRY_CUDA_EMU_PCI_BUS");
+    for (int i = 0; v && *v; i++) {
+        char *end;
+        long bus = strtol(v, &end, 16);
+        if (end == v) break;
+        if (i == d) return bus;
+        v = *end == ',' ? end + 1 : end;
+    }
+    return 0x18 + 0x10 * d;
+}
 EXPORT CUresult cuDeviceGetPCIBusId(char *buf, int len, CUdevice d) {
-    snprintf(buf, (size_t)len, "00000000:%02X:00.0", 0x18 + 0x10 * d);
+    snprintf(buf, (size_t)len, "00000000:%02lX:00.0", pci_bus(d));
     return SUCCESS;
 }
 EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d) {
@@ -252,8 +431,11 @@ EXPORT CUresult cuDeviceGetAttribute(int *v, int attribute, CUdevice d) {
     case 37: *v = 6144; return SUCCESS;    /* memory bus width, bits */
     case 75: *v = 9; return SUCCESS;
     case 76: *v = 0; return SUCCESS;
-    case 116: *v = 0; return SUCCESS;
-    case 124: *v = 0; return SUCCESS;
+    case 91: *v = 1; return SUCCESS; /* CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM */
+    case 116: /* GPU_DIRECT_RDMA_SUPPORTED */
+    case 124: /* DMA_BUF_SUPPORTED */
+        *v = (int)((env_long("FERRY_CUDA_EMU_GPU_DIRECT", 0) >> d) & 1);
+        return SUCCESS;
     default: return INVALID_VALUE;
     }
 }
@@ -333,7 +515,7 @@ static CUresult memfd_map(uint64_t size, uint64_t nonce, uint64_t at, int *fd_ou
 }
 
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size) {
-    if (!current) return INVALID_CONTEXT;
+    NEED_CONTEXT();
     if (size == 0) return INVALID_VALUE;
     if (size > ((size_t)1 << 40)) return OUT_OF_MEMORY;
     long chunk = env_long("FERRY_CUDA_EMU_VMM_CHUNK", 0);
@@ -363,7 +545,7 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size) {
     }
     uint64_t base = (uint64_t)(uintptr_t)range;
     *whole = (struct alloc){base, total, RESERVED, current->device, -1, 0, base, 0};
-    int posix = getenv("FERRY_CUDA_EMU_NO_POSIX_FD") == NULL;
+    int posix = setting("FERRY_CUDA_EMU_NO_POSIX_FD") == NULL;
     for (uint64_t off = 0; off < total; off += c) {
         struct alloc *a = slot();
         uint64_t addr;
@@ -380,7 +562,7 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size) {
 }
 
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
-    if (!current) return INVALID_CONTEXT;
+    NEED_CONTEXT();
     pthread_mutex_lock(&lock);
     struct alloc *a = find(p);
     CUresult r = INVALID_VALUE;
@@ -404,8 +586,8 @@ EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
 }
 
 EXPORT CUresult cuMemHostAlloc(void **p, size_t size, unsigned int flags) {
-    if (!current) return INVALID_CONTEXT;
-    (void)flags;
+    NEED_CONTEXT();
+    if (!(flags & 1)) return INVALID_VALUE; /* Ferry promises PORTABLE */
     void *m = NULL;
     if (size == 0 || posix_memalign(&m, 4096, size) != 0) return OUT_OF_MEMORY;
     pthread_mutex_lock(&lock);
@@ -417,7 +599,7 @@ EXPORT CUresult cuMemHostAlloc(void **p, size_t size, unsigned int flags) {
     return SUCCESS;
 }
 EXPORT CUresult cuMemFreeHost(void *p) {
-    if (!current) return INVALID_CONTEXT;
+    NEED_CONTEXT();
     pthread_mutex_lock(&lock);
     struct alloc *a = find((uint64_t)(uintptr_t)p);
     int ok = a && a->kind == HOST_PINNED && a->base == (uint64_t)(uintptr_t)p;
@@ -428,7 +610,7 @@ EXPORT CUresult cuMemFreeHost(void *p) {
     return SUCCESS;
 }
 EXPORT CUresult cuMemHostRegister_v2(void *p, size_t size, unsigned int flags) {
-    if (!current) return INVALID_CONTEXT;
+    NEED_CONTEXT();
     if (!(flags & 1) || size == 0) return INVALID_VALUE;
     pthread_mutex_lock(&lock);
     struct alloc *a = slot();
@@ -437,7 +619,7 @@ EXPORT CUresult cuMemHostRegister_v2(void *p, size_t size, unsigned int flags) {
     return a ? SUCCESS : OUT_OF_MEMORY;
 }
 EXPORT CUresult cuMemHostUnregister(void *p) {
-    if (!current) return INVALID_CONTEXT;
+    NEED_CONTEXT();
     pthread_mutex_lock(&lock);
     struct alloc *a = find((uint64_t)(uintptr_t)p);
     int ok = a && a->kind == HOST_REGISTERED && a->base == (uint64_t)(uintptr_t)p;
@@ -448,6 +630,7 @@ EXPORT CUresult cuMemHostUnregister(void *p) {
 
 EXPORT CUresult cuPointerGetAttributes(unsigned int n, int *attributes, void **data,
                                        CUdeviceptr p) {
+    if (!current && env_long("FERRY_CUDA_EMU_POINTER_NEEDS_CTX", 0)) return INVALID_CONTEXT;
     pthread_mutex_lock(&lock);
     struct alloc *a = find(p);
     struct alloc copy = a ? *a : (struct alloc){0};
@@ -494,7 +677,7 @@ EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdevic
 /* ---------------------------------------------------------- legacy IPC */
 
 EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *out, CUdeviceptr p) {
-    if (!current) return INVALID_CONTEXT;
+    NEED_CONTEXT();
     pthread_mutex_lock(&lock);
     struct alloc *a = find(p);
     if (!a || a->kind != DEVICE) {
@@ -509,7 +692,7 @@ EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *out, CUdeviceptr p) {
 }
 
 EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle handle, unsigned int flags) {
-    if (!current) return INVALID_CONTEXT;
+    NEED_CONTEXT();
     (void)flags;
     struct ipc_handle h;
     memcpy(&h, &handle, sizeof h);
@@ -550,7 +733,7 @@ EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle handle, uns
 }
 
 EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
-    if (!current) return INVALID_CONTEXT;
+    NEED_CONTEXT();
     pthread_mutex_lock(&lock);
     struct alloc *a = find(p);
     int ok = a && a->kind == IMPORT_IPC && a->base == p;
@@ -715,29 +898,31 @@ EXPORT CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const CUmemAccessDesc
 /* ------------------------------------------------------ streams, events */
 
 EXPORT CUresult cuStreamCreate(void **s, unsigned int flags) {
-    if (!current) return INVALID_CONTEXT;
+    NEED_CONTEXT();
     if (flags != 1) return INVALID_VALUE;
     struct stream *st = malloc(sizeof *st);
     if (!st) return OUT_OF_MEMORY;
     st->ctx = current;
+    __atomic_add_fetch(&live_streams, 1, __ATOMIC_SEQ_CST);
     *s = st;
     return SUCCESS;
 }
 static CUresult stream_check(struct stream *st) {
     if (!st) return INVALID_HANDLE;
-    return current == st->ctx ? SUCCESS : INVALID_CONTEXT;
+    return current == st->ctx ? SUCCESS : violation();
 }
 EXPORT CUresult cuStreamDestroy_v2(void *s) {
     CUresult r = stream_check(s);
     if (r) return r;
     free(s);
+    __atomic_sub_fetch(&live_streams, 1, __ATOMIC_SEQ_CST);
     return SUCCESS;
 }
 /* Both ranges must be memory this process may touch: host memory or
  * "device" memory (ours, or opened from a peer). */
-static long copy_calls[3];
+static long copy_calls[4];
 EXPORT long ferry_cuda_emu_calls(int kind) {
-    if (kind < 0 || kind > 2) return -1;
+    if (kind < 0 || kind > 3) return -1;
     pthread_mutex_lock(&lock);
     long n = copy_calls[kind];
     pthread_mutex_unlock(&lock);
@@ -797,24 +982,27 @@ EXPORT CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t 
 struct module {
     char magic[8]; /* "FERRYMOD" */
     struct ctx *ctx;
+    int has_layouts; /* the image declares ferry_copy_layouts */
 };
 struct function {
     char magic[8]; /* "FERRYFUN" */
     struct module *module;
+    int layouts; /* ferry_copy_layouts, not ferry_copy_list */
 };
 struct ferry_copy {
     uint64_t src, dst, len;
 };
 
 EXPORT CUresult cuModuleLoadData(void **m, const void *image) {
-    if (!current) return INVALID_CONTEXT;
+    NEED_CONTEXT();
     if (!m || !image) return INVALID_VALUE;
-    if (getenv("FERRY_CUDA_EMU_NO_KERNEL")) return 218; /* CUDA_ERROR_INVALID_PTX */
+    if (setting("FERRY_CUDA_EMU_NO_KERNEL")) return 218; /* CUDA_ERROR_INVALID_PTX */
     if (!strstr(image, ".entry ferry_copy_list(")) return 218;
     struct module *mod = calloc(1, sizeof *mod);
     if (!mod) return OUT_OF_MEMORY;
     memcpy(mod->magic, "FERRYMOD", 8);
     mod->ctx = current;
+    mod->has_layouts = strstr(image, ".entry ferry_copy_layouts(") != NULL;
     *m = mod;
     return SUCCESS;
 }
@@ -829,14 +1017,45 @@ EXPORT CUresult cuModuleGetFunction(void **f, void *m, const char *name) {
     struct module *mod = m;
     if (!f || !name) return INVALID_VALUE;
     if (!mod || memcmp(mod->magic, "FERRYMOD", 8)) return INVALID_HANDLE;
-    if (strcmp(name, "ferry_copy_list")) return 500; /* CUDA_ERROR_NOT_FOUND */
+    int layouts = !strcmp(name, "ferry_copy_layouts");
+    if (layouts ? !mod->has_layouts : strcmp(name, "ferry_copy_list") != 0)
+        return 500; /* CUDA_ERROR_NOT_FOUND */
     struct function *fn = calloc(1, sizeof *fn);
     if (!fn) return OUT_OF_MEMORY;
     memcpy(fn->magic, "FERRYFUN", 8);
     fn->module = mod;
+    fn->layouts = layouts;
     *f = fn;
     return SUCCESS;
 }
+/* ferry_copy_layouts(const u64 *src_ids, const u64 *dst_ids, u64 src_base,
+ * u64 src_stride, u64 dst_base, u64 dst_stride, u64 block, u64 piece,
+ * unsigned count, unsigned pieces): item i of count * pieces is piece
+ * i % pieces of block i / pieces, as the kernel splits them; refused when
+ * pieces does not cover a block or the grid is not what the host computes
+ * for that many items. */
+static CUresult launch_layouts(unsigned gx, void **params) {
+    const uint64_t *src_ids = *(const uint64_t **)params[0];
+    const uint64_t *dst_ids = *(const uint64_t **)params[1];
+    uint64_t src_base = *(const uint64_t *)params[2], src_stride = *(const uint64_t *)params[3];
+    uint64_t dst_base = *(const uint64_t *)params[4], dst_stride = *(const uint64_t *)params[5];
+    uint64_t block = *(const uint64_t *)params[6], piece = *(const uint64_t *)params[7];
+    unsigned count = *(const unsigned *)params[8], pieces = *(const unsigned *)params[9];
+    uint64_t items = (uint64_t)count * pieces;
+    if (!src_ids || !dst_ids || !count || !block || !piece || pieces != (block + piece - 1) / piece)
+        return INVALID_VALUE;
+    if (gx > 65535 || (uint64_t)gx * 8 < (items < 65535 * 8 ? items : 65535 * 8)) return INVALID_VALUE;
+    count_call(3);
+    if (setting("FERRY_CUDA_EMU_KERNEL_NOOP")) return SUCCESS;
+    for (uint64_t i = 0; i < items; i++) {
+        uint64_t b = i / pieces, at = (i % pieces) * piece;
+        uint64_t len = block - at < piece ? block - at : piece;
+        memmove((void *)(uintptr_t)(dst_base + dst_ids[b] * dst_stride + at),
+                (const void *)(uintptr_t)(src_base + src_ids[b] * src_stride + at), len);
+    }
+    return SUCCESS;
+}
+
 /* ferry_copy_list(const struct ferry_copy *list, unsigned int count). */
 EXPORT CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                unsigned bz, unsigned shared, void *s, void **params, void **extra) {
@@ -846,11 +1065,13 @@ EXPORT CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, u
     if (!fn || memcmp(fn->magic, "FERRYFUN", 8) || fn->module->ctx != current) return INVALID_HANDLE;
     if (!gx || gy != 1 || gz != 1 || bx != 256 || by != 1 || bz != 1 || shared || !params || extra)
         return INVALID_VALUE;
+    if (fn->layouts) return launch_layouts(gx, params);
     const struct ferry_copy *list = *(const struct ferry_copy **)params[0];
     unsigned count = *(const unsigned *)params[1];
     if (!list || !count || gx > 65535 || (uint64_t)gx * 8 < (count < 65535 * 8 ? count : 65535 * 8))
         return INVALID_VALUE;
     count_call(1);
+    if (setting("FERRY_CUDA_EMU_KERNEL_NOOP")) return SUCCESS;
     for (unsigned i = 0; i < count; i++)
         memmove((void *)(uintptr_t)list[i].dst, (const void *)(uintptr_t)list[i].src, list[i].len);
     return SUCCESS;
@@ -858,7 +1079,7 @@ EXPORT CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, u
 EXPORT CUresult cuStreamSynchronize(void *s) { return stream_check(s); }
 EXPORT CUresult cuEventCreate(void **e, unsigned int flags) {
     (void)flags;
-    if (!current) return INVALID_CONTEXT;
+    NEED_CONTEXT();
     struct event *ev = calloc(1, sizeof *ev);
     if (!ev) return OUT_OF_MEMORY;
     ev->ctx = current;
@@ -889,3 +1110,129 @@ EXPORT CUresult cuEventDestroy_v2(void *e) {
     free(e);
     return SUCCESS;
 }
+
+/* --------------------------------------------------------------- DMA-BUF */
+
+#ifdef FERRY_CUDA_EMU_DMABUF
+/* A DMA-BUF fd (type 1, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD) for a
+ * page-aligned range of this process's cuMemAlloc memory, as the driver
+ * requires; here a duplicate of the memfd holding its start. */
+EXPORT CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr p, size_t size, int type,
+                                              unsigned long long flags) {
+    NEED_CONTEXT();
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    if (!handle || type != 1 || flags != 0) return INVALID_VALUE;
+    if (size == 0 || p % page || size % page) return INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    struct alloc *a = find(p);
+    uint64_t base = 0, end = 0;
+    if (a && a->kind == DEVICE) {
+        base = a->base;
+        end = a->base + a->size;
+    } else if (a && a->kind == DEVICE_CHUNK) { /* the whole VMM-mode allocation */
+        for (int i = 0; i < MAX_ALLOCS; i++) {
+            if (allocs[i].kind == RESERVED && allocs[i].base == a->group) {
+                base = allocs[i].base;
+                end = allocs[i].base + allocs[i].size;
+            }
+        }
+    }
+    int fd = base && p + size <= end ? fcntl(a->fd, F_DUPFD_CLOEXEC, 0) : -2;
+    pthread_mutex_unlock(&lock);
+    if (fd == -2) return INVALID_VALUE;
+    if (fd < 0) return OUT_OF_MEMORY;
+    *(int *)handle = fd;
+    return SUCCESS;
+}
+#endif
+
+/* ----------------------------------------------------- cuGetProcAddress */
+
+#ifdef FERRY_CUDA_EMU_PROC_ADDRESS
+/* Every function above by the name cuda.h gives it, with the CUDA version
+ * whose ABI of it is implemented here. */
+static const struct {
+    const char *name;
+    int version;
+    void *fn;
+} proc_table[] = {
+    {"cuInit", 12000, (void *)(uintptr_t)cuInit},
+    {"cuGetErrorName", 12000, (void *)(uintptr_t)cuGetErrorName},
+    {"cuGetErrorString", 12000, (void *)(uintptr_t)cuGetErrorString},
+    {"cuDriverGetVersion", 12000, (void *)(uintptr_t)cuDriverGetVersion},
+    {"cuDeviceGetCount", 12000, (void *)(uintptr_t)cuDeviceGetCount},
+    {"cuDeviceGet", 12000, (void *)(uintptr_t)cuDeviceGet},
+    {"cuDeviceGetName", 12000, (void *)(uintptr_t)cuDeviceGetName},
+    {"cuDeviceGetPCIBusId", 12000, (void *)(uintptr_t)cuDeviceGetPCIBusId},
+    {"cuDeviceTotalMem", 12000, (void *)(uintptr_t)cuDeviceTotalMem_v2},
+    {"cuDeviceGetUuid", 12000, (void *)(uintptr_t)cuDeviceGetUuid_v2},
+    {"cuDeviceGetAttribute", 12000, (void *)(uintptr_t)cuDeviceGetAttribute},
+    {"cuDeviceCanAccessPeer", 12000, (void *)(uintptr_t)cuDeviceCanAccessPeer},
+    {"cuDevicePrimaryCtxRetain", 12000, (void *)(uintptr_t)cuDevicePrimaryCtxRetain},
+    {"cuDevicePrimaryCtxRelease", 12000, (void *)(uintptr_t)cuDevicePrimaryCtxRelease_v2},
+    {"cuCtxGetCurrent", 12000, (void *)(uintptr_t)cuCtxGetCurrent},
+    {"cuCtxSetCurrent", 12000, (void *)(uintptr_t)cuCtxSetCurrent},
+    {"cuMemAlloc", 12000, (void *)(uintptr_t)cuMemAlloc_v2},
+    {"cuMemFree", 12000, (void *)(uintptr_t)cuMemFree_v2},
+    {"cuMemHostAlloc", 12000, (void *)(uintptr_t)cuMemHostAlloc},
+    {"cuMemFreeHost", 12000, (void *)(uintptr_t)cuMemFreeHost},
+    {"cuMemHostRegister", 12000, (void *)(uintptr_t)cuMemHostRegister_v2},
+    {"cuMemHostUnregister", 12000, (void *)(uintptr_t)cuMemHostUnregister},
+    {"cuPointerGetAttributes", 12000, (void *)(uintptr_t)cuPointerGetAttributes},
+    {"cuMemGetAddressRange", 12000, (void *)(uintptr_t)cuMemGetAddressRange_v2},
+    {"cuIpcGetMemHandle", 12000, (void *)(uintptr_t)cuIpcGetMemHandle},
+    {"cuIpcOpenMemHandle", 12000, (void *)(uintptr_t)cuIpcOpenMemHandle_v2},
+    {"cuIpcCloseMemHandle", 12000, (void *)(uintptr_t)cuIpcCloseMemHandle},
+    {"cuMemRetainAllocationHandle", 12000, (void *)(uintptr_t)cuMemRetainAllocationHandle},
+    {"cuMemRelease", 12000, (void *)(uintptr_t)cuMemRelease},
+    {"cuMemExportToShareableHandle", 12000, (void *)(uintptr_t)cuMemExportToShareableHandle},
+    {"cuMemImportFromShareableHandle", 12000, (void *)(uintptr_t)cuMemImportFromShareableHandle},
+    {"cuMemAddressReserve", 12000, (void *)(uintptr_t)cuMemAddressReserve},
+    {"cuMemAddressFree", 12000, (void *)(uintptr_t)cuMemAddressFree},
+    {"cuMemMap", 12000, (void *)(uintptr_t)cuMemMap},
+    {"cuMemUnmap", 12000, (void *)(uintptr_t)cuMemUnmap},
+    {"cuMemSetAccess", 12000, (void *)(uintptr_t)cuMemSetAccess},
+    {"cuStreamCreate", 12000, (void *)(uintptr_t)cuStreamCreate},
+    {"cuStreamDestroy", 12000, (void *)(uintptr_t)cuStreamDestroy_v2},
+    {"cuMemcpyAsync", 12000, (void *)(uintptr_t)cuMemcpyAsync},
+    {"cuMemcpyHtoDAsync", 12000, (void *)(uintptr_t)cuMemcpyHtoDAsync_v2},
+    {"cuMemcpyBatchAsync", 12080, (void *)(uintptr_t)cuMemcpyBatchAsync},
+    {"cuModuleLoadData", 12000, (void *)(uintptr_t)cuModuleLoadData},
+    {"cuModuleUnload", 12000, (void *)(uintptr_t)cuModuleUnload},
+    {"cuModuleGetFunction", 12000, (void *)(uintptr_t)cuModuleGetFunction},
+    {"cuLaunchKernel", 12000, (void *)(uintptr_t)cuLaunchKernel},
+    {"cuStreamSynchronize", 12000, (void *)(uintptr_t)cuStreamSynchronize},
+    {"cuEventCreate", 12000, (void *)(uintptr_t)cuEventCreate},
+    {"cuEventRecord", 12000, (void *)(uintptr_t)cuEventRecord},
+    {"cuEventQuery", 12000, (void *)(uintptr_t)cuEventQuery},
+    {"cuEventSynchronize", 12000, (void *)(uintptr_t)cuEventSynchronize},
+    {"cuEventDestroy", 12000, (void *)(uintptr_t)cuEventDestroy_v2},
+#ifdef FERRY_CUDA_EMU_DMABUF
+    {"cuMemGetHandleForAddressRange", 12000, (void *)(uintptr_t)cuMemGetHandleForAddressRange},
+#endif
+};
+
+/* Strict about versions: a function is found only at the CUDA version of
+ * its ABI here, so a caller that stops pinning its ABI (Ferry asks for
+ * 12000, and 12080 for cuMemcpyBatchAsync) is told so. */
+EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **fn, int version,
+                                    unsigned long long flags, int *status) {
+    __atomic_add_fetch(&proc_address_calls, 1, __ATOMIC_SEQ_CST);
+    if (!symbol || !fn) return INVALID_VALUE;
+    *fn = NULL;
+    for (size_t i = 0; i < sizeof proc_table / sizeof proc_table[0]; i++) {
+        if (strcmp(proc_table[i].name, symbol) != 0) continue;
+        if (version != proc_table[i].version || flags != 0) {
+            if (status) *status = 2; /* CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT */
+            return 500;              /* CUDA_ERROR_NOT_FOUND */
+        }
+        *fn = proc_table[i].fn;
+        if (status) *status = 0;
+        return SUCCESS;
+    }
+    if (status) *status = 1; /* CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND */
+    return 500;
+}
+#endif
+
+#endif /* FERRY_CUDA_EMU_MINIMAL */

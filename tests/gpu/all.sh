@@ -9,6 +9,15 @@
 #   bash tests/gpu/all.sh .gpu metrics # metrics on against off, tcp and shm;
 #                                      # BASELINE=path/to/another/ferry takes
 #                                      # turns with it in the same run
+#   bash tests/gpu/all.sh DIR scale    # issue 32 on this machine's cores:
+#                                      # scripts/scale.sh ab and scripts/ab.sh
+#                                      # (tcp, shm), DIR/old against DIR/new,
+#                                      # each a folder with ferry, ferry-probe
+#                                      # and the tcp and shm plugins
+#                                      # (tests/gpu/prepare-scale.sh OLD_COMMIT)
+#   bash tests/gpu/all.sh .gpu nixl    # tests/gpu/nixl.sh: NIXL's API and vLLM's
+#                                      # NixlConnector on cuda:0, Ferry beside
+#                                      # the real NIXL (needs tests/gpu/nixl-prepare.sh)
 #
 # Everything is printed; what the checks and benchmarks write goes into one
 # tarball under $OUT (the device tool brings back few files), and the
@@ -55,7 +64,23 @@ metrics)
         done
     done
     ;;
-*) echo "all.sh: part is gpu, bench or metrics" >&2; exit 2 ;;
+scale)
+    printf '\n===== scripts/scale.sh ab (old %s, new %s), SCALE_N=%s\n' "$(cat "$P/old/commit" 2>/dev/null)" "$(cat "$P/new/commit" 2>/dev/null)" "${SCALE_N:=1 16 256}"
+    SCALE_N=$SCALE_N timeout "${SCALE_TIMEOUT:-420}" scripts/scale.sh ab "$P/old" "$P/new" 2>&1 | tee "$W/scale.log"
+    status=${PIPESTATUS[0]}
+    cp -r target/scale "$W/" 2>/dev/null
+    for t in ${AB_TRANSPORTS:-tcp shm}; do
+        printf '\n===== scripts/ab.sh, %s, one peer (old, new taking turns)\n' "$t"
+        AB_TRANSPORT=$t AB_ROUNDS=${AB_ROUNDS:-5} scripts/ab.sh "$P/old" "$P/new" 2>&1 | tee -a "$W/ab.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    done
+    ;;
+nixl)
+    OUT=$W bash tests/gpu/nixl.sh "$P" 2>&1 | tee "$W/nixl.log"
+    status=${PIPESTATUS[0]}
+    cp "$W/nixl.log" "$DEST/gpu-nixl.log"
+    ;;
+*) echo "all.sh: part is gpu, bench, metrics, scale or nixl" >&2; exit 2 ;;
 esac
 tar -czf "$DEST/gpu-$PART-files.tgz" -C "$W" . 2>/dev/null
 exit "$status"

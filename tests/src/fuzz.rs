@@ -73,9 +73,10 @@ pub fn control_frame(data: &[u8]) -> usize {
                     MsgType::Descriptor => descriptor(&body),
                     MsgType::PluginRequest => plugin_message(&body),
                     MsgType::Notify => notify(&body),
-                    MsgType::StageOpen | MsgType::StageCopy | MsgType::StageOpened => {
-                        staging(&body)
-                    }
+                    MsgType::StageOpen
+                    | MsgType::StageCopy
+                    | MsgType::StageOpened
+                    | MsgType::StageCopyList => staging(&body),
                     MsgType::Error => {
                         let e = control::decode_error("fuzz", &body);
                         assert!(e.message.len() < 8192);
@@ -117,7 +118,10 @@ pub fn descriptor(data: &[u8]) -> usize {
 
 /// The staging requests and reply (JSON on the control plane).
 pub fn staging(data: &[u8]) -> usize {
-    use ferry_core::engine::{decode_copy_request, decode_open_reply, decode_open_request};
+    use ferry_core::engine::{
+        decode_copy_list, decode_copy_request, decode_open_reply, decode_open_request,
+        MAX_LIST_PIECES,
+    };
     let mut accepted = 0;
     if let Ok(r) = decode_open_request(data) {
         accepted += 1;
@@ -137,6 +141,15 @@ pub fn staging(data: &[u8]) -> usize {
     if let Ok(r) = decode_open_reply(data, 4096) {
         accepted += 1;
         assert!(!r.slots.is_empty() && r.slots.iter().all(|s| s.len >= 4096));
+    }
+    if let Ok(r) = decode_copy_list(data) {
+        accepted += 1;
+        // What decodes re-encodes to the same bytes, within every bound.
+        assert_eq!(r.encode(), data);
+        assert!((1..=MAX_LIST_PIECES).contains(&r.pieces.len()));
+        assert!(r.pieces.iter().all(|p| p.len > 0
+            && p.slot_offset.checked_add(p.len).is_some()
+            && p.device_addr.checked_add(p.len).is_some()));
     }
     accepted
 }
@@ -472,7 +485,28 @@ fn staging_bodies() -> Vec<Vec<u8>> {
         br#"{"slots":4,"slot_len":4194304}"#.to_vec(),
         br#"{"to_device":true,"slot":1,"offset":4096,"len":65536,"device_addr":140000000000}"#
             .to_vec(),
-        serde_json::to_vec(&ferry_core::engine::OpenReply { slots: vec![slot] }).unwrap(),
+        serde_json::to_vec(&ferry_core::engine::OpenReply {
+            slots: vec![slot],
+            copy_list: 1,
+        })
+        .unwrap(),
+        ferry_core::engine::CopyListRequest {
+            to_device: true,
+            slot: 1,
+            pieces: vec![
+                ferry_core::engine::ListPiece {
+                    slot_offset: 0,
+                    device_addr: 140000000000,
+                    len: 16384,
+                },
+                ferry_core::engine::ListPiece {
+                    slot_offset: 16384,
+                    device_addr: 140000065536,
+                    len: 16384,
+                },
+            ],
+        }
+        .encode(),
     ]
 }
 
@@ -676,9 +710,14 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
                     &control::encode_plugin_request("rdma", "10.0.0.2:7000", &m),
                 ));
             }
-            for (kind, body) in [MsgType::StageOpen, MsgType::StageCopy, MsgType::StageOpened]
-                .into_iter()
-                .zip(staging_bodies())
+            for (kind, body) in [
+                MsgType::StageOpen,
+                MsgType::StageCopy,
+                MsgType::StageOpened,
+                MsgType::StageCopyList,
+            ]
+            .into_iter()
+            .zip(staging_bodies())
             {
                 frames.push(control::encode_frame(kind, &body));
             }

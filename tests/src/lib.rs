@@ -6,6 +6,7 @@
 
 pub mod etcd;
 pub mod fuzz;
+pub mod listeners;
 pub mod node;
 pub mod ordering;
 pub mod reregister;
@@ -322,14 +323,81 @@ pub fn cannot_switch_user() -> Option<&'static str> {
     None
 }
 
-/// A loopback TCP port free a moment ago (for processes that must be
-/// restarted on the same port).
+/// This test binary's test `name`, run alone as uid and gid 65534 (nobody,
+/// no groups) through setpriv: how the isolation tests play another user.
+/// Callers check [`cannot_switch_user`] first.
+pub fn as_nobody(name: &str) -> Command {
+    let mut c = Command::new("setpriv");
+    c.args([
+        "--reuid",
+        "65534",
+        "--regid",
+        "65534",
+        "--clear-groups",
+        "--",
+    ])
+    .arg(std::env::current_exe().unwrap())
+    .args(["--exact", name, "--nocapture", "--test-threads", "1"]);
+    c
+}
+
+/// The CUDA emulator (tests/cuda-emulator), a test-only libcuda.so.1,
+/// compiled once per test process; its path.
+pub fn cuda_emulator() -> &'static std::path::Path {
+    static LIB: std::sync::OnceLock<(tempfile::TempDir, PathBuf)> = std::sync::OnceLock::new();
+    &LIB.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("libcuda.so.1");
+        let src = repo_root().join("tests/cuda-emulator/libcuda.c");
+        let o = std::process::Command::new(c_compiler())
+            .args([
+                "-shared",
+                "-fPIC",
+                "-std=gnu11",
+                "-O1",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+            ])
+            .args(["-fvisibility=hidden", "-Wl,-soname,libcuda.so.1", "-o"])
+            .arg(&out)
+            .arg(&src)
+            .arg("-lpthread")
+            .output()
+            .expect("run the C compiler");
+        assert!(
+            o.status.success(),
+            "building the CUDA emulator failed:\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        (dir, out)
+    })
+    .1
+}
+
+/// A loopback TCP port free a moment ago, for a process that starts (or
+/// restarts) on it later. It is taken from below the kernel's ephemeral
+/// range, so a listener or connection that binds port 0 meanwhile, in this
+/// process or another, is never handed the same port (that race once let
+/// an engine's data listener take a planned etcd member's port).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768)
+        .clamp(2048, 65535);
+    let (first, span) = (1024u32, low - 1024);
+    // Processes of one test run start at different places, then walk on.
+    let seed = std::process::id().wrapping_mul(2_654_435_761) % span;
+    for _ in 0..span {
+        let port = first + (seed + NEXT.fetch_add(7919, Ordering::Relaxed)) % span;
+        if std::net::TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+            return port as u16;
+        }
+    }
+    panic!("no free loopback port below {low}");
 }
 
 /// This user's token, as an engine with no token configured uses it (for

@@ -15,7 +15,8 @@ pub struct PrimaryContext {
 // SAFETY: a CUcontext is a process-wide handle; the driver API is thread
 // safe and lets any thread make a context current, several at once.
 unsafe impl Send for PrimaryContext {}
-// SAFETY: as above; the handle is never mutated after retain.
+// SAFETY: shared access only passes the handle to the driver, which is
+// thread safe; the handle is never mutated after retain.
 unsafe impl Sync for PrimaryContext {}
 
 impl PrimaryContext {

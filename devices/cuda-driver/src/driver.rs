@@ -386,7 +386,8 @@ impl Driver {
             Some(name) if !name.contains('/') => {
                 // A bare name: the dynamic loader searches for it as it does
                 // for libcuda.so.1.
-                // SAFETY: as above; the operator named a driver library.
+                // SAFETY: opening a library runs its constructors; the operator named
+                // this one as the CUDA driver, which is what the plugin loads anyway.
                 unsafe { Library::open(Some(name), libc::RTLD_NOW | libc::RTLD_LOCAL) }.map_err(
                     |e| {
                         PluginError::unavailable(format!(

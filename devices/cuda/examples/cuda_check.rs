@@ -126,7 +126,7 @@ struct Plugin {
 }
 // SAFETY: the ABI lets any thread call a plugin instance.
 unsafe impl Send for Plugin {}
-// SAFETY: as above.
+// SAFETY: the ABI lets several threads call one plugin instance at once.
 unsafe impl Sync for Plugin {}
 
 fn call(f: impl FnOnce(*mut sys::ferry_errbuf_t) -> i32) -> Result<(), String> {
@@ -422,6 +422,7 @@ fn main() {
         add_device: Some(sink_device),
         add_missing: Some(sink_missing),
         add_note: Some(sink_note),
+        add_memory_method: None,
     };
     for round in ["first", "second"] {
         let t = Instant::now();
@@ -467,7 +468,8 @@ fn main() {
         // SAFETY: zeroed is a valid ferry_device_info_t.
         let mut info: sys::ferry_device_info_t = unsafe { std::mem::zeroed() };
         info.struct_size = std::mem::size_of::<sys::ferry_device_info_t>() as u32;
-        // SAFETY: as above.
+        // SAFETY: `inst` is the live instance from init, `info` a writable
+        // record of its declared size, `e` the error buffer call provides.
         let r = call(|e| unsafe { table.device_info.unwrap()(inst, ordinal, &mut info, e) });
         println!(
             "device_info({ordinal}) {r:?}: name {:?} pci {:?} uuid {:?} memory {} bytes, \

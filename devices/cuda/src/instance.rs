@@ -16,7 +16,9 @@
 //! answers for any pointer in the process's unified address space. Only if
 //! the driver asks for a current context does it borrow one.
 
+use crate::lists::CopySetting;
 use ferry_cuda_driver::driver::*;
+use ferry_cuda_driver::kernel::Kernel;
 use ferry_cuda_driver::PrimaryContext;
 use ferry_plugins_abi::sdk::{
     DeviceInfo, DeviceInstance, Host, PluginError, PluginResult, PointerInfo, PointerKind,
@@ -26,6 +28,12 @@ use std::collections::HashMap;
 use std::ffi::{c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+/// cuMemHostRegister: map the range into the devices' address space.
+const CU_MEMHOSTREGISTER_DEVICEMAP: c_uint = 0x02;
+/// CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM: a mapped
+/// registration is reached by kernels at its host address.
+const CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM: c_int = 91;
 
 /// What probe and init learn about one device, without a context.
 #[derive(Clone, Debug)]
@@ -74,15 +82,16 @@ pub fn describe_all(driver: &Driver) -> PluginResult<Vec<DeviceFacts>> {
 /// A stream on one device, non-blocking with respect to the legacy
 /// default stream.
 pub struct CudaStream {
-    raw: CUstream,
-    ordinal: u32,
-    ctx: Arc<PrimaryContext>,
+    pub(crate) raw: CUstream,
+    pub(crate) ordinal: u32,
+    pub(crate) ctx: Arc<PrimaryContext>,
 }
 
 // SAFETY: a CUstream is a process-wide handle and the driver accepts work on
 // it from any thread; the plugin makes its context current around each call.
 unsafe impl Send for CudaStream {}
-// SAFETY: as above; the handle is never mutated after creation.
+// SAFETY: shared access only passes the stream to the driver, which
+// accepts work on it from any thread; the handle is never mutated.
 unsafe impl Sync for CudaStream {}
 
 impl Drop for CudaStream {
@@ -101,28 +110,39 @@ impl Drop for CudaStream {
     }
 }
 
-struct Device {
+pub(crate) struct Device {
     facts: DeviceFacts,
     ctx: OnceLock<Arc<PrimaryContext>>,
     retaining: Mutex<()>,
+    /// The copy kernel in this device's context, loaded by the first list
+    /// (lists.rs), or why it cannot be.
+    pub(crate) kernel: OnceLock<Result<Kernel, String>>,
 }
 
 #[derive(Clone, Copy)]
-struct Allocation {
+pub(crate) struct Allocation {
     ordinal: u32,
-    len: u64,
+    pub(crate) len: u64,
+    /// Mapped into the devices' address space at the same address (pinned
+    /// by cuMemHostAlloc, or registered with DEVICEMAP), so the copy kernel
+    /// may touch it.
+    pub(crate) mapped: bool,
 }
 
 pub struct CudaInstance {
-    driver: &'static Driver,
-    host: Host<'static>,
-    devices: Vec<Device>,
+    pub(crate) driver: &'static Driver,
+    pub(crate) host: Host<'static>,
+    pub(crate) devices: Vec<Device>,
     device_memory: Mutex<HashMap<u64, Allocation>>,
-    pinned_memory: Mutex<HashMap<u64, Allocation>>,
+    pub(crate) pinned_memory: Mutex<HashMap<u64, Allocation>>,
     /// Host memory pinned in place by pin_host.
-    registered_memory: Mutex<HashMap<u64, Allocation>>,
+    pub(crate) registered_memory: Mutex<HashMap<u64, Allocation>>,
+    /// How lists of copies move (`cuda.copy`).
+    pub(crate) copy: CopySetting,
     page_size: u64,
     said_pointer_needs_context: AtomicBool,
+    /// Whether a list the kernel cannot reach was logged (once).
+    pub(crate) said_list_fallback: AtomicBool,
 }
 
 fn invalid(msg: impl Into<String>) -> PluginError {
@@ -186,16 +206,22 @@ impl CudaInstance {
         host: Host<'static>,
         driver: &'static Driver,
         facts: Vec<DeviceFacts>,
-    ) -> CudaInstance {
-        CudaInstance {
+    ) -> PluginResult<CudaInstance> {
+        let copy = CopySetting::parse(
+            crate::lists::COPY_KEY,
+            host.config(crate::lists::COPY_KEY).as_deref(),
+        )?;
+        Ok(CudaInstance {
             driver,
             host,
+            copy,
             devices: facts
                 .into_iter()
                 .map(|facts| Device {
                     facts,
                     ctx: OnceLock::new(),
                     retaining: Mutex::new(()),
+                    kernel: OnceLock::new(),
                 })
                 .collect(),
             device_memory: Mutex::new(HashMap::new()),
@@ -203,7 +229,8 @@ impl CudaInstance {
             registered_memory: Mutex::new(HashMap::new()),
             page_size: host_page_size(),
             said_pointer_needs_context: AtomicBool::new(false),
-        }
+            said_list_fallback: AtomicBool::new(false),
+        })
     }
 
     fn device(&self, ordinal: u32) -> PluginResult<&Device> {
@@ -217,7 +244,7 @@ impl CudaInstance {
     }
 
     /// The primary context of `ordinal`, retained on first use.
-    fn context(&self, ordinal: u32) -> PluginResult<&Arc<PrimaryContext>> {
+    pub(crate) fn context(&self, ordinal: u32) -> PluginResult<&Arc<PrimaryContext>> {
         let device = self.device(ordinal)?;
         if let Some(ctx) = device.ctx.get() {
             return Ok(ctx);
@@ -280,6 +307,20 @@ impl CudaInstance {
             size: data[4],
         };
         Ok(r)
+    }
+
+    /// Device memory of `ordinal` (not managed) holding [addr, addr + len):
+    /// its allocation's range, or None.
+    pub(crate) fn device_range(&self, ordinal: u32, addr: u64, len: u64) -> Option<(u64, u64)> {
+        let a = self.attributes(addr).ok()??;
+        let end = addr.checked_add(len)?;
+        let alloc_end = a.start.checked_add(a.size)?;
+        let device = matches!(a.memory_type, CU_MEMORYTYPE_DEVICE) && !a.managed;
+        (device
+            && u32::try_from(a.ordinal).ok() == Some(ordinal)
+            && a.start <= addr
+            && end <= alloc_end)
+            .then_some((a.start, alloc_end))
     }
 
     fn attributes(&self, addr: u64) -> PluginResult<Option<Attributes>> {
@@ -414,7 +455,16 @@ impl DeviceInstance for CudaInstance {
         self.pinned_memory
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(p as u64, Allocation { ordinal, len });
+            .insert(
+                p as u64,
+                Allocation {
+                    ordinal,
+                    len,
+                    // cuMemHostAlloc memory is mapped at its host address
+                    // wherever addressing is unified (every 64-bit driver).
+                    mapped: true,
+                },
+            );
         Ok(p as u64)
     }
 
@@ -445,9 +495,26 @@ impl DeviceInstance for CudaInstance {
             }
             let (ordinal, ctx) = self.any_context()?;
             let _current = ctx.enter()?;
-            // SAFETY: the engine pins only host memory it allocated and
-            // keeps mapped until unpin_host; the driver checks the range.
-            let r = unsafe { f(addr as *mut c_void, bytes, CU_MEMHOSTREGISTER_PORTABLE) };
+            // Mapped into the devices too where the driver allows, so the
+            // copy kernel reaches it at its host address (attribute 91).
+            let same_address = self.devices.iter().all(|dev| {
+                d.attribute(dev.facts.handle, CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM) == Some(1)
+            });
+            let mut mapped = same_address;
+            let mut r = CUDA_ERROR_INVALID_VALUE;
+            if mapped {
+                let flags = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP;
+                // SAFETY: the engine pins only host memory it allocated and
+                // keeps mapped until unpin_host; the driver checks the range.
+                r = unsafe { f(addr as *mut c_void, bytes, flags) };
+            }
+            if r != CUDA_SUCCESS {
+                mapped = false;
+                // SAFETY: as the engine's contract for pin_host says (its
+                // own host memory, mapped until unpin_host); the driver
+                // checks the range. Pinned only, not mapped, this time.
+                r = unsafe { f(addr as *mut c_void, bytes, CU_MEMHOSTREGISTER_PORTABLE) };
+            }
             d.check("cuMemHostRegister", r).map_err(|mut e| {
                 e.message.push_str(&format!(" ({len} bytes at {addr:#x})"));
                 e
@@ -455,7 +522,14 @@ impl DeviceInstance for CudaInstance {
             self.registered_memory
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .insert(addr, Allocation { ordinal, len });
+                .insert(
+                    addr,
+                    Allocation {
+                        ordinal,
+                        len,
+                        mapped,
+                    },
+                );
             Ok(())
         })())
     }
@@ -501,7 +575,14 @@ impl DeviceInstance for CudaInstance {
         self.device_memory
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(p, Allocation { ordinal, len });
+            .insert(
+                p,
+                Allocation {
+                    ordinal,
+                    len,
+                    mapped: false,
+                },
+            );
         Ok(p)
     }
 
@@ -562,6 +643,14 @@ impl DeviceInstance for CudaInstance {
         })
     }
 
+    fn copy_list_async(
+        &self,
+        stream: &CudaStream,
+        copies: &[ferry_plugins_abi::sys::ferry_device_copy_t],
+    ) -> Option<PluginResult<()>> {
+        Some(self.copy_list(stream, copies))
+    }
+
     fn stream_sync(&self, stream: &CudaStream) -> PluginResult<()> {
         let d = self.driver;
         let f = d.function(d.api.cu_stream_synchronize, "cuStreamSynchronize")?;
@@ -595,6 +684,15 @@ impl CudaInstance {
 
 impl Drop for CudaInstance {
     fn drop(&mut self) {
+        // The kernels go first, in their contexts: every stream the engine
+        // made is gone (each holds the instance), its work synced by then.
+        for device in &self.devices {
+            if let (Some(ctx), Some(Ok(k))) = (device.ctx.get(), device.kernel.get()) {
+                if let Ok(_current) = ctx.enter() {
+                    k.free(self.driver);
+                }
+            }
+        }
         // Free what the engine left behind while our contexts still hold;
         // the contexts themselves are released as the devices drop (or with
         // the last stream that still refers to one).

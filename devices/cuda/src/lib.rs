@@ -21,6 +21,7 @@
 //! queries: it creates no context and allocates nothing.
 
 mod instance;
+mod lists;
 #[cfg(test)]
 mod tests;
 
@@ -149,6 +150,10 @@ impl ferry_plugins_abi::sdk::DevicePlugin for CudaPlugin {
         report.add_note("driver", &version_text);
         report.add_note("library", &driver.describe_library());
         report.add_note("visible devices", &driver::visible_devices());
+        match lists::CopySetting::parse(lists::COPY_KEY, host.config(lists::COPY_KEY).as_deref()) {
+            Ok(copy) => report.add_note("staging lists", &lists::describe(driver, copy)),
+            Err(e) => report.add_note("staging lists", &format!("{} (init refuses it)", e.message)),
+        }
 
         let without_dmabuf: Vec<&DeviceFacts> = devices
             .iter()
@@ -201,7 +206,7 @@ impl ferry_plugins_abi::sdk::DevicePlugin for CudaPlugin {
             devices.len(),
             driver.describe_library()
         ));
-        Ok(CudaInstance::new(host, driver, devices))
+        CudaInstance::new(host, driver, devices)
     }
 }
 

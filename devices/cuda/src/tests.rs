@@ -1,11 +1,14 @@
 //! The plugin through its C table, as the engine sees it: probe without a
-//! driver, with files that are not drivers, and with test-only fake drivers
-//! (testdata/fake_libcuda.c, compiled here with the system C compiler)
-//! that check the plugin's context and resource discipline.
+//! driver, with files that are not drivers, and with builds of the CUDA
+//! emulator (tests/cuda-emulator/libcuda.c, a test-only libcuda.so.1
+//! compiled here with the system C compiler) that check the plugin's
+//! context and resource discipline.
 //!
 //! Every test names its driver through the host's `cuda.library` setting
-//! (what FERRY_CUDA_LIBRARY feeds), so tests never touch the process
-//! environment and run in parallel.
+//! (what FERRY_CUDA_LIBRARY feeds), and each emulator build has its
+//! settings fixed at compile time (`-DFERRY_CUDA_EMU_...`, environment
+//! ignored), so tests never touch the process environment and run in
+//! parallel.
 
 use ferry_plugins_abi::sys;
 use std::ffi::{c_char, c_void, CStr, CString};
@@ -146,6 +149,7 @@ fn probe(host: &sys::ferry_host_services_t) -> (i32, String, Findings) {
         add_device: Some(sink_device),
         add_missing: Some(sink_missing),
         add_note: Some(sink_note),
+        add_memory_method: None,
     };
     let mut buf = [0 as c_char; 1024];
     let mut err = sys::ferry_errbuf_t {
@@ -158,11 +162,31 @@ fn probe(host: &sys::ferry_host_services_t) -> (i32, String, Findings) {
     (status, text(buf.as_ptr()), findings)
 }
 
-// ---------------------------------------------------------------- fakes
+// ---------------------------------------------------------------- emulator
 
-/// Compiles testdata/fake_libcuda.c with `defines` into `dir/name.so`.
-fn fake(dir: &Path, name: &str, defines: &[&str]) -> PathBuf {
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/fake_libcuda.c");
+/// What every build here fixes (the emulator's settings, see its header
+/// comment): two devices, device 1 with hex letters in its PCI bus number
+/// (the driver prints them in capitals), only device 0 with GPUDirect RDMA
+/// and DMA-BUF, a CUDA 12.4 driver, and no setting from the environment.
+const EMULATOR_BASE: &[&str] = &[
+    "FERRY_CUDA_EMU_NO_ENV",
+    "FERRY_CUDA_EMU_DEVICES=2",
+    "FERRY_CUDA_EMU_PCI_BUS=18,AB",
+    "FERRY_CUDA_EMU_GPU_DIRECT=1",
+    "FERRY_CUDA_EMU_DRIVER_VERSION=12040",
+];
+
+/// Compiles the CUDA emulator (tests/cuda-emulator/libcuda.c) into
+/// `dir/name.so` with [`EMULATOR_BASE`] and `defines` (build options and
+/// settings, `NAME` or `NAME=value`; one here replaces the base's).
+fn emulator(dir: &Path, name: &str, defines: &[&str]) -> PathBuf {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/cuda-emulator/libcuda.c");
+    let key = |d: &str| d.split('=').next().unwrap_or_default().to_string();
+    let overridden: Vec<String> = defines.iter().map(|d| key(d)).collect();
+    let all = EMULATOR_BASE
+        .iter()
+        .filter(|d| !overridden.contains(&key(d)))
+        .chain(defines);
     let out = dir.join(format!("{name}.so"));
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
     let output = Command::new(cc)
@@ -175,36 +199,38 @@ fn fake(dir: &Path, name: &str, defines: &[&str]) -> PathBuf {
             "-Wextra",
             "-Werror",
             "-pthread",
+            "-fvisibility=hidden",
             "-o",
         ])
         .arg(&out)
         .arg(&source)
-        .args(defines.iter().map(|d| format!("-D{d}")))
+        .args(all.map(|d| format!("-D{d}")))
         .output()
         .expect("run the C compiler (is cc installed?)");
     assert!(
         output.status.success(),
-        "compiling the fake driver failed:\n{}",
+        "compiling the CUDA emulator failed:\n{}",
         String::from_utf8_lossy(&output.stderr)
     );
     out
 }
 
-/// The fake driver's own counters, through its fake_* exports.
-struct FakeView {
+/// The emulator's own counters, through its ferry_cuda_emu_* hooks.
+struct EmuView {
     lib: libloading::Library,
 }
 
-impl FakeView {
-    fn open(path: &Path) -> FakeView {
-        // SAFETY: the fake is our own test library, already loaded by the
-        // plugin; this only takes another reference to it.
+impl EmuView {
+    fn open(path: &Path) -> EmuView {
+        // SAFETY: the emulator is our own test library, already loaded by
+        // the plugin; this only takes another reference to it.
         let lib = unsafe { libloading::Library::new(path) }.unwrap();
-        FakeView { lib }
+        EmuView { lib }
     }
 
     fn count(&self, name: &str) -> i32 {
-        // SAFETY: every fake_* counter is `int fn(void)`.
+        // SAFETY: every ferry_cuda_emu_* counter asked for here is
+        // `int fn(void)`.
         unsafe {
             let f = self
                 .lib
@@ -215,22 +241,22 @@ impl FakeView {
     }
 
     fn current_context(&self) -> *mut c_void {
-        // SAFETY: fake_current_context is `void *fn(void)`.
+        // SAFETY: ferry_cuda_emu_current_context is `void *fn(void)`.
         unsafe {
             let f = self
                 .lib
-                .get::<unsafe extern "C" fn() -> *mut c_void>(b"fake_current_context")
+                .get::<unsafe extern "C" fn() -> *mut c_void>(b"ferry_cuda_emu_current_context")
                 .unwrap();
             f()
         }
     }
 
     fn set_current(&self, device: i32) {
-        // SAFETY: fake_set_current is `void fn(int)`.
+        // SAFETY: ferry_cuda_emu_set_current is `void fn(int)`.
         unsafe {
             let f = self
                 .lib
-                .get::<unsafe extern "C" fn(i32)>(b"fake_set_current")
+                .get::<unsafe extern "C" fn(i32)>(b"ferry_cuda_emu_set_current")
                 .unwrap();
             f(device)
         }
@@ -299,7 +325,7 @@ fn a_file_that_is_not_a_library_is_refused_with_a_reason() {
 
     // A truncated copy of a real library would make dlopen fault; the
     // header check refuses it first.
-    let whole = fake(dir.path(), "whole", &[]);
+    let whole = emulator(dir.path(), "whole", &[]);
     let bytes = std::fs::read(&whole).unwrap();
     let cut = dir.path().join("cut.so");
     std::fs::write(&cut, &bytes[..bytes.len() / 3]).unwrap();
@@ -338,10 +364,10 @@ fn a_file_that_is_not_a_library_is_refused_with_a_reason() {
 fn cuinit_failures_name_the_code() {
     let dir = tempfile::tempdir().unwrap();
     // Only cuInit, so the plugin names the code from its own table.
-    let minimal = fake(
+    let minimal = emulator(
         dir.path(),
         "minimal",
-        &["FAKE_MINIMAL", "FAKE_INIT_RESULT=100"],
+        &["FERRY_CUDA_EMU_MINIMAL", "FERRY_CUDA_EMU_INIT_RESULT=100"],
     );
     let (status, message, _) = probe(host(Some(&minimal)));
     assert_eq!(status, sys::FERRY_ERR_UNAVAILABLE);
@@ -349,16 +375,16 @@ fn cuinit_failures_name_the_code() {
         message.starts_with("cuInit failed: CUDA_ERROR_NO_DEVICE (100) (CUDA_VISIBLE_DEVICES"),
         "{message}"
     );
-    let odd = fake(
+    let odd = emulator(
         dir.path(),
         "odd",
-        &["FAKE_MINIMAL", "FAKE_INIT_RESULT=12345"],
+        &["FERRY_CUDA_EMU_MINIMAL", "FERRY_CUDA_EMU_INIT_RESULT=12345"],
     );
     let (status, message, _) = probe(host(Some(&odd)));
     assert_eq!(status, sys::FERRY_ERR_UNAVAILABLE);
     assert_eq!(message, "cuInit failed: CUDA error 12345 (12345)");
     // A library with error strings gives the driver's words.
-    let compat = fake(dir.path(), "compat", &["FAKE_INIT_RESULT=804"]);
+    let compat = emulator(dir.path(), "compat", &["FERRY_CUDA_EMU_INIT_RESULT=804"]);
     let (status, message, _) = probe(host(Some(&compat)));
     assert_eq!(status, sys::FERRY_ERR_UNAVAILABLE);
     assert_eq!(
@@ -371,7 +397,14 @@ fn cuinit_failures_name_the_code() {
 #[test]
 fn no_visible_device_is_unavailable() {
     let dir = tempfile::tempdir().unwrap();
-    let none = fake(dir.path(), "none", &["FAKE_DEVICES=0"]);
+    // cuInit succeeds and there is no device (without INIT_RESULT the
+    // emulator's cuInit says CUDA_ERROR_NO_DEVICE, as CUDA_VISIBLE_DEVICES=""
+    // makes the driver's).
+    let none = emulator(
+        dir.path(),
+        "none",
+        &["FERRY_CUDA_EMU_DEVICES=0", "FERRY_CUDA_EMU_INIT_RESULT=0"],
+    );
     let (status, message, findings) = probe(host(Some(&none)));
     assert_eq!(status, sys::FERRY_ERR_UNAVAILABLE);
     assert!(
@@ -385,7 +418,7 @@ fn no_visible_device_is_unavailable() {
 fn probe_reports_devices_kinds_and_what_is_missing() {
     let dir = tempfile::tempdir().unwrap();
     // An older driver: dlsym only, and no DMA-BUF export.
-    let old = fake(dir.path(), "old", &[]);
+    let old = emulator(dir.path(), "old", &[]);
     let h = host(Some(&old));
     let (status, message, f) = probe(h);
     assert_eq!(status, sys::FERRY_OK, "{message}");
@@ -411,8 +444,8 @@ fn probe_reports_devices_kinds_and_what_is_missing() {
     );
     assert_eq!(
         f.devices[0].2,
-        "Fake GPU 0, 80.0 GiB, compute 9.0, GPUDirect RDMA (attribute 116): yes, DMA-BUF \
-         (attribute 124): yes, driver CUDA 12.4, GPU-00102030-4050-6070-8090-a0b0c0d0e0f0"
+        "Emulated GPU 0, 80.0 GiB, compute 9.0, GPUDirect RDMA (attribute 116): yes, DMA-BUF \
+         (attribute 124): yes, driver CUDA 12.4, GPU-e0e1e2e3-e4e5-e6e7-e8e9-eaebecedeeef"
     );
     let missing: Vec<&str> = f.missing.iter().map(|(c, _)| c.as_str()).collect();
     assert_eq!(missing, ["cuda-dmabuf", "cuda-peermem"]);
@@ -437,13 +470,17 @@ fn probe_reports_devices_kinds_and_what_is_missing() {
     };
     assert_eq!(note("driver"), "CUDA 12.4 (cuDriverGetVersion 12040)");
     assert!(
-        note("library").ends_with("; 24 symbols through dlsym"),
+        note("library").ends_with("; 51 symbols through dlsym"),
         "{}",
         note("library")
     );
 
     // A current driver: cuGetProcAddress_v2 and DMA-BUF export.
-    let new = fake(dir.path(), "new", &["FAKE_PROC_ADDRESS", "FAKE_DMABUF"]);
+    let new = emulator(
+        dir.path(),
+        "new",
+        &["FERRY_CUDA_EMU_PROC_ADDRESS", "FERRY_CUDA_EMU_DMABUF"],
+    );
     let (status, message, f) = probe(host(Some(&new)));
     assert_eq!(status, sys::FERRY_OK, "{message}");
     let dmabuf = sys::FERRY_MEM_CUDA_DMABUF;
@@ -457,12 +494,20 @@ fn probe_reports_devices_kinds_and_what_is_missing() {
     assert!(
         library
             .1
-            .ends_with("; 25 symbols through cuGetProcAddress_v2"),
+            .ends_with("; 52 symbols through cuGetProcAddress_v2"),
         "{library:?}"
     );
-    assert!(FakeView::open(&new).count("fake_proc_address_calls") >= 25);
+    assert!(EmuView::open(&new).count("ferry_cuda_emu_proc_address_calls") >= 52);
+    let lists = f.notes.iter().find(|(k, _)| k == "staging lists").unwrap();
+    assert!(
+        lists
+            .1
+            .starts_with("the copy kernel, one launch per list of small pieces")
+            && lists.1.ends_with("by cuMemcpyBatchAsync"),
+        "{lists:?}"
+    );
     // Probe created no context.
-    assert_eq!(FakeView::open(&new).count("fake_live_retains"), 0);
+    assert_eq!(EmuView::open(&new).count("ferry_cuda_emu_live_retains"), 0);
 }
 
 /// An initialised instance of the plugin through the C table.
@@ -625,22 +670,27 @@ impl Instance {
 
 // SAFETY: the plugin's instance is Send + Sync (the SDK requires it).
 unsafe impl Send for Instance {}
-// SAFETY: as above.
+// SAFETY: shared access only calls the plugin's table with its instance,
+// which the SDK requires to be Sync.
 unsafe impl Sync for Instance {}
 
 #[test]
 fn the_data_path_keeps_context_discipline_and_gives_everything_back() {
     let dir = tempfile::tempdir().unwrap();
-    let path = fake(
+    let path = emulator(
         dir.path(),
         "full",
-        &["FAKE_PROC_ADDRESS", "FAKE_DMABUF", "FAKE_POINTER_NEEDS_CTX"],
+        &[
+            "FERRY_CUDA_EMU_PROC_ADDRESS",
+            "FERRY_CUDA_EMU_DMABUF",
+            "FERRY_CUDA_EMU_POINTER_NEEDS_CTX=1",
+        ],
     );
     let h = host(Some(&path));
     let inst = Instance::init(h);
-    let fake = FakeView::open(&path);
+    let emu = EmuView::open(&path);
     assert_eq!(
-        fake.count("fake_live_retains"),
+        emu.count("ferry_cuda_emu_live_retains"),
         0,
         "init retains no context"
     );
@@ -648,7 +698,7 @@ fn the_data_path_keeps_context_discipline_and_gives_everything_back() {
     assert_eq!(inst.count(), 2);
     let info = inst.info(1);
     assert_eq!(info.ordinal, 1);
-    assert_eq!(text(info.name.as_ptr()), "Fake GPU 1");
+    assert_eq!(text(info.name.as_ptr()), "Emulated GPU 1");
     assert_eq!(text(info.pci_bus_id.as_ptr()), "0000:ab:00.0");
     assert_eq!(
         (info.gpu_direct_rdma, info.dmabuf, info.dmabuf_export),
@@ -657,7 +707,7 @@ fn the_data_path_keeps_context_discipline_and_gives_everything_back() {
     assert_eq!(info.total_memory, 81 << 30);
 
     // Plain host memory and unknown addresses are HOST, not errors, even
-    // before any context exists (this fake wants one for pointer queries).
+    // before any context exists (this build wants one for pointer queries).
     let host_buf = vec![7u8; 4096];
     let p = inst.query(host_buf.as_ptr() as u64);
     assert_eq!((p.kind, p.ordinal), (sys::FERRY_PTR_HOST, -1));
@@ -667,16 +717,16 @@ fn the_data_path_keeps_context_discipline_and_gives_everything_back() {
         .any(|l| l.contains("asked for a current context")));
 
     // The application's own current context survives every call.
-    fake.set_current(0);
-    let app_ctx = fake.current_context();
+    emu.set_current(0);
+    let app_ctx = emu.current_context();
     let dev = inst.alloc_device(1, 1 << 20).unwrap();
-    assert_eq!(fake.current_context(), app_ctx);
+    assert_eq!(emu.current_context(), app_ctx);
     let d = inst.query(dev + 100);
     assert_eq!(
         (d.kind, d.ordinal, d.base, d.size),
         (sys::FERRY_PTR_DEVICE, 1, dev, 1 << 20)
     );
-    fake.set_current(-1);
+    emu.set_current(-1);
 
     let pinned = inst.alloc_pinned(1 << 16);
     let q = inst.query(pinned);
@@ -705,7 +755,7 @@ fn the_data_path_keeps_context_discipline_and_gives_everything_back() {
             let back = unsafe { std::slice::from_raw_parts(pinned as *const u8, 4096) };
             assert_eq!(back, &src[..]);
             inst.destroy(stream);
-            assert!(fake.current_context().is_null(), "thread left as found");
+            assert!(emu.current_context().is_null(), "thread left as found");
         });
     });
 
@@ -731,24 +781,24 @@ fn the_data_path_keeps_context_discipline_and_gives_everything_back() {
     assert_ne!(leaked, 0);
     let stream = inst.stream(0);
     inst.destroy(stream);
-    assert_eq!(fake.count("fake_live_retains"), 2);
+    assert_eq!(emu.count("ferry_cuda_emu_live_retains"), 2);
     inst.fini();
     assert!(logs(h)
         .iter()
         .any(|l| l.contains("still live at fini; freed")));
-    assert_eq!(fake.count("fake_live_allocations"), 0);
-    assert_eq!(fake.count("fake_live_streams"), 0);
-    assert_eq!(fake.count("fake_live_retains"), 0);
-    assert_eq!(fake.count("fake_context_violations"), 0);
-    assert!(fake.current_context().is_null());
+    assert_eq!(emu.count("ferry_cuda_emu_live_allocations"), 0);
+    assert_eq!(emu.count("ferry_cuda_emu_live_streams"), 0);
+    assert_eq!(emu.count("ferry_cuda_emu_live_retains"), 0);
+    assert_eq!(emu.count("ferry_cuda_emu_context_violations"), 0);
+    assert!(emu.current_context().is_null());
 }
 
 #[test]
 fn many_threads_share_one_instance() {
     let dir = tempfile::tempdir().unwrap();
-    let path = fake(dir.path(), "threads", &["FAKE_PROC_ADDRESS"]);
+    let path = emulator(dir.path(), "threads", &["FERRY_CUDA_EMU_PROC_ADDRESS"]);
     let inst = Instance::init(host(Some(&path)));
-    let fake = FakeView::open(&path);
+    let emu = EmuView::open(&path);
     std::thread::scope(|s| {
         for t in 0..8 {
             let inst = &inst;
@@ -772,17 +822,17 @@ fn many_threads_share_one_instance() {
         }
     });
     // Each device's primary context was retained once, however many threads.
-    assert_eq!(fake.count("fake_live_retains"), 2);
+    assert_eq!(emu.count("ferry_cuda_emu_live_retains"), 2);
     inst.fini();
-    assert_eq!(fake.count("fake_live_retains"), 0);
-    assert_eq!(fake.count("fake_live_allocations"), 0);
-    assert_eq!(fake.count("fake_context_violations"), 0);
+    assert_eq!(emu.count("ferry_cuda_emu_live_retains"), 0);
+    assert_eq!(emu.count("ferry_cuda_emu_live_allocations"), 0);
+    assert_eq!(emu.count("ferry_cuda_emu_context_violations"), 0);
 }
 
 #[test]
 fn without_the_export_symbol_dmabuf_is_unsupported() {
     let dir = tempfile::tempdir().unwrap();
-    let path = fake(dir.path(), "noexport", &[]);
+    let path = emulator(dir.path(), "noexport", &[]);
     let inst = Instance::init(host(Some(&path)));
     assert_eq!(inst.info(0).dmabuf_export, 0);
     let dev = inst.alloc_device(0, 1 << 16).unwrap();
@@ -791,4 +841,129 @@ fn without_the_export_symbol_dmabuf_is_unsupported() {
     assert_eq!(message, "this driver cannot export DMA-BUF");
     inst.free_device(dev);
     inst.fini();
+}
+
+impl EmuView {
+    /// Copy calls so far: 0 cuMemcpyAsync, 1 kernel launches, 2 batched.
+    fn calls(&self, kind: i32) -> i64 {
+        // SAFETY: ferry_cuda_emu_calls is `long fn(int)`.
+        unsafe {
+            let f = self
+                .lib
+                .get::<unsafe extern "C" fn(i32) -> i64>(b"ferry_cuda_emu_calls")
+                .unwrap();
+            f(kind)
+        }
+    }
+}
+
+impl Instance {
+    fn copy_list(
+        &self,
+        s: *mut c_void,
+        copies: &[sys::ferry_device_copy_t],
+    ) -> Result<(), (i32, String)> {
+        // SAFETY: the instance and stream from this plugin, copies a live
+        // slice for the call and a live error buffer, as plugin.h requires.
+        call("copy_list_async", |e| unsafe {
+            self.table.copy_list_async.unwrap()(self.raw, s, copies.as_ptr(), copies.len(), e)
+        })
+    }
+}
+
+/// Staging's gather and scatter: shuffled 16 KiB blocks of device memory
+/// into one pinned run and back out, each list one kernel launch; a list
+/// with an end the kernel cannot reach (pageable host memory) moves by
+/// the driver's copies instead, and a bad list is refused whole.
+#[test]
+fn lists_gather_and_scatter_in_one_launch_and_fall_back_where_the_kernel_cannot_reach() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = emulator(dir.path(), "lists", &["FERRY_CUDA_EMU_PROC_ADDRESS"]);
+    let h = host(Some(&path));
+    let inst = Instance::init(h);
+    let emu = EmuView::open(&path);
+    const BLOCK: u64 = 16 << 10;
+    const N: u64 = 64;
+    let dev = inst.alloc_device(0, N * BLOCK).unwrap();
+    let back = inst.alloc_device(0, N * BLOCK).unwrap();
+    let pinned = inst.alloc_pinned(N * BLOCK);
+    let stream = inst.stream(0);
+    let data: Vec<u8> = (0..N * BLOCK).map(|i| (i * 13 % 251) as u8).collect();
+    inst.copy(stream, dev, data.as_ptr() as u64, N * BLOCK);
+    // Block i of the run is device block perm[i].
+    let perm: Vec<u64> = (0..N).map(|i| (i * 37 + 5) % N).collect();
+    let gather: Vec<sys::ferry_device_copy_t> = perm
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| sys::ferry_device_copy_t {
+            src: dev + b * BLOCK,
+            dst: pinned + i as u64 * BLOCK,
+            len: BLOCK,
+        })
+        .collect();
+    let launches = emu.calls(1);
+    inst.copy_list(stream, &gather).unwrap();
+    inst.sync(stream);
+    assert_eq!(emu.calls(1), launches + 1, "one launch gathers them all");
+    // SAFETY: pinned holds N * BLOCK bytes, filled by the list above.
+    let run = unsafe { std::slice::from_raw_parts(pinned as *const u8, (N * BLOCK) as usize) };
+    for (i, &b) in perm.iter().enumerate() {
+        let (i, b) = (i * BLOCK as usize, b as usize * BLOCK as usize);
+        assert!(run[i..i + BLOCK as usize] == data[b..b + BLOCK as usize]);
+    }
+    // Scatter them back to where they came from, in another buffer.
+    let scatter: Vec<sys::ferry_device_copy_t> = gather
+        .iter()
+        .map(|c| sys::ferry_device_copy_t {
+            src: c.dst,
+            dst: back + (c.src - dev),
+            len: BLOCK,
+        })
+        .collect();
+    inst.copy_list(stream, &scatter).unwrap();
+    inst.sync(stream);
+    assert_eq!(emu.calls(1), launches + 2);
+    let mut out = vec![0u8; (N * BLOCK) as usize];
+    inst.copy(stream, out.as_mut_ptr() as u64, back, N * BLOCK);
+    inst.sync(stream);
+    assert!(out == data, "gathered and scattered back intact");
+
+    // Pageable host memory is not the kernel's: the driver copies it.
+    let mut pageable = vec![0u8; (2 * BLOCK) as usize];
+    let to_pageable = [0, 1].map(|i| sys::ferry_device_copy_t {
+        src: dev + i * BLOCK,
+        dst: pageable.as_mut_ptr() as u64 + i * BLOCK,
+        len: BLOCK,
+    });
+    let (launches, batched) = (emu.calls(1), emu.calls(2));
+    inst.copy_list(stream, &to_pageable).unwrap();
+    inst.sync(stream);
+    assert_eq!((emu.calls(1), emu.calls(2)), (launches, batched + 1));
+    assert!(pageable[..] == data[..(2 * BLOCK) as usize]);
+    assert!(logs(h)
+        .iter()
+        .any(|l| l.contains("memory the copy kernel cannot")));
+
+    // An empty or wrapping copy refuses the list; nothing is queued.
+    let copies = (emu.calls(0), emu.calls(1), emu.calls(2));
+    let bad = [
+        gather[0],
+        sys::ferry_device_copy_t {
+            src: u64::MAX - 4,
+            dst: pinned,
+            len: 16,
+        },
+    ];
+    let (status, message) = inst.copy_list(stream, &bad).unwrap_err();
+    assert_eq!(status, sys::FERRY_ERR_INVALID_ARGUMENT);
+    assert!(message.contains("copy 1"), "{message}");
+    assert_eq!((emu.calls(0), emu.calls(1), emu.calls(2)), copies);
+
+    inst.destroy(stream);
+    inst.free_pinned(pinned);
+    inst.free_device(dev);
+    inst.free_device(back);
+    inst.fini();
+    assert_eq!(emu.count("ferry_cuda_emu_live_allocations"), 0);
+    assert_eq!(emu.count("ferry_cuda_emu_context_violations"), 0);
 }

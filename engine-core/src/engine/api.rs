@@ -61,6 +61,15 @@ impl Engine {
             .collect()
     }
 
+    /// The transport requests prefer (the `prefer` setting), if one of
+    /// that name runs here.
+    pub fn preferred_transport(&self) -> Option<String> {
+        self.shared
+            .transports
+            .preferred()
+            .map(|t| self.shared.transports[t].name.clone())
+    }
+
     /// Transports that were enabled but failed to start, with the error.
     pub fn transport_failures(&self) -> &[(String, Error)] {
         &self.shared.transports.failures
@@ -137,7 +146,7 @@ impl Engine {
     }
 
     /// How memory of `location` (a GPU) would be registered for RDMA and
-    /// why better methods were skipped (DESIGN.md's tiers), if it is a GPU
+    /// why better methods were skipped (docs/gpu.md's tiers), if it is a GPU
     /// this engine knows.
     pub fn gpu_direct(&self, location: Location) -> Option<String> {
         self.shared.gpu_direct.explain(&location.to_string())

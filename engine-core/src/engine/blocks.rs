@@ -6,11 +6,13 @@
 //! gets the blocks as requests in one call, completed as one group.
 
 use super::dispatch::{BlockGroup, Flows};
-use super::layouts::{block_list, recycle_blocks, unknown, BlockLayout, LayoutId};
+use super::layouts::{
+    check_transfer, checked_block_list, layout_list, unknown, BlockLayout, LayoutId,
+};
 use super::request::{Op, Request, SegmentId};
 use super::segments::RemoteSegment;
 use super::shared::Shared;
-use crate::batch::{group_of, BatchId};
+use crate::batch::BatchId;
 use crate::error::{Error, ErrorCode, Result};
 use crate::memory::Visibility;
 use std::sync::Arc;
@@ -102,18 +104,19 @@ impl Shared {
         let local = self.layouts.get(t.local)?;
         let seg = self.segments.get(t.segment)?;
         let remote = self.remote_layout(&seg, t.remote)?;
-        let blocks = block_list(&local, t.local_ids, &remote, t.remote_ids)?;
-        let Some(first) = blocks.first() else {
+        check_transfer(&local, t.local_ids, &remote, t.remote_ids)?;
+        let (Some(&first_local), Some(&first_remote)) = (t.local_ids.first(), t.remote_ids.first())
+        else {
             return Ok(());
         };
         // The route of the first block is the route of every block when
         // both layouts lie inside the buffers it was found in.
         let mut probe = Request::new(
             t.op,
-            local.base + first.local_offset,
+            local.base + first_local * local.stride,
             t.segment,
-            remote.base + first.remote_offset,
-            first.length,
+            remote.base + first_remote * remote.stride,
+            local.block_size,
         );
         probe.transport = t.transport.map(str::to_string);
         let plan = self.planner().plan(std::slice::from_ref(&probe), None)?;
@@ -137,6 +140,7 @@ impl Shared {
         let Some(p) = whole else {
             // Staged (or layouts across several buffers): one request per
             // (coalesced) block, each planned.
+            let blocks = checked_block_list(&local, t.local_ids, &remote, t.remote_ids);
             let requests: Vec<Request> = blocks
                 .iter()
                 .map(|b| {
@@ -154,46 +158,43 @@ impl Shared {
             return self.submit(batch_id, &requests);
         };
         let start = batch.reserve(t.local_ids.len())?;
-        let list = self.block_group(
-            &batch,
-            &mut Flows::new(),
-            BlockGroup {
-                start,
-                requests: t.local_ids.len(),
-                segment: &p.segment,
-                transport: p.transport,
-                op: t.op,
-                local: &p.local,
-                local_base: local.base,
-                remote_base: remote.base,
-                remote_key: &p.remote_key,
-                // A transport without block lists gets the same blocks as
-                // single requests, in one call, under one completion group.
-                single_requests: !self.transports[p.transport].takes_block_lists(),
-            },
-            blocks,
-        );
-        // As in dispatch: a buffer unregistered since it was found must not
-        // be handed over (its unregister no longer waits for it).
-        let still = self
-            .memory
-            .find(p.local.addr, 1)
-            .is_some_and(|b| Arc::ptr_eq(&b, &p.local));
-        if !still {
-            let e = Error::new(
-                ErrorCode::OutOfBounds,
-                format!(
-                    "the local buffer at {:#x} was unregistered while the blocks were being \
-                     submitted",
-                    p.local.addr
-                ),
+        let transport = &self.transports[p.transport];
+        let group = BlockGroup {
+            start,
+            requests: t.local_ids.len(),
+            segment: &p.segment,
+            transport: p.transport,
+            op: t.op,
+            local: &p.local,
+            local_base: local.base,
+            remote_base: remote.base,
+            remote_key: &p.remote_key,
+            // A transport without block lists gets the same blocks as
+            // single requests, in one call, under one completion group.
+            single_requests: !transport.takes_block_lists(),
+        };
+        let list = if transport.takes_layout_lists() {
+            // The transport computes the addresses where the bytes move
+            // (cuda-ipc: on the GPU): the index arrays go as they are.
+            let layouts = layout_list(
+                t.op.raw(),
+                &local,
+                t.local_ids,
+                &remote,
+                t.remote_ids,
+                &p.remote_key,
             );
-            batch.abort_group(group_of(list.token()), e.clone());
-            recycle_blocks(list.into_blocks());
-            return Err(e);
-        }
-        let handed = self.hand_over_list(&batch, &list);
-        recycle_blocks(list.into_blocks());
-        handed
+            let bytes = t.local_ids.len() as u64 * local.block_size;
+            self.layout_group(&batch, &mut Flows::new(), group, layouts, bytes)
+        } else {
+            let blocks = checked_block_list(&local, t.local_ids, &remote, t.remote_ids);
+            self.block_group(&batch, &mut Flows::new(), group, blocks)
+        };
+        self.hand_over_if_registered(&batch, list, &p.local, |addr| {
+            format!(
+                "the local buffer at {addr:#x} was unregistered while the blocks were being \
+                 submitted"
+            )
+        })
     }
 }

@@ -4,6 +4,7 @@
 //! batch, but for a refusal of the peer's key (retried once, retry.rs).
 //! Staged requests get their groups here and run elsewhere.
 
+use super::layouts::recycle_blocks;
 use super::measure::Flight;
 use super::plan::{Pending, Plan, StagedItem};
 use super::request::{Op, SegmentId};
@@ -382,6 +383,10 @@ pub(crate) struct ListGroup {
     /// Handed over as one request per block under the list's token (a
     /// transport without block lists), not as a list.
     single_requests: bool,
+    /// Handed over by layout and index instead (`submit_layouts`, with
+    /// the list's token); its index arrays are the caller's, alive while
+    /// it is handed over.
+    layouts: Option<sys::ferry_layout_list_t>,
     token: u64,
     bytes: u64,
 }
@@ -448,9 +453,37 @@ impl Shared {
         g: BlockGroup<'_>,
         blocks: Vec<sys::ferry_block_t>,
     ) -> ListGroup {
+        let bytes = blocks.iter().map(|b| b.length).sum();
+        self.list_group_of(batch, flows, g, blocks, bytes)
+    }
+
+    /// Makes the completion group of blocks handed over by layout and
+    /// index (`layouts`, its token filled in here), `bytes` in all.
+    pub(crate) fn layout_group(
+        &self,
+        batch: &Batch,
+        flows: &mut Flows,
+        g: BlockGroup<'_>,
+        mut layouts: sys::ferry_layout_list_t,
+        bytes: u64,
+    ) -> ListGroup {
+        let mut list = self.list_group_of(batch, flows, g, Vec::new(), bytes);
+        layouts.token = list.token;
+        layouts.local_mem = list.raw.local_mem;
+        list.layouts = Some(layouts);
+        list
+    }
+
+    fn list_group_of(
+        &self,
+        batch: &Batch,
+        flows: &mut Flows,
+        g: BlockGroup<'_>,
+        blocks: Vec<sys::ferry_block_t>,
+        bytes: u64,
+    ) -> ListGroup {
         let registration = g.local.registration(g.transport);
         let mem_kind = registration.map_or(g.local.mem_kind, |r| r.mem_kind);
-        let bytes = blocks.iter().map(|b| b.length).sum();
         let tally = self.tally(
             flows,
             Some(g.transport),
@@ -486,9 +519,38 @@ impl Shared {
             blocks,
             _key: g.remote_key.clone(),
             single_requests: g.single_requests,
+            layouts: None,
             token,
             bytes,
         }
+    }
+
+    /// Hands over a list built outside a plan (block layouts, a request
+    /// run), unless its local buffer was unregistered since it was found:
+    /// as for a plan, such a buffer must not be handed over (its unregister
+    /// no longer waits for it), and the list's group fails with the error
+    /// `unregistered` words from the buffer's address. The list's blocks
+    /// go back for reuse either way.
+    pub(crate) fn hand_over_if_registered(
+        &self,
+        batch: &Batch,
+        list: ListGroup,
+        local: &Arc<LocalBuffer>,
+        unregistered: impl FnOnce(u64) -> String,
+    ) -> Result<()> {
+        let still = self
+            .memory
+            .find(local.addr, 1)
+            .is_some_and(|b| Arc::ptr_eq(&b, local));
+        let handed = if still {
+            self.hand_over_list(batch, &list)
+        } else {
+            let e = Error::new(ErrorCode::OutOfBounds, unregistered(local.addr));
+            batch.abort_group(group_of(list.token()), e.clone());
+            Err(e)
+        };
+        recycle_blocks(list.into_blocks());
+        handed
     }
 
     /// Hands a block list to its transport; on a refusal its group fails
@@ -515,6 +577,9 @@ impl Shared {
             {
                 // Mbit/s, measured from hand-over to completion.
                 batch.expect(Duration::from_secs_f64(l.bytes as f64 * 8.0 / mbps / 1e6));
+            }
+            if let Some(layouts) = &l.layouts {
+                return t.submit_layouts(&peer, layouts);
             }
             if !l.single_requests {
                 return t.submit_blocks(&peer, &raw);

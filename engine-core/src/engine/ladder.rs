@@ -1,5 +1,5 @@
 //! The GPU-direct ladder: how each GPU's memory is registered with RDMA
-//! transports. Decided per GPU at start (DESIGN.md's tiers: DMA-BUF >
+//! transports. Decided per GPU at start (docs/gpu.md's tiers: DMA-BUF >
 //! nvidia-peermem > staging, judged against the GPU's closest RDMA NIC),
 //! then proven per transport by a trial registration that falls back one
 //! step when it fails. Before the NICs, transports that share device
@@ -7,7 +7,7 @@
 
 use super::devices::Gpu;
 use crate::device::Device;
-use crate::gpudirect::{decide, Decision, GpuFacts, HostFacts, Method, PairFacts, Policy};
+use crate::gpudirect::{decide, direct_nic, Decision, GpuFacts, HostFacts, Method, Policy};
 use crate::memory::TransportRegistration;
 use crate::topology::Topology;
 use crate::transport::{RegionSpec, Transport};
@@ -31,7 +31,7 @@ pub(crate) struct GpuDirect {
 }
 
 impl GpuDirect {
-    /// How each GPU's memory would be registered for RDMA (DESIGN.md's tiers,
+    /// How each GPU's memory would be registered for RDMA (docs/gpu.md's tiers,
     /// judged against the GPU's closest RDMA NIC), logged once per GPU.
     pub(crate) fn decide(
         gpus: &[Gpu],
@@ -43,21 +43,7 @@ impl GpuDirect {
         for g in gpus {
             let location = g.location.to_string();
             let topo_name = g.topology_name.clone().unwrap_or_else(|| location.clone());
-            let pair = topology
-                .preferred_nics(&topo_name)
-                .unwrap_or_default()
-                .iter()
-                .find(|r| {
-                    r.usable
-                        && topology
-                            .nic(&r.name)
-                            .is_some_and(|n| n.kind == crate::topology::NicKind::Rdma)
-                })
-                .map(|r| PairFacts {
-                    nic: r.name.clone(),
-                    class: r.class,
-                    nic_dmabuf: None,
-                });
+            let pair = direct_nic(topology, &topo_name);
             let facts = GpuFacts {
                 gpu_direct_rdma: g.info.gpu_direct_rdma,
                 dmabuf: g.info.dmabuf,
@@ -291,7 +277,7 @@ impl GpuDirect {
         match d.method {
             Method::DmaBuf => {
                 let mut m = vec![Method::DmaBuf];
-                if self.host.peermem.is_some() && self.policy != Policy::DmaBuf {
+                if self.host.peermem.is_ok() && self.policy != Policy::DmaBuf {
                     m.push(Method::PeerMem);
                 }
                 m

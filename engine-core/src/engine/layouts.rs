@@ -6,7 +6,7 @@
 
 use crate::descriptor::{LayoutDescriptor, MAX_LAYOUTS};
 use crate::error::{Error, ErrorCode, Result};
-use ferry_plugins_abi::sys::ferry_block_t;
+use ferry_plugins_abi::sys::{ferry_block_t, ferry_layout_list_t};
 use parking_lot::Mutex;
 
 /// Identifies a layout within the engine that registered it.
@@ -143,10 +143,9 @@ pub(crate) fn unknown(id: LayoutId, whose: &str) -> Error {
 /// The first index in `ids` that is `count` or more, as an error naming
 /// `side`'s layout.
 fn check_ids(ids: &[u64], count: u64, side: &str) -> Result<()> {
-    // A max over the array vectorizes; the position is looked up only when
-    // one is out of range.
-    let max = ids.iter().copied().max().unwrap_or(0);
-    if max < count {
+    // A max over the array (vectorised); the position is looked up only
+    // when one is out of range.
+    if ferry_plugins_abi::sdk::max_index(ids) < count {
         return Ok(());
     }
     let i = ids.iter().position(|&id| id >= count).unwrap_or(0);
@@ -163,12 +162,26 @@ fn check_ids(ids: &[u64], count: u64, side: &str) -> Result<()> {
 /// `remote_ids[i]` of `remote` (offsets from each layout's base), with
 /// blocks adjacent on both sides coalesced; or why not (lengths differ,
 /// an index out of range, block sizes that differ).
+#[cfg(test)]
 pub(crate) fn block_list(
     local: &BlockLayout,
     local_ids: &[u64],
     remote: &BlockLayout,
     remote_ids: &[u64],
 ) -> Result<Vec<ferry_block_t>> {
+    check_transfer(local, local_ids, remote, remote_ids)?;
+    Ok(checked_block_list(local, local_ids, remote, remote_ids))
+}
+
+/// Whether `local_ids[i]` of `local` can move to or from `remote_ids[i]`
+/// of `remote`, or why not (lengths differ, an index out of range, block
+/// sizes that differ): one max over each array, no per-block branch.
+pub(crate) fn check_transfer(
+    local: &BlockLayout,
+    local_ids: &[u64],
+    remote: &BlockLayout,
+    remote_ids: &[u64],
+) -> Result<()> {
     if local_ids.len() != remote_ids.len() {
         return Err(Error::new(
             ErrorCode::InvalidArgument,
@@ -190,7 +203,16 @@ pub(crate) fn block_list(
         ));
     }
     check_ids(local_ids, local.count, "the local")?;
-    check_ids(remote_ids, remote.count, "the remote")?;
+    check_ids(remote_ids, remote.count, "the remote")
+}
+
+/// [`block_list`] of a transfer [`check_transfer`] passed.
+pub(crate) fn checked_block_list(
+    local: &BlockLayout,
+    local_ids: &[u64],
+    remote: &BlockLayout,
+    remote_ids: &[u64],
+) -> Vec<ferry_block_t> {
     let len = local.block_size;
     let mut blocks = spare_blocks(local_ids.len());
     for (&l, &r) in local_ids.iter().zip(remote_ids) {
@@ -207,7 +229,39 @@ pub(crate) fn block_list(
             length: len,
         });
     }
-    Ok(blocks)
+    blocks
+}
+
+/// The layout list for moving `local_ids[i]` of `local` to or from
+/// `remote_ids[i]` of `remote`, for a transfer [`check_transfer`] passed;
+/// the arrays are borrowed, not copied (alive while it is handed over).
+/// Its token and local handle are filled in with its completion group.
+pub(crate) fn layout_list(
+    op: u32,
+    local: &BlockLayout,
+    local_ids: &[u64],
+    remote: &BlockLayout,
+    remote_ids: &[u64],
+    remote_key: &[u8],
+) -> ferry_layout_list_t {
+    ferry_layout_list_t {
+        op,
+        reserved: 0,
+        local_base: local.base,
+        local_stride: local.stride,
+        local_blocks: local.count,
+        local_mem: 0,
+        remote_base: remote.base,
+        remote_stride: remote.stride,
+        remote_blocks: remote.count,
+        remote_key: remote_key.as_ptr(),
+        remote_key_len: remote_key.len(),
+        block_size: local.block_size,
+        local_ids: local_ids.as_ptr(),
+        remote_ids: remote_ids.as_ptr(),
+        count: local_ids.len(),
+        token: 0,
+    }
 }
 
 thread_local! {
@@ -221,7 +275,7 @@ thread_local! {
 const SPARE_MAX: usize = 1 << 20;
 
 /// An empty list with room for `n` blocks, reusing this thread's spare.
-fn spare_blocks(n: usize) -> Vec<ferry_block_t> {
+pub(crate) fn spare_blocks(n: usize) -> Vec<ferry_block_t> {
     let mut v = SPARE.with(|s| s.take());
     v.clear();
     v.reserve(n);

@@ -47,6 +47,7 @@ mod publish;
 mod refused;
 mod registration;
 mod request;
+mod request_run;
 mod retry;
 mod route;
 mod route_memo;
@@ -68,6 +69,6 @@ pub use request::{Op, Request, Route, RouteEstimate, RouteNic, Scope, SegmentId}
 /// The staging requests peers send on the control plane, and their
 /// decoders (exercised by the fuzz targets).
 pub use staging::{
-    decode_copy_request, decode_open_reply, decode_open_request, CopyRequest, OpenReply,
-    OpenRequest,
+    decode_copy_list, decode_copy_request, decode_open_reply, decode_open_request, CopyListRequest,
+    CopyRequest, ListPiece, OpenReply, OpenRequest, MAX_LIST_PIECES,
 };

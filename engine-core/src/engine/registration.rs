@@ -184,14 +184,8 @@ impl Shared {
         numa_node: Option<u32>,
         visibility: Visibility,
     ) -> Result<u64> {
-        let hugepages = !matches!(
-            self.config
-                .setting("shm.hugepages")
-                .as_deref()
-                .map(str::trim),
-            Some("off" | "0" | "false" | "no")
-        );
-        let (addr, owner) = Allocation::obtain(&self.transports, len, numa_node, hugepages)?;
+        let (addr, owner) =
+            Allocation::obtain(&self.transports, len, numa_node, self.config.hugepages)?;
         let location = numa_node.map(Location::Cpu);
         // Known before it is registered, so registration finds its file.
         self.allocations.lock().insert(addr, owner);

@@ -83,6 +83,8 @@ pub(crate) struct RemoteStaging {
     pub(crate) client: Mutex<ControlClient>,
     /// The lent slots, as a view the router understands.
     pub(crate) view: Arc<RemoteView>,
+    /// Whether the peer takes StageCopyList (it said so in StageOpened).
+    pub(crate) copy_list: bool,
 }
 
 pub(crate) struct RemoteSegment {

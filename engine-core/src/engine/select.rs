@@ -107,6 +107,12 @@ pub(crate) struct Transports<T> {
     /// when not, routes follow the declarations alone and nothing is
     /// tried for the sake of measuring it.
     measured: bool,
+    /// The transport requests prefer (`prefer`, FERRY_PREFER): chosen
+    /// whenever it can serve a request that names no transport, whatever
+    /// the estimates say. It never makes memory another transport moves
+    /// directly go through staging: device memory it does not register is
+    /// not a candidate for it, so the engine's own choice carries that.
+    prefer: Option<usize>,
 }
 
 impl<T> Deref for Transports<T> {
@@ -159,6 +165,8 @@ pub(crate) enum Basis {
     Kept,
     /// Being measured: close to the best, not measured yet.
     Measuring,
+    /// The preferred transport (`prefer`), which can serve.
+    Preferred,
 }
 
 /// Selection's answer: the transport, and (when asked to explain) why.
@@ -195,7 +203,26 @@ impl<T: Candidate> Transports<T> {
             current: Mutex::default(),
             tries: Mutex::default(),
             measured: true,
+            prefer: None,
         }
+    }
+
+    /// The transport requests prefer: `name` exactly, else the first whose
+    /// name starts with it ("rdma" for a vendor's "rdma-x"); `None` when
+    /// no started transport is so named.
+    pub(crate) fn preferring(mut self, name: Option<&str>) -> Transports<T> {
+        self.prefer = name.filter(|n| !n.is_empty()).and_then(|n| {
+            self.list
+                .iter()
+                .position(|t| t.name() == n)
+                .or_else(|| self.list.iter().position(|t| t.name().starts_with(n)))
+        });
+        self
+    }
+
+    /// The preferred transport's index, if one runs.
+    pub(crate) fn preferred(&self) -> Option<usize> {
+        self.prefer
     }
 
     /// Whether measurements correct the declarations (FERRY_SELECT:
@@ -349,6 +376,7 @@ impl<T: Candidate> Transports<T> {
                 " (kept: no other route is estimated {:.0}% faster)",
                 (SWITCH - 1.0) * 100.0
             )),
+            Basis::Preferred => reason.push_str(" (preferred: the prefer setting names it)"),
             Basis::Measuring => reason.push_str(&format!(
                 " (being measured: {} of {MIN_SAMPLES} samples; another route is estimated \
                  faster until measurement says otherwise)",
@@ -453,7 +481,17 @@ impl<T: Candidate> Transports<T> {
         let Some(fastest) = candidates.first().map(|c| c.seconds) else {
             return Basis::Fastest;
         };
-        if hinted || !self.measured {
+        if hinted {
+            return Basis::Fastest;
+        }
+        if let Some(n) = self
+            .prefer
+            .and_then(|p| candidates.iter().position(|c| c.transport == p))
+        {
+            candidates[..=n].rotate_right(1);
+            return Basis::Preferred;
+        }
+        if !self.measured {
             return Basis::Fastest;
         }
         // The fastest is measured by using it; once it is, the others

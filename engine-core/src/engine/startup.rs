@@ -20,7 +20,7 @@ use crate::control_server::{ControlHandler, ControlServer};
 use crate::descriptor::SegmentDescriptor;
 use crate::device::Device;
 use crate::error::{Error, ErrorCode, Result};
-use crate::gpudirect::{no_direct_transport, HostFacts};
+use crate::gpudirect::HostFacts;
 use crate::host::{load_plugins, CoreHost, PeerControls};
 use crate::identity::Identity;
 use crate::memory::MemoryRegistry;
@@ -46,6 +46,7 @@ impl ControlHandler for Shared {
         match kind {
             control::MsgType::StageOpen => self.stage_open(conn, body),
             control::MsgType::StageCopy => self.stage_copy(conn, body),
+            control::MsgType::StageCopyList => self.stage_copy_list(conn, body),
             control::MsgType::Notify => self.receive_notify(body),
             control::MsgType::PluginRequest => {
                 let (name, from, payload) = control::decode_plugin_request(body)?;
@@ -160,6 +161,7 @@ impl Engine {
         link.auth_timeout = config.auth_timeout;
         link.max_pending = config.auth_max_pending;
         link.max_pending_per_source = config.auth_max_pending_per_host;
+        link.max_per_host = config.control_max_per_host;
         let metadata = match &config.metadata {
             crate::metadata::MetadataConfig::P2p => {
                 if let Some(n) = &config.name {
@@ -266,14 +268,27 @@ impl Engine {
 
         let policy = config.gpu_direct;
         let staging = Staging::new(config.staging_chunk, config.staging_depth);
-        let host = HostFacts::detect(topology.sysfs_root(), no_direct_transport(&plugins));
+        let host = HostFacts::from_plugins(&plugins);
         let gpu_direct = GpuDirect::decide(&devices.gpus, &topology, policy, host);
         let metrics = crate::metrics::Metrics::new(config.metrics, plugin_counters);
         metrics.set_transport_names(transports.iter().map(|t| t.name.clone()).collect());
         let metrics_listen = config.metrics_listen.clone();
         let transports = Transports::new(transports, transport_failures, endpoints)
             .placed(&topology)
-            .measured(config.select_measured);
+            .measured(config.select_measured)
+            .preferring(config.prefer.as_deref());
+        if let Some(p) = &config.prefer {
+            match transports.preferred() {
+                Some(t) => log::info!(
+                    "engine {name}: requests prefer the {} transport where it serves them                      (prefer={p}); elsewhere the engine chooses",
+                    transports[t].name
+                ),
+                None => log::info!(
+                    "engine {name}: the preferred transport {p:?} does not run here (running:                      {}; `ferry info` says why); the engine chooses per request",
+                    transports.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", ")
+                ),
+            }
+        }
         let shared = Arc::new(Shared {
             config,
             topology,

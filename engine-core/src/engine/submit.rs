@@ -1,4 +1,5 @@
-//! Submitting a batch: plan every request, dispatch the plan to the
+//! Submitting a batch: requests between one pair of buffers as one block
+//! list (request_run.rs); else plan every request, dispatch the plan to the
 //! transports, and start a staging job for what must be staged.
 
 use super::request::Request;
@@ -12,6 +13,10 @@ impl Shared {
         let batch = self.batches.get(batch_id)?;
         if requests.is_empty() {
             return Ok(());
+        }
+        // Requests between one pair of buffers: one block list (request_run.rs).
+        if let Some(done) = self.submit_run(&batch, requests) {
+            return done;
         }
         let plan = self
             .planner()

@@ -87,25 +87,7 @@ impl Tls {
             }
             return Ok(None);
         }
-        let (ca_path, ca) = match &access.cacert {
-            Some(p) => (p.clone(), format!("FERRY_METADATA_CACERT {}", p.display())),
-            None => {
-                let p = SYSTEM_BUNDLES
-                    .iter()
-                    .map(PathBuf::from)
-                    .find(|p| p.is_file())
-                    .ok_or_else(|| {
-                        invalid(format!(
-                            "etcds:// without FERRY_METADATA_CACERT trusts the system's CA \
-                             bundle, and there is none ({}): set FERRY_METADATA_CACERT to the \
-                             CA that signed etcd's certificates",
-                            SYSTEM_BUNDLES.join(", ")
-                        ))
-                    })?;
-                let shown = format!("the system's CA bundle {}", p.display());
-                (p, shown)
-            }
-        };
+        let (ca_path, ca) = trust_anchor(access)?;
         let roots = pem_certs(&ca_path, "CA bundle")?;
         let mut store = rustls::RootCertStore::empty();
         for c in &roots {
@@ -126,57 +108,8 @@ impl Tls {
         let (client_cert, client, rustls) = match (&access.cert, &access.key) {
             (None, None) => (None, None, builder.with_no_client_auth()),
             (Some(cert), Some(key)) => {
-                let chain = pem_certs(cert, "client certificate")?;
-                let key_pem = read(key, "client key")?;
-                let private = PrivateKey::from_pem(&key_pem).map_err(|e| {
-                    invalid(format!(
-                        "client key {}: no PEM private key in it ({e})",
-                        key.display()
-                    ))
-                })?;
-                let key_der = PrivateKeyDer::try_from(private.der().to_vec())
-                    .map_err(|e| invalid(format!("client key {}: {e}", key.display())))?;
-                // The checks ureq would otherwise make with a panic: the
-                // key must be usable and belong to the certificate.
-                let rustls = builder
-                    .with_client_auth_cert(
-                        chain
-                            .iter()
-                            .map(|c| CertificateDer::from(c.der().to_vec()))
-                            .collect(),
-                        key_der,
-                    )
-                    .map_err(|e| {
-                        let why = match e {
-                            rustls::Error::InconsistentKeys(_) => {
-                                "the key is not the certificate's (they do not match)".to_string()
-                            }
-                            e => e.to_string(),
-                        };
-                        invalid(format!(
-                            "client certificate {} and key {}: {why}",
-                            cert.display(),
-                            key.display()
-                        ))
-                    })?;
-                let not_after = validity_end(chain[0].der());
-                if let Some((t, shown)) = &not_after {
-                    if *t < now() {
-                        log::warn!(
-                            "metadata: client certificate {} expired at {shown}: etcd will \
-                             refuse it",
-                            cert.display()
-                        );
-                    }
-                }
-                (
-                    Some(ClientCert::new_with_certs(&chain, private)),
-                    Some(ClientIdentity {
-                        path: cert.clone(),
-                        not_after,
-                    }),
-                    rustls,
-                )
+                let (c, id, rustls) = with_client_cert(builder, cert, key)?;
+                (Some(c), Some(id), rustls)
             }
             (Some(_), None) => {
                 return Err(invalid(
@@ -410,6 +343,91 @@ fn validity_end(cert: &[u8]) -> Option<(i64, String)> {
     Some((
         days * 86_400 + h * 3600 + mi * 60 + s,
         format!("{year:04}-{mo:02}-{d:02} {h:02}:{mi:02}:{s:02} UTC"),
+    ))
+}
+
+/// The CA bundle to trust (FERRY_METADATA_CACERT, else the system's), and
+/// how to name it in messages.
+fn trust_anchor(access: &EtcdAccess) -> Result<(PathBuf, String)> {
+    Ok(match &access.cacert {
+        Some(p) => (p.clone(), format!("FERRY_METADATA_CACERT {}", p.display())),
+        None => {
+            let p = SYSTEM_BUNDLES
+                .iter()
+                .map(PathBuf::from)
+                .find(|p| p.is_file())
+                .ok_or_else(|| {
+                    invalid(format!(
+                        "etcds:// without FERRY_METADATA_CACERT trusts the system's CA \
+                         bundle, and there is none ({}): set FERRY_METADATA_CACERT to the \
+                         CA that signed etcd's certificates",
+                        SYSTEM_BUNDLES.join(", ")
+                    ))
+                })?;
+            let shown = format!("the system's CA bundle {}", p.display());
+            (p, shown)
+        }
+    })
+}
+
+/// The client configuration with `cert` and `key` presented to etcd, and
+/// what ureq needs of them; every way the pair can be unusable is a clear
+/// error here rather than a panic in ureq.
+fn with_client_cert(
+    builder: rustls::ConfigBuilder<rustls::ClientConfig, rustls::client::WantsClientCert>,
+    cert: &Path,
+    key: &Path,
+) -> Result<(ClientCert, ClientIdentity, rustls::ClientConfig)> {
+    let chain = pem_certs(cert, "client certificate")?;
+    let key_pem = read(key, "client key")?;
+    let private = PrivateKey::from_pem(&key_pem).map_err(|e| {
+        invalid(format!(
+            "client key {}: no PEM private key in it ({e})",
+            key.display()
+        ))
+    })?;
+    let key_der = PrivateKeyDer::try_from(private.der().to_vec())
+        .map_err(|e| invalid(format!("client key {}: {e}", key.display())))?;
+    // The checks ureq would otherwise make with a panic: the
+    // key must be usable and belong to the certificate.
+    let rustls = builder
+        .with_client_auth_cert(
+            chain
+                .iter()
+                .map(|c| CertificateDer::from(c.der().to_vec()))
+                .collect(),
+            key_der,
+        )
+        .map_err(|e| {
+            let why = match e {
+                rustls::Error::InconsistentKeys(_) => {
+                    "the key is not the certificate's (they do not match)".to_string()
+                }
+                e => e.to_string(),
+            };
+            invalid(format!(
+                "client certificate {} and key {}: {why}",
+                cert.display(),
+                key.display()
+            ))
+        })?;
+    let not_after = validity_end(chain[0].der());
+    if let Some((t, shown)) = &not_after {
+        if *t < now() {
+            log::warn!(
+                "metadata: client certificate {} expired at {shown}: etcd will \
+                     refuse it",
+                cert.display()
+            );
+        }
+    }
+    Ok((
+        ClientCert::new_with_certs(&chain, private),
+        ClientIdentity {
+            path: cert.to_path_buf(),
+            not_after,
+        },
+        rustls,
     ))
 }
 

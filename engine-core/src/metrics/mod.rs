@@ -25,7 +25,7 @@ use crate::id_map::IdMap;
 use crate::topology::MemoryLocation;
 use ferry_plugins_abi::ErrorCode;
 use parking_lot::{Mutex, RwLock};
-use snapshot::{PluginCounter, RouteChanges};
+use snapshot::{PluginCounter, RefusalCount, RouteChanges};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -277,6 +277,7 @@ impl Metrics {
             })
             .collect();
         route_changes.sort_by(|a, b| (&a.peer, &a.memory).cmp(&(&b.peer, &b.memory)));
+        let (refusals, plugins) = refusals_and_plugin_counters(self.plugins.snapshot());
         MetricsSnapshot {
             engine: String::new(),
             enabled: self.enabled(),
@@ -292,24 +293,82 @@ impl Metrics {
             route_changes,
             registered: Vec::new(),
             gpu_direct: Vec::new(),
-            plugins: self
-                .plugins
-                .snapshot()
-                .into_iter()
-                .map(|p| PluginCounter {
-                    plugin: p.plugin,
-                    name: p.name,
-                    device: p.device.unwrap_or_default(),
-                    value: p.value,
-                })
-                .collect(),
+            plugins,
+            refusals,
         }
     }
+}
+
+/// Refusals of every listener: the control listener's (read from its
+/// counts, every cause, zeros too) and those plugins report through the
+/// host's `count` service as `refused_<cause>` (the plugin's name is the
+/// listener); the plugins' other counters, apart.
+fn refusals_and_plugin_counters(
+    counts: Vec<crate::counters::PluginCount>,
+) -> (Vec<RefusalCount>, Vec<PluginCounter>) {
+    use ferry_plugins_abi::sdk::admission::{self, Refusal};
+    let control = &*crate::control_server::REFUSALS;
+    let mut refusals: Vec<RefusalCount> = admission::ALL
+        .iter()
+        .map(|k| RefusalCount {
+            listener: control.listener().to_string(),
+            cause: k.cause().to_string(),
+            count: control.count(*k),
+        })
+        .collect();
+    let mut plugins = Vec::with_capacity(counts.len());
+    for p in counts {
+        let cause = p
+            .name
+            .strip_prefix(admission::COUNTER_PREFIX)
+            .and_then(Refusal::from_cause)
+            .filter(|_| p.device.is_none());
+        match cause {
+            Some(k) => refusals.push(RefusalCount {
+                listener: p.plugin,
+                cause: k.cause().to_string(),
+                count: p.value,
+            }),
+            None => plugins.push(PluginCounter {
+                plugin: p.plugin,
+                name: p.name,
+                device: p.device.unwrap_or_default(),
+                value: p.value,
+            }),
+        }
+    }
+    (refusals, plugins)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn plugin_refusal_counters_become_refusals_and_the_rest_stay() {
+        let c = PluginCounters::default();
+        c.add("tcp", "refused_auth", None, 3);
+        c.add("shm", "refused_peer_user", None, 1);
+        c.add("rdma", "nic_pauses", Some("mlx5_0"), 2);
+        // Not a known cause: an ordinary plugin counter.
+        c.add("acme", "refused_weather", None, 5);
+        let (refusals, plugins) = refusals_and_plugin_counters(c.snapshot());
+        let get = |l: &str, cause: &str| {
+            refusals
+                .iter()
+                .find(|r| r.listener == l && r.cause == cause)
+                .map(|r| r.count)
+        };
+        assert_eq!(get("tcp", "auth"), Some(3));
+        assert_eq!(get("shm", "peer_user"), Some(1));
+        // The control listener's every cause is there, counted or not.
+        assert_eq!(
+            refusals.iter().filter(|r| r.listener == "control").count(),
+            8
+        );
+        let names: Vec<&str> = plugins.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["refused_weather", "nic_pauses"]);
+    }
 
     fn key(segment: u64) -> FlowKey {
         FlowKey {

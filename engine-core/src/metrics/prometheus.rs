@@ -90,9 +90,20 @@ type FlowValue = fn(&super::snapshot::FlowCounts) -> u64;
 /// The whole snapshot as Prometheus text.
 pub fn render(s: &MetricsSnapshot) -> String {
     let mut out = String::new();
+    render_engine(&mut out, s);
+    render_flows(&mut out, s);
+    render_latency(&mut out, s);
+    render_routing(&mut out, s);
+    render_registry(&mut out, s);
+    render_events(&mut out, s);
+    out
+}
+
+/// The engine itself: up, uptime.
+fn render_engine(out: &mut String, s: &MetricsSnapshot) {
     {
         let mut f = Family::new(
-            &mut out,
+            out,
             "ferry_up",
             "gauge",
             "1 while the engine runs; metrics_enabled says whether requests are counted.",
@@ -108,13 +119,17 @@ pub fn render(s: &MetricsSnapshot) -> String {
     }
     {
         let mut f = Family::new(
-            &mut out,
+            out,
             "ferry_uptime_seconds",
             "gauge",
             "Seconds since the engine started.",
         );
         f.sample("", &[], float(s.uptime_seconds));
     }
+}
+
+/// Per-flow counters, failures by code, staged bytes.
+fn render_flows(out: &mut String, s: &MetricsSnapshot) {
     let flow_families: [(&str, &str, FlowValue); 4] = [
         ("ferry_transfer_requests_total", "Requests completed, by transport, local device, peer, op and memory.", |c| c.requests),
         ("ferry_transfer_bytes_total", "Bytes of completed requests.", |c| c.bytes),
@@ -122,7 +137,7 @@ pub fn render(s: &MetricsSnapshot) -> String {
         ("ferry_transfer_failed_bytes_total", "Bytes of failed requests.", |c| c.failed_bytes),
     ];
     for (name, help, get) in flow_families {
-        let mut f = Family::new(&mut out, name, "counter", help);
+        let mut f = Family::new(out, name, "counter", help);
         for c in &s.flows {
             f.sample(
                 "",
@@ -139,7 +154,7 @@ pub fn render(s: &MetricsSnapshot) -> String {
     }
     {
         let mut f = Family::new(
-            &mut out,
+            out,
             "ferry_transfer_failures_total",
             "counter",
             "Requests failed after submit, by error code.",
@@ -168,7 +183,7 @@ pub fn render(s: &MetricsSnapshot) -> String {
             *staged.entry(&c.op).or_default() += c.bytes;
         }
         let mut f = Family::new(
-            &mut out,
+            out,
             "ferry_staged_bytes_total",
             "counter",
             "Bytes of device memory moved through host staging buffers.",
@@ -177,9 +192,13 @@ pub fn render(s: &MetricsSnapshot) -> String {
             f.sample("", &[("op", op)], bytes);
         }
     }
+}
+
+/// Submission latency histograms.
+fn render_latency(out: &mut String, s: &MetricsSnapshot) {
     {
         let mut f = Family::new(
-            &mut out,
+            out,
             "ferry_transfer_latency_seconds",
             "histogram",
             "Submit to completion of one submission, by transport, op and size class.",
@@ -203,9 +222,13 @@ pub fn render(s: &MetricsSnapshot) -> String {
             f.sample("_count", &base, l.histogram.count);
         }
     }
+}
+
+/// Refused submits and route changes.
+fn render_routing(out: &mut String, s: &MetricsSnapshot) {
     {
         let mut f = Family::new(
-            &mut out,
+            out,
             "ferry_submit_refused_requests_total",
             "counter",
             "Requests of submits refused whole (nothing moved), by error code.",
@@ -216,7 +239,7 @@ pub fn render(s: &MetricsSnapshot) -> String {
     }
     {
         let mut f = Family::new(
-            &mut out,
+            out,
             "ferry_route_changes_total",
             "counter",
             "Times selection moved a peer's traffic to another transport.",
@@ -233,9 +256,13 @@ pub fn render(s: &MetricsSnapshot) -> String {
             );
         }
     }
+}
+
+/// Registered memory and the GPU-direct decisions.
+fn render_registry(out: &mut String, s: &MetricsSnapshot) {
     {
         let mut f = Family::new(
-            &mut out,
+            out,
             "ferry_registered_bytes",
             "gauge",
             "Memory registered now, by device, transport and registration method.",
@@ -254,7 +281,7 @@ pub fn render(s: &MetricsSnapshot) -> String {
     }
     {
         let mut f = Family::new(
-            &mut out,
+            out,
             "ferry_registered_buffers",
             "gauge",
             "Buffers registered now.",
@@ -273,7 +300,7 @@ pub fn render(s: &MetricsSnapshot) -> String {
     }
     {
         let mut f = Family::new(
-            &mut out,
+            out,
             "ferry_gpu_direct_info",
             "gauge",
             "The GPU-direct decision of each GPU (1), in words.",
@@ -282,12 +309,34 @@ pub fn render(s: &MetricsSnapshot) -> String {
             f.sample("", &[("device", &g.device), ("decision", &g.decision)], 1);
         }
     }
+}
+
+/// Refused connections and what plugins counted.
+fn render_events(out: &mut String, s: &MetricsSnapshot) {
     {
         let mut f = Family::new(
-            &mut out,
+            out,
+            "ferry_refusals_total",
+            "counter",
+            "Connections refused before or while being served, by listener (control, or the \
+             transport) and cause (busy, per_source, auth, timeout, integrity, peer_user, full, \
+             protocol).",
+        );
+        for r in &s.refusals {
+            f.sample(
+                "",
+                &[("listener", &r.listener), ("cause", &r.cause)],
+                r.count,
+            );
+        }
+    }
+    {
+        let mut f = Family::new(
+            out,
             "ferry_plugin_events_total",
             "counter",
-            "What plugins counted: NIC pauses, retries, connections, refusals.",
+            "What plugins counted: NIC pauses, retries, connections (refusals are in \
+             ferry_refusals_total).",
         );
         for p in &s.plugins {
             f.sample(
@@ -301,7 +350,6 @@ pub fn render(s: &MetricsSnapshot) -> String {
             );
         }
     }
-    out
 }
 
 #[cfg(test)]

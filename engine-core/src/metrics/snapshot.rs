@@ -28,8 +28,13 @@ pub struct MetricsSnapshot {
     pub registered: Vec<Registered>,
     /// The GPU-direct decision for each GPU, in words.
     pub gpu_direct: Vec<GpuDirectState>,
-    /// What plugins counted (NIC pauses, retries, connections, refusals).
+    /// What plugins counted (NIC pauses, retries, connections), except
+    /// their refusals, which are in `refusals`.
     pub plugins: Vec<PluginCounter>,
+    /// Connections refused by each listener (control, and each transport's
+    /// data listener), by cause.
+    #[serde(default)]
+    pub refusals: Vec<RefusalCount>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -94,4 +99,14 @@ pub struct PluginCounter {
     /// "" when the counter is not per device.
     pub device: String,
     pub value: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RefusalCount {
+    /// "control", or the transport whose listener refused ("tcp", "shm").
+    pub listener: String,
+    /// The short cause: busy, per_source, auth, timeout, integrity,
+    /// peer_user, full, protocol.
+    pub cause: String,
+    pub count: u64,
 }

@@ -85,7 +85,7 @@ extern "C" {
 #endif
 
 #define FERRY_PLUGIN_ABI_MAJOR 1
-#define FERRY_PLUGIN_ABI_MINOR 4
+#define FERRY_PLUGIN_ABI_MINOR 5
 
 /* ------------------------------------------------------------------------ */
 /* Status codes (shared with the public C API in ferry.h)                    */
@@ -358,6 +358,14 @@ typedef struct ferry_probe_sink {
     void (*add_missing)(void *ctx, const char *capability, const char *reason);
     /* Any other fact worth showing in `ferry info`. */
     void (*add_note)(void *ctx, const char *key, const char *value);
+    /* --- ABI 1.5 (call only when hdr.struct_size covers it) --- */
+    /* One way this plugin registers a kind of memory (one FERRY_MEM_* bit,
+     * e.g. FERRY_MEM_CUDA_DMABUF) and whether it works on this host:
+     * available 1 with how, or 0 with why not, in words an operator can act
+     * on. The host decides how GPU memory is registered from these, by the
+     * bit, never from a plugin's or capability's name. */
+    void (*add_memory_method)(void *ctx, uint64_t mem_kind, int32_t available,
+                              const char *detail);
 } ferry_probe_sink_t;
 
 /* probe has no side effects on the host (no devices opened for writing, no
@@ -480,6 +488,35 @@ typedef struct ferry_block_list {
     uint64_t token;        /* hand back to complete(), once for the whole list */
 } ferry_block_list_t;
 
+/* Blocks of two block layouts by index (ABI 1.5): block i moves
+ * block_size bytes between local_ids[i] of the local layout (at local_base +
+ * local_ids[i] * local_stride) and remote_ids[i] of the peer's layout (at
+ * remote_base + remote_ids[i] * remote_stride). The engine has checked every
+ * index against its layout's block count (local_blocks, remote_blocks) and
+ * both layouts against their buffers; the plugin checks again (each
+ * layout's extent once against its registration, each index array by its
+ * largest index) before anything moves. No blocks are coalesced. Completed
+ * once, through complete(token), as a block list is. The arrays stay valid
+ * only for the duration of submit_layouts. */
+typedef struct ferry_layout_list {
+    uint32_t op;           /* FERRY_OP_* */
+    uint32_t reserved;     /* 0 */
+    uint64_t local_base;   /* the local layout's block 0, inside the local buffer */
+    uint64_t local_stride; /* bytes from one local block to the next */
+    uint64_t local_blocks; /* the local layout's block count: indices are below it */
+    uint64_t local_mem;    /* handle register_memory returned for the local buffer */
+    uint64_t remote_base;  /* the peer layout's block 0, inside the peer's buffer */
+    uint64_t remote_stride;
+    uint64_t remote_blocks;
+    const uint8_t *remote_key; /* the peer's key for that buffer */
+    size_t remote_key_len;
+    uint64_t block_size;   /* > 0, the same on both sides */
+    const uint64_t *local_ids;
+    const uint64_t *remote_ids;
+    size_t count;          /* > 0: entries of each index array */
+    uint64_t token;        /* hand back to complete(), once for the whole list */
+} ferry_layout_list_t;
+
 typedef struct ferry_transport_plugin_v1 {
     ferry_abi_header_t hdr; /* FERRY_ABI_HEADER_INIT(ferry_transport_plugin_v1_t) */
     const char *name;        /* "tcp": lower case, [a-z0-9-], matches the file name */
@@ -596,6 +633,16 @@ typedef struct ferry_transport_plugin_v1 {
      * kernel launch for all of them, one iovec list, one frame). */
     ferry_status_t (*submit_blocks)(void *instance, void *peer_handle,
                                     const ferry_block_list_t *list, ferry_errbuf_t *err);
+
+    /* --- ABI 1.5 (the host checks struct_size) --- */
+
+    /* Optional: accepts blocks by layout and index (see ferry_layout_list_t)
+     * and completes them once. On an error nothing was accepted. Without it,
+     * the engine turns the indices into a block list (submit_blocks) or
+     * single requests. A transport sets it where addresses are best computed
+     * where the bytes move (a GPU kernel reading the index arrays). */
+    ferry_status_t (*submit_layouts)(void *instance, void *peer_handle,
+                                     const ferry_layout_list_t *list, ferry_errbuf_t *err);
 } ferry_transport_plugin_v1_t;
 
 /* submit moves local memory that was never registered with this transport
@@ -643,6 +690,13 @@ typedef struct ferry_pointer_info {
     uint64_t base;        /* start of the allocation holding the pointer (0: unknown) */
     uint64_t size;        /* its size (0: unknown) */
 } ferry_pointer_info_t;
+
+/* One copy of a device copy list (ABI 1.5): len bytes from src to dst. */
+typedef struct ferry_device_copy {
+    uint64_t src;
+    uint64_t dst;
+    uint64_t len; /* > 0 */
+} ferry_device_copy_t;
 
 typedef struct ferry_device_plugin_v1 {
     ferry_abi_header_t hdr; /* FERRY_ABI_HEADER_INIT(ferry_device_plugin_v1_t) */
@@ -694,6 +748,20 @@ typedef struct ferry_device_plugin_v1 {
      * full speed (cuMemHostRegister), and undoes it. */
     ferry_status_t (*pin_host)(void *instance, uint64_t addr, uint64_t len, ferry_errbuf_t *err);
     void (*unpin_host)(void *instance, uint64_t addr);
+    /* Optional (ABI 1.5): queues every copy of copies[0, count) on stream, as
+     * few device operations as the device allows (one launch of a copy
+     * kernel): how the engine gathers many small blocks of device memory
+     * into one staging slot and scatters them out of one. Every range is
+     * device memory of the stream's device or host memory that alloc_pinned
+     * or pin_host of this instance returned or pinned, checked by the engine
+     * against its registrations, and stays so until stream_sync. The
+     * copies may run in any order and at once (where ranges of one list
+     * overlap, what lands there is unspecified). copies is valid only for
+     * the call. Without it (or on FERRY_ERR_UNSUPPORTED) the
+     * engine queues one copy_async per copy. */
+    ferry_status_t (*copy_list_async)(void *instance, void *stream,
+                                      const ferry_device_copy_t *copies, size_t count,
+                                      ferry_errbuf_t *err);
 } ferry_device_plugin_v1_t;
 
 #define FERRY_DEVICE_PLUGIN_V1_SYMBOL "ferry_device_plugin_v1"

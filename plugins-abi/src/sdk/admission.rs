@@ -9,7 +9,11 @@
 //!   told BUSY and closed at once.
 //! - [`Refusals`]: every refusal is counted by kind, and logged at most once
 //!   per interval with the counts since the last line, so a flood of
-//!   hostile connections costs one log line per interval, not one each.
+//!   hostile connections costs one log line per interval, not one each;
+//!   a hook ([`Refusals::counted_by`]) hands every refusal on as it is
+//!   counted (a plugin passes it to the host's `count` service as
+//!   `refused_<cause>`, which the engine exports as
+//!   `ferry_refusals_total{listener, cause}`).
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -36,7 +40,8 @@ pub enum Refusal {
     PerSource = 1,
     /// It did not prove it knows the token (or proved the wrong one).
     Auth = 2,
-    /// It did not finish the exchange within the deadline.
+    /// It did not finish the exchange within the deadline (or, once
+    /// served, a message it had begun).
     Timeout = 3,
     /// A message after the exchange failed its tag.
     Integrity = 4,
@@ -49,11 +54,48 @@ pub enum Refusal {
 }
 
 const KINDS: usize = 8;
+/// Every kind, in the order of its number.
+pub const ALL: [Refusal; KINDS] = [
+    Refusal::Busy,
+    Refusal::PerSource,
+    Refusal::Auth,
+    Refusal::Timeout,
+    Refusal::Integrity,
+    Refusal::PeerUser,
+    Refusal::Full,
+    Refusal::Protocol,
+];
+/// Short machine names: metric labels (`cause`) and counter names
+/// (`refused_<cause>`). Never renamed: dashboards and alerts use them.
+const CAUSES: [&str; KINDS] = [
+    "busy",
+    "per_source",
+    "auth",
+    "timeout",
+    "integrity",
+    "peer_user",
+    "full",
+    "protocol",
+];
+/// Counter names a plugin reports through the host's `count` service.
+const COUNTERS: [&std::ffi::CStr; KINDS] = [
+    c"refused_busy",
+    c"refused_per_source",
+    c"refused_auth",
+    c"refused_timeout",
+    c"refused_integrity",
+    c"refused_peer_user",
+    c"refused_full",
+    c"refused_protocol",
+];
+/// The prefix of those counter names.
+pub const COUNTER_PREFIX: &str = "refused_";
+/// Human names, for log lines.
 const NAMES: [&str; KINDS] = [
     "busy",
     "too many from one source",
     "wrong or missing token",
-    "too slow to authenticate",
+    "too slow (to authenticate, or mid-message)",
     "integrity check failed",
     "another user",
     "at the connection cap",
@@ -61,10 +103,29 @@ const NAMES: [&str; KINDS] = [
 ];
 
 impl Refusal {
+    /// In words, for log lines ("wrong or missing token").
     pub fn name(self) -> &'static str {
         NAMES[self as usize]
     }
+
+    /// The short machine name ("auth", "peer_user"): a metric label.
+    pub fn cause(self) -> &'static str {
+        CAUSES[self as usize]
+    }
+
+    /// The counter a plugin reports it as ("refused_auth").
+    pub fn counter(self) -> &'static std::ffi::CStr {
+        COUNTERS[self as usize]
+    }
+
+    /// The kind of a short machine name.
+    pub fn from_cause(cause: &str) -> Option<Refusal> {
+        CAUSES.iter().position(|c| *c == cause).map(|i| ALL[i])
+    }
 }
+
+/// Called with every refusal as it is counted.
+pub type Hook = Box<dyn Fn(Refusal) + Send + Sync>;
 
 struct LogState {
     last: Option<Instant>,
@@ -77,6 +138,7 @@ pub struct Refusals {
     counts: [AtomicU64; KINDS],
     log: Mutex<LogState>,
     interval: Duration,
+    hook: Option<Hook>,
 }
 
 impl Refusals {
@@ -94,7 +156,21 @@ impl Refusals {
                 since: [0; KINDS],
             }),
             interval,
+            hook: None,
         }
+    }
+
+    /// Also hands every refusal to `hook` as it is counted (a plugin
+    /// reports it through the host's `count` service:
+    /// `move |r| host.count(r.counter(), None, 1)`).
+    pub fn counted_by(mut self, hook: impl Fn(Refusal) + Send + Sync + 'static) -> Refusals {
+        self.hook = Some(Box::new(hook));
+        self
+    }
+
+    /// The listener's name in log lines.
+    pub fn listener(&self) -> &'static str {
+        self.what
     }
 
     /// Refusals of `kind` so far.
@@ -111,6 +187,9 @@ impl Refusals {
     /// line with the counts since the last line and this refusal's detail.
     pub fn record(&self, kind: Refusal, detail: impl FnOnce() -> String, log: impl FnOnce(&str)) {
         self.counts[kind as usize].fetch_add(1, Ordering::Relaxed);
+        if let Some(hook) = &self.hook {
+            hook(kind);
+        }
         let mut st = self.log.lock().unwrap_or_else(|p| p.into_inner());
         st.since[kind as usize] += 1;
         if st.last.is_some_and(|t| t.elapsed() < self.interval) {
@@ -279,5 +358,31 @@ mod tests {
         r.record(Refusal::Auth, String::new, |_| n += 1);
         r.record(Refusal::Auth, String::new, |_| n += 1);
         assert_eq!(n, 2);
+    }
+
+    #[test]
+    fn the_hook_sees_every_refusal_and_causes_have_short_names() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s2 = seen.clone();
+        let r = Refusals::with_interval("test", Duration::from_secs(3600))
+            .counted_by(move |k| s2.lock().unwrap().push(k));
+        for k in ALL {
+            r.record(k, String::new, |_| {});
+        }
+        r.record(Refusal::Auth, String::new, |_| {});
+        assert_eq!(seen.lock().unwrap().len(), KINDS + 1);
+        for (i, k) in ALL.iter().enumerate() {
+            assert_eq!(*k as usize, i);
+            assert_eq!(Refusal::from_cause(k.cause()), Some(*k));
+            assert_eq!(
+                k.counter().to_str().unwrap(),
+                format!("{COUNTER_PREFIX}{}", k.cause())
+            );
+            assert!(k
+                .cause()
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b == b'_'));
+        }
+        assert_eq!(Refusal::from_cause("nope"), None);
     }
 }

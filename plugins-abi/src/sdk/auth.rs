@@ -11,7 +11,7 @@
 //! ```text
 //! server -> client  HELLO  "FRYA" ver flags(1: token required) 0 0  nonce_s[32]   40 bytes
 //! client -> server  PROOF  "FRYB" ver flags(1: has token)      0 0  nonce_c[32] mac_c[32]  72 bytes
-//! server -> client  DONE   "FRYD" ver result(0 ok, else refused) 0 0  mac_s[32]   40 bytes
+//! server -> client  DONE   "FRYD" ver result(0 ok, 3 busy, else refused) 0 0  mac_s[32]   40 bytes
 //! mac_c = HMAC(token, "ferry-auth-v1/client/" kind || nonce_s || nonce_c)
 //! mac_s = HMAC(token, "ferry-auth-v1/server/" kind || nonce_c || nonce_s)
 //! ```
@@ -67,6 +67,8 @@ pub type Tag = [u8; TAG_LEN];
 const FLAG_TOKEN: u8 = 1;
 /// HELLO flag: the server is too busy to take this connection.
 const FLAG_BUSY: u8 = 2;
+/// DONE's result when the server evicted the connection as busy.
+const RESULT_BUSY: u8 = 3;
 
 /// The shared secret. Its bytes are never logged or sent: `Debug` and
 /// `Display` print a placeholder, so a struct holding one can derive
@@ -319,77 +321,140 @@ fn check_header(got: &[u8], magic: &[u8; 4], what: &str) -> Result<u8, AuthError
     Ok(got[5])
 }
 
+/// The server side of the exchange without I/O, so an event loop can drive
+/// many at once: [`ServerExchange::start`] gives the HELLO to send, and
+/// [`ServerExchange::finish`] takes the peer's PROOF and gives the DONE to
+/// send with the verdict.
+pub struct ServerExchange {
+    token: Option<Token>,
+    kind: &'static str,
+    nonce_s: [u8; NONCE],
+}
+
+impl ServerExchange {
+    /// A new exchange for a connection of `kind` ("control", "tcp", "shm")
+    /// and the HELLO that opens it.
+    pub fn start(
+        token: Option<&Token>,
+        kind: &'static str,
+    ) -> Result<(ServerExchange, [u8; HELLO_LEN]), AuthError> {
+        let nonce_s = nonce()?;
+        let mut hello = [0u8; HELLO_LEN];
+        hello[..8].copy_from_slice(&header(
+            b"FRYA",
+            if token.is_some() { FLAG_TOKEN } else { 0 },
+        ));
+        hello[8..].copy_from_slice(&nonce_s);
+        Ok((
+            ServerExchange {
+                token: token.cloned(),
+                kind,
+                nonce_s,
+            },
+            hello,
+        ))
+    }
+
+    /// Checks the peer's PROOF: the DONE to send (a refused peer learns it
+    /// was refused, nothing else) and the session, or why it was refused.
+    pub fn finish(
+        self,
+        proof: &[u8; PROOF_LEN],
+    ) -> (Option<[u8; HELLO_LEN]>, Result<Session, AuthError>) {
+        let mut done = [0u8; HELLO_LEN];
+        let flags = match check_header(proof, b"FRYB", "proof") {
+            Ok(f) => f,
+            // Not a proof: no answer.
+            Err(e) => return (None, Err(e)),
+        };
+        let nonce_c = &proof[8..8 + NONCE];
+        let mac_c = &proof[8 + NONCE..];
+        let (result, mac_s, verdict) = match &self.token {
+            None => (0u8, [0u8; MAC], Ok(())),
+            Some(_) if flags & 1 == 0 => (
+                2,
+                [0u8; MAC],
+                Err(AuthError::Refused(
+                    "refused a peer without an auth token (this engine requires FERRY_AUTH_TOKEN)"
+                        .into(),
+                )),
+            ),
+            Some(token) => {
+                if mac(token, "client", self.kind, &self.nonce_s, nonce_c)
+                    .verify_slice(mac_c)
+                    .is_ok()
+                {
+                    let mut out = [0u8; MAC];
+                    out.copy_from_slice(
+                        &mac(token, "server", self.kind, nonce_c, &self.nonce_s)
+                            .finalize()
+                            .into_bytes(),
+                    );
+                    (0, out, Ok(()))
+                } else {
+                    (
+                        1,
+                        [0u8; MAC],
+                        Err(AuthError::Refused(
+                            "refused a peer with the wrong auth token".into(),
+                        )),
+                    )
+                }
+            }
+        };
+        done[..8].copy_from_slice(&header(b"FRYD", result));
+        done[8..].copy_from_slice(&mac_s);
+        let session = verdict.map(|()| {
+            Session::derive(self.token.as_ref(), self.kind, &self.nonce_s, nonce_c, true)
+        });
+        (Some(done), session)
+    }
+}
+
 /// The server side: runs the exchange on a freshly accepted connection.
 /// `kind` names the protocol ("control", "tcp", "shm").
 pub fn accept<S: Read + Write>(
     stream: &mut S,
     token: Option<&Token>,
-    kind: &str,
+    kind: &'static str,
 ) -> Result<Session, AuthError> {
-    let nonce_s = nonce()?;
-    let mut hello = [0u8; HELLO_LEN];
-    hello[..8].copy_from_slice(&header(
-        b"FRYA",
-        if token.is_some() { FLAG_TOKEN } else { 0 },
-    ));
-    hello[8..].copy_from_slice(&nonce_s);
+    let (exchange, hello) = ServerExchange::start(token, kind)?;
     stream.write_all(&hello).map_err(|e| io("sending", e))?;
     let mut proof = [0u8; PROOF_LEN];
     stream
         .read_exact(&mut proof)
         .map_err(|e| io("reading the peer's proof", e))?;
-    let flags = check_header(&proof, b"FRYB", "proof")?;
-    let nonce_c = &proof[8..8 + NONCE];
-    let mac_c = &proof[8 + NONCE..];
-    let (result, mac_s, verdict) = match token {
-        None => (0u8, [0u8; MAC], Ok(())),
-        Some(_) if flags & 1 == 0 => (
-            2,
-            [0u8; MAC],
-            Err(AuthError::Refused(
-                "refused a peer without an auth token (this engine requires FERRY_AUTH_TOKEN)"
-                    .into(),
-            )),
-        ),
-        Some(token) => {
-            if mac(token, "client", kind, &nonce_s, nonce_c)
-                .verify_slice(mac_c)
-                .is_ok()
-            {
-                let mut out = [0u8; MAC];
-                out.copy_from_slice(
-                    &mac(token, "server", kind, nonce_c, &nonce_s)
-                        .finalize()
-                        .into_bytes(),
-                );
-                (0, out, Ok(()))
-            } else {
-                (
-                    1,
-                    [0u8; MAC],
-                    Err(AuthError::Refused(
-                        "refused a peer with the wrong auth token".into(),
-                    )),
-                )
-            }
-        }
-    };
-    let mut done = [0u8; HELLO_LEN];
-    done[..8].copy_from_slice(&header(b"FRYD", result));
-    done[8..].copy_from_slice(&mac_s);
+    let (done, verdict) = exchange.finish(&proof);
     // A refused peer learns it was refused; nothing else.
-    let sent = stream.write_all(&done);
-    verdict?;
+    let sent = match done {
+        Some(done) => stream.write_all(&done),
+        None => Ok(()),
+    };
+    let session = verdict?;
     sent.map_err(|e| io("sending the verdict", e))?;
-    Ok(Session::derive(token, kind, &nonce_s, nonce_c, true))
+    Ok(session)
+}
+
+/// The greeting that tells a client this server is too busy to take its
+/// connection (the caller then closes).
+pub fn busy_hello() -> [u8; HELLO_LEN] {
+    let mut hello = [0u8; HELLO_LEN];
+    hello[..8].copy_from_slice(&header(b"FRYA", FLAG_BUSY));
+    hello
+}
+
+/// The verdict that tells a client, after the greeting, that the server
+/// turned it away as busy (it was the oldest of a full pool): it may retry.
+pub fn busy_done() -> [u8; HELLO_LEN] {
+    let mut done = [0u8; HELLO_LEN];
+    done[..8].copy_from_slice(&header(b"FRYD", RESULT_BUSY));
+    done
 }
 
 /// Tells a client this server is too busy to take its connection (sent
 /// instead of the greeting; the caller then closes).
 pub fn refuse_busy<S: Write>(stream: &mut S) {
-    let mut hello = [0u8; HELLO_LEN];
-    hello[..8].copy_from_slice(&header(b"FRYA", FLAG_BUSY));
-    let _ = stream.write_all(&hello);
+    let _ = stream.write_all(&busy_hello());
 }
 
 /// The client side: runs the exchange on a fresh connection to `peer`.
@@ -443,6 +508,11 @@ pub fn connect<S: Read + Write>(
         .read_exact(&mut done)
         .map_err(|e| io(&format!("reading {peer}'s answer"), e))?;
     let result = check_header(&done, b"FRYD", "verdict")?;
+    if result == RESULT_BUSY {
+        return Err(AuthError::Busy(format!(
+            "{peer} is busy (too many connections being set up); try again"
+        )));
+    }
     if result != 0 {
         return Err(AuthError::Refused(format!(
             "{peer} refused this engine's auth token (the tokens differ)"

@@ -98,6 +98,16 @@ pub trait DeviceInstance: Send + Sync + 'static {
         None
     }
     fn unpin_host(&self, _addr: u64) {}
+    /// Queues every copy of a list on `stream`, as one device operation
+    /// where the device can (ABI 1.5); `None` when unsupported, and the
+    /// engine then queues one [`DeviceInstance::copy_async`] per copy.
+    fn copy_list_async(
+        &self,
+        _stream: &Self::Stream,
+        _copies: &[sys::ferry_device_copy_t],
+    ) -> Option<PluginResult<()>> {
+        None
+    }
 }
 
 /// The instance type of a probe-only device plugin; export it with
@@ -360,8 +370,9 @@ pub unsafe extern "C" fn free_pinned_trampoline<P: DevicePlugin>(
     inst: *mut c_void,
     ptr: *mut c_void,
 ) {
-    // SAFETY: instance per the contract.
     let _ = catch(|| {
+        // SAFETY: `inst` is null (instance refuses it) or the live instance
+        // this plugin's init returned: the ABI's contract for every call.
         unsafe { instance::<P>(inst) }?.free_pinned(ptr as u64);
         Ok(())
     });
@@ -391,8 +402,9 @@ pub unsafe extern "C" fn alloc_device_trampoline<P: DevicePlugin>(
 /// # Safety
 /// As [`device_probe_trampoline`].
 pub unsafe extern "C" fn free_device_trampoline<P: DevicePlugin>(inst: *mut c_void, ptr: u64) {
-    // SAFETY: instance per the contract.
     let _ = catch(|| {
+        // SAFETY: `inst` is null (instance refuses it) or the live instance
+        // this plugin's init returned: the ABI's contract for every call.
         unsafe { instance::<P>(inst) }?.free_device(ptr);
         Ok(())
     });
@@ -487,11 +499,53 @@ pub unsafe extern "C" fn pin_host_trampoline<P: DevicePlugin>(
 /// # Safety
 /// As [`device_probe_trampoline`].
 pub unsafe extern "C" fn unpin_host_trampoline<P: DevicePlugin>(inst: *mut c_void, addr: u64) {
-    // SAFETY: instance per the contract.
     let _ = catch(|| {
+        // SAFETY: `inst` is null (instance refuses it) or the live instance
+        // this plugin's init returned: the ABI's contract for every call.
         unsafe { instance::<P>(inst) }?.unpin_host(addr);
         Ok(())
     });
+}
+
+/// # Safety
+/// As [`device_probe_trampoline`]; `copies` holds `count` entries for the
+/// call.
+pub unsafe extern "C" fn copy_list_async_trampoline<P: DevicePlugin>(
+    inst: *mut c_void,
+    s: *mut c_void,
+    copies: *const sys::ferry_device_copy_t,
+    count: usize,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: `inst` and `s` are this plugin's (the ABI's contract), `err`
+    // is the caller's buffer; `copies` is checked non-null below and holds
+    // `count` entries for the call, as plugin.h requires of the host, and
+    // the count is bounded so the slice's size fits an isize.
+    unsafe {
+        boundary(err, || {
+            if count == 0 {
+                return Ok(());
+            }
+            if copies.is_null() {
+                return Err(invalid("copies"));
+            }
+            if count > isize::MAX as usize / std::mem::size_of::<sys::ferry_device_copy_t>() {
+                return Err(PluginError::new(
+                    ErrorCode::InvalidArgument,
+                    "copy_list_async: count too large",
+                ));
+            }
+            let list = std::slice::from_raw_parts(copies, count);
+            instance::<P>(inst)?
+                .copy_list_async(stream::<P>(s)?, list)
+                .unwrap_or_else(|| {
+                    Err(PluginError::new(
+                        ErrorCode::Unsupported,
+                        "this device plugin has no list copies",
+                    ))
+                })
+        })
+    }
 }
 
 /// The v1 table for a Rust device plugin with a device interface.
@@ -518,6 +572,7 @@ pub const fn device_table_v1<P: DevicePlugin>() -> sys::ferry_device_plugin_v1_t
         stream_sync: Some(stream_sync_trampoline::<P>),
         pin_host: Some(pin_host_trampoline::<P>),
         unpin_host: Some(unpin_host_trampoline::<P>),
+        copy_list_async: Some(copy_list_async_trampoline::<P>),
     }
 }
 
@@ -540,6 +595,7 @@ pub const fn device_table_v1_probe_only<P: DevicePlugin>() -> sys::ferry_device_
         stream_sync: None,
         pin_host: None,
         unpin_host: None,
+        copy_list_async: None,
         ..device_table_v1::<P>()
     }
 }

@@ -66,7 +66,8 @@ pub struct Host<'a> {
 // SAFETY: the services table is immutable and plugin.h requires every host
 // service to be callable from any thread.
 unsafe impl Send for Host<'_> {}
-// SAFETY: as above.
+// SAFETY: &Host only reads the immutable services table and calls its
+// services, which plugin.h requires to accept concurrent calls.
 unsafe impl Sync for Host<'_> {}
 
 impl<'a> Host<'a> {
@@ -131,6 +132,21 @@ impl<'a> Host<'a> {
     pub fn debug(&self, msg: &str) {
         if self.log_enabled(Level::Debug) {
             self.log(Level::Debug, msg)
+        }
+    }
+
+    /// A setting parsed as `T` (a number, mostly), or `default` when it is
+    /// unset or empty; a value that does not parse is an error naming it.
+    pub fn setting<T: std::str::FromStr>(&self, key: &str, default: T) -> PluginResult<T> {
+        match self.config(key) {
+            None => Ok(default),
+            Some(v) if v.trim().is_empty() => Ok(default),
+            Some(v) => v.trim().parse().map_err(|_| {
+                PluginError::new(
+                    ErrorCode::InvalidArgument,
+                    format!("setting {key} = {v:?} is not a valid number"),
+                )
+            }),
         }
     }
 
@@ -409,6 +425,28 @@ impl<'a> ProbeReport<'a> {
         let reason = to_cstring_lossy(reason);
         // SAFETY: both strings are NUL-terminated and outlive the call.
         unsafe { f(self.raw.ctx, cap.as_ptr(), reason.as_ptr()) }
+    }
+
+    /// One way this plugin registers `mem_kind` (one `FERRY_MEM_*` bit) and
+    /// whether it works here: `Ok(how)` or `Err(why not)`. The host decides
+    /// GPU-memory registration from these (ABI 1.5; an older host has no
+    /// such entry, and the call does nothing).
+    pub fn add_memory_method(&mut self, mem_kind: u64, state: Result<&str, &str>) {
+        if !has_field!(self.raw, sys::ferry_probe_sink_t, add_memory_method) {
+            return;
+        }
+        let Some(f) = self.raw.add_memory_method else {
+            return;
+        };
+        let (available, detail) = match state {
+            Ok(how) => (1, how),
+            Err(why) => (0, why),
+        };
+        let detail = to_cstring_lossy(detail);
+        // SAFETY: the sink is large enough to hold this entry (checked
+        // above); the string is NUL-terminated and outlives the call, and the
+        // host copies it.
+        unsafe { f(self.raw.ctx, mem_kind, available, detail.as_ptr()) }
     }
 
     pub fn add_note(&mut self, key: &str, value: &str) {

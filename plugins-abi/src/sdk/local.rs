@@ -8,6 +8,7 @@
 //! over a stream socket, with the descriptors attached to a frame arriving
 //! with it.
 
+use super::admission::{Refusal, Source};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
@@ -41,6 +42,39 @@ pub fn connect(name: &[u8], timeout: Duration) -> io::Result<UnixStream> {
 
 /// The process at the other end of `s`, as of when it connected.
 pub fn peer_credentials(s: &UnixStream) -> io::Result<Credentials> {
+    peer_cred_fd(s.as_raw_fd())
+}
+
+/// A gate's classifier (`sdk::gate::Classify`) for a same-host listener:
+/// the kernel names the connecting process (SO_PEERCRED) before anything is
+/// read or sent; this process's own user and `allowed` pass, with the uid
+/// as their source, and anyone else is refused as another user. `rule` ends
+/// the refusal's line: who may connect, in the operator's words ("only uid
+/// 1000 and shm.allowed_uids may connect").
+#[allow(clippy::type_complexity)]
+pub fn classify_by_user(
+    allowed: Vec<u32>,
+    rule: String,
+) -> impl Fn(&OwnedFd) -> Result<(Source, String), (Refusal, String)> + Send + 'static {
+    // SAFETY: geteuid has no preconditions.
+    let own = unsafe { libc::geteuid() };
+    move |fd: &OwnedFd| match peer_cred_fd(fd.as_raw_fd()) {
+        Ok(c) if c.uid == own || allowed.contains(&c.uid) => Ok((
+            Source::Other(u64::from(c.uid)),
+            format!("pid {} of uid {}", c.pid, c.uid),
+        )),
+        Ok(c) => Err((
+            Refusal::PeerUser,
+            format!("pid {} of uid {} ({rule})", c.pid, c.uid),
+        )),
+        Err(e) => Err((
+            Refusal::PeerUser,
+            format!("a process the kernel cannot name ({e})"),
+        )),
+    }
+}
+
+fn peer_cred_fd(fd: RawFd) -> io::Result<Credentials> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: 0,
@@ -51,7 +85,7 @@ pub fn peer_credentials(s: &UnixStream) -> io::Result<Credentials> {
     // at most len bytes.
     let r = unsafe {
         libc::getsockopt(
-            s.as_raw_fd(),
+            fd,
             libc::SOL_SOCKET,
             libc::SO_PEERCRED,
             (&mut cred as *mut libc::ucred).cast(),

@@ -4,6 +4,7 @@
 use super::blocks::BlockList;
 use super::boundary::{boundary, catch, to_cstring_lossy, PluginError, PluginResult};
 use super::host::{Host, ProbeReport};
+use super::layouts::LayoutList;
 use super::op::Op;
 use crate::status::ErrorCode;
 use crate::sys;
@@ -23,6 +24,10 @@ pub trait TransportPlugin: 'static {
     /// ([`TransportInstance::submit_blocks`], ABI 1.4): the table then
     /// carries `submit_blocks`, else the engine sends single requests.
     const BLOCK_LISTS: bool = false;
+    /// Whether the instance moves blocks by layout and index itself
+    /// ([`TransportInstance::submit_layouts`], ABI 1.5): the table then
+    /// carries `submit_layouts`, else the engine builds a block list.
+    const LAYOUT_LISTS: bool = false;
 
     /// One instance per engine. Probe-only plugins use [`NoDataPath`].
     type Instance: TransportInstance;
@@ -112,7 +117,8 @@ pub struct Completer {
 // SAFETY: plugin.h requires the engine's completion function to accept calls
 // from any thread for as long as the instance lives; ctx is only passed back.
 unsafe impl Send for Completer {}
-// SAFETY: as above.
+// SAFETY: &Completer only calls the completion function, which plugin.h
+// requires to accept concurrent calls; ctx is never dereferenced here.
 unsafe impl Sync for Completer {}
 
 impl Completer {
@@ -167,6 +173,16 @@ pub trait TransportInstance: Send + Sync + 'static {
         Err(PluginError::new(
             ErrorCode::Unsupported,
             "this transport takes no block lists",
+        ))
+    }
+    /// Accepts blocks by layout and index, completed once through the
+    /// [`Completer`] with `list.token` (set
+    /// [`TransportPlugin::LAYOUT_LISTS`] to be asked). Both layouts'
+    /// extents and every index must be checked before anything moves.
+    fn submit_layouts(&self, _peer: &Self::Peer, _list: &LayoutList<'_>) -> PluginResult<()> {
+        Err(PluginError::new(
+            ErrorCode::Unsupported,
+            "this transport takes no layout lists",
         ))
     }
     fn describe_peer(&self, _peer: &Self::Peer) -> Option<String> {
@@ -548,6 +564,27 @@ pub unsafe extern "C" fn submit_blocks_trampoline<P: TransportPlugin>(
 
 /// # Safety
 /// As [`transport_probe_trampoline`].
+pub unsafe extern "C" fn submit_layouts_trampoline<P: TransportPlugin>(
+    inst: *mut c_void,
+    peer: *mut c_void,
+    list: *const sys::ferry_layout_list_t,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: pointers per the contract: list (with its key and index
+    // arrays) and peer are valid for the duration of the call, peer from
+    // connect.
+    unsafe {
+        boundary(err, || {
+            let peer = peer_of::<P>(peer)?;
+            let raw = list.as_ref().ok_or_else(|| invalid("list"))?;
+            let list = LayoutList::from_raw(raw)?;
+            instance::<P>(inst)?.submit_layouts(peer, &list)
+        })
+    }
+}
+
+/// # Safety
+/// As [`transport_probe_trampoline`].
 pub unsafe extern "C" fn describe_peer_trampoline<P: TransportPlugin>(
     inst: *mut c_void,
     peer: *mut c_void,
@@ -724,6 +761,11 @@ pub const fn transport_table_v1<P: TransportPlugin>() -> sys::ferry_transport_pl
         } else {
             None
         },
+        submit_layouts: if P::LAYOUT_LISTS {
+            Some(submit_layouts_trampoline::<P>)
+        } else {
+            None
+        },
     }
 }
 
@@ -747,6 +789,7 @@ pub const fn transport_table_v1_probe_only<P: TransportPlugin>() -> sys::ferry_t
         on_peer_request: None,
         accepts_pair: None,
         submit_blocks: None,
+        submit_layouts: None,
         ..transport_table_v1::<P>()
     }
 }

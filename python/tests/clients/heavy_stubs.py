@@ -25,6 +25,7 @@ names real torch lacks (``hasattr(torch, "npu")`` probes).
 import abc
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import types
 
@@ -45,12 +46,20 @@ STUBS = {
                 "request module builds its grammar class at import",
     "vllm._C": "vLLM's compiled CUDA ops (loading needs libtorch and libcudart)",
     "vllm._custom_ops": "wrappers over vllm._C",
+    "vllm._C_stable_libtorch": "vLLM's compiled ops on libtorch's stable ABI (its CUDA platform "
+                               "imports them; the GPU run of vllm_nixl_peer.py has no vLLM build)",
     "lmcache.lmcache_native": "LMCache's C++ ops, linked against libtorch (libc10.so); the "
                               "transfer channel moves bytes through the engine, not these",
     "numba": "a JIT compiler over llvmlite (native LLVM, ~50 MB) for LMCache's cachegen "
              "compression kernels, which the transfer channel does not run",
     "lmcache.cuda_ops": "LMCache's CUDA kernels (libtorch, libcudart)",
 }
+
+
+# On a machine that has some of these for real (the GPU run of
+# vllm_nixl_peer.py: torch and triton), FERRY_HEAVY_STUBS_REAL names them.
+for _real in os.environ.get("FERRY_HEAVY_STUBS_REAL", "").split(","):
+    STUBS.pop(_real.strip(), None)
 
 
 class StubUsed(RuntimeError):

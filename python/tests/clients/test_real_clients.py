@@ -263,7 +263,8 @@ def vllm_nixl(*args, **extra):
 
 
 @needs_vllm
-def test_vllm_nixl_connector_worker_pulls_blocks_by_id_with_notifications():
+@pytest.mark.parametrize("via", ["alias", "connector"])
+def test_vllm_nixl_connector_worker_pulls_blocks_by_id_with_notifications(via):
     """vLLM's NixlConnectorWorker (pull) on both sides, unedited, on
     ferry.nixl through ``ferry.nixl.install()`` (made with __new__,
     vllm_nixl_peer.py says which attributes and the one platform stand-in):
@@ -273,14 +274,20 @@ def test_vllm_nixl_connector_worker_pulls_blocks_by_id_with_notifications():
     ten blocks of four layers by id (make_prepped_xfer READ with the
     request's notification); get_finished reports the request received on
     D with the bytes in place and sent on P (the notification). A second
-    request reuses the handshake."""
-    prefill = vllm_nixl("prefill", FERRY_AUTH_TOKEN=TOKEN)
+    request reuses the handshake.
+
+    ``via="connector"``: no alias; vLLM's KVConnectorFactory finds
+    ``FerryNixlConnector`` by ``kv_connector_module_path="ferry.nixl_vllm"``
+    and its constructor (vLLM's, run whole, stand-ins listed in
+    vllm_nixl_peer.connector_worker) makes the workers: their agents are
+    Ferry's, and no ``nixl`` module is ever imported."""
+    prefill = vllm_nixl("prefill", FERRY_AUTH_TOKEN=TOKEN, FERRY_NIXL_VIA=via)
     decode = None
     try:
         line = prefill.stdout.readline()
         assert line, f"prefill did not start:\n{prefill.communicate(timeout=30)[1][-4000:]}"
         info = json.loads(line)
-        decode = vllm_nixl("decode", json.dumps(info), FERRY_AUTH_TOKEN=TOKEN)
+        decode = vllm_nixl("decode", json.dumps(info), FERRY_AUTH_TOKEN=TOKEN, FERRY_NIXL_VIA=via)
         for rnd, req in enumerate(("req-1", "req-2")):
             for p in (prefill, decode):
                 p.stdin.write(json.dumps({"req": req}) + "\n")
@@ -289,6 +296,10 @@ def test_vllm_nixl_connector_worker_pulls_blocks_by_id_with_notifications():
             assert line, f"decode stopped ({req}):\n{decode.stderr.read()[-4000:]}"
             d = json.loads(line)
             assert d["agent"] == "ferry.nixl" and d["handshake"] == (rnd == 0), d
+            if via == "connector":
+                assert d["worker"] == "NixlPullConnectorWorker" and d["nixl_modules"] == [], d
+            else:
+                assert d["nixl_modules"] == ["nixl", "nixl._api"], d
             assert d["done"] == [req] and d["failed"] == [] and d["failed_transfers"] == 0, d
             assert len(d["ok"]) == 40 and all(d["ok"]) and d["untouched_zero"], d
             # vLLM's stats come from get_xfer_telemetry: 40 descriptors of 2 KiB a request.

@@ -43,6 +43,7 @@ How the objects are made (say so wherever a result is quoted):
 """
 
 import json
+import os
 import sys
 import threading
 import time
@@ -53,8 +54,24 @@ from types import SimpleNamespace
 
 import ferry.nixl
 
+#: How vLLM gets Ferry's agent: "alias" (ferry.nixl.install(), nixl._api is
+#: ferry.nixl) or "connector" (FerryNixlConnector through vLLM's factory
+#: and kv_connector_module_path="ferry.nixl_vllm"; nixl._api untouched);
+#: "nixl": no Ferry at all, vLLM on the real NIXL installed (the baseline
+#: of the GPU run).
+VIA = os.environ.get("FERRY_NIXL_VIA", "alias")
+#: FERRY_NIXL_DEVICE=cuda:0: the KV caches are torch tensors on that GPU, a
+#: larger model's shape, and D times its reads (tests/gpu/nixl.sh on the
+#: H200); unset: host memory, as above.
+DEVICE = os.environ.get("FERRY_NIXL_DEVICE", "")
+# On the GPU machine vLLM's pure-Python tree and its small dependencies
+# come from a carried folder, after the machine's own packages (torch).
+for _extra in filter(None, os.environ.get("FERRY_APPEND_PATH", "").split(os.pathsep)):
+    sys.path.append(_extra)
+import heavy_stubs  # noqa: E402,F401  (the clients venv's .pth imports it too; see there)
 
-assert ferry.nixl.install(), "a real NIXL is installed here: the alias stays out"
+if VIA == "alias":
+    assert ferry.nixl.install(), "a real NIXL is installed here: the alias stays out"
 
 import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
@@ -74,44 +91,77 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 
 from vllm.platforms import current_platform  # noqa: E402
 
-from vllm_peer import HostTensor  # noqa: E402
-
 # The one platform stand-in: with no accelerator vLLM resolves the
 # "unspecified" platform, whose set_device raises; _nixl_handshake calls it
 # for the caches' device. Here it does what vLLM's CPU platform does for
 # host memory (torch.cpu.set_device: nothing). vLLM's CPU platform itself
 # cannot load here: it imports its compiled CPU kernels at first use.
-assert type(current_platform).__name__ == "UnspecifiedPlatform", current_platform
-current_platform.set_device = lambda device: None
+assert DEVICE or type(current_platform).__name__ == "UnspecifiedPlatform", current_platform
+if type(current_platform).__name__ == "UnspecifiedPlatform":
+    current_platform.set_device = lambda device: None
 
-LAYERS = 4
-BLOCKS = 64
-BLOCK_SIZE = 16  # tokens per block
-HEADS, HEAD_SIZE = 2, 16  # float16: 16 * 2 * 32 * 2 = 2 KiB per block per layer
+if DEVICE:
+    # 8 layers of 4,096 blocks of 16 tokens x 8 KV heads x 128 (K and V):
+    # 64 KiB a block a layer; D reads 1,024 shuffled blocks (512 MiB).
+    LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE = 8, 4096, 16, 8, 128
+    _n = int(os.environ.get("FERRY_NIXL_READ_BLOCKS", "1024"))
+    DST_BLOCKS = np.random.default_rng(1).permutation(BLOCKS)[:_n].tolist()
+    SRC_BLOCKS = np.random.default_rng(2).permutation(BLOCKS)[:_n].tolist()
+else:
+    LAYERS = 4
+    BLOCKS = 64
+    BLOCK_SIZE = 16  # tokens per block
+    HEADS, HEAD_SIZE = 2, 16  # float16: 16 * 2 * 32 * 2 = 2 KiB per block per layer
+    # The blocks D pulls and where P holds them: runs, singles, out of order.
+    DST_BLOCKS = [40, 41, 42, 43, 7, 63, 0, 20, 21, 9]
+    SRC_BLOCKS = [3, 4, 5, 6, 60, 1, 33, 17, 18, 50]
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+BLOCK_BYTES = BLOCK_SIZE * HEADS * 2 * HEAD_SIZE * 2  # a block of one layer, float16
 
-# The blocks D pulls and where P holds them: runs, singles, out of order.
-DST_BLOCKS = [40, 41, 42, 43, 7, 63, 0, 20, 21, 9]
-SRC_BLOCKS = [3, 4, 5, 6, 60, 1, 33, 17, 18, 50]
+if not DEVICE:
+    from vllm_peer import HostTensor  # noqa: E402
 
+    class Tensor(HostTensor):
+        """vllm_peer.HostTensor plus what the NIXL registration reads."""
 
-class Tensor(HostTensor):
-    """vllm_peer.HostTensor plus what the NIXL registration reads."""
+        device = SimpleNamespace(type="cpu")
 
-    device = SimpleNamespace(type="cpu")
+        def get_device(self):
+            return -1
 
-    def get_device(self):
-        return -1
-
-    def __getitem__(self, item):
-        return Tensor(self.a[item], self._base)
+        def __getitem__(self, item):
+            return Tensor(self.a[item], self._base)
 
 
 def caches(fill):
     shape = (BLOCKS, BLOCK_SIZE, HEADS, 2 * HEAD_SIZE)
+    if DEVICE:
+        def one(i):
+            if not fill:
+                return torch.zeros(shape, dtype=torch.float16, device=DEVICE)
+            g = torch.Generator(device=DEVICE)
+            g.manual_seed(i)
+            return torch.randint(-(1 << 15), 1 << 15, shape, dtype=torch.int16, device=DEVICE, generator=g).view(torch.float16)
+
+        return {name: one(i) for i, name in enumerate(NAMES)}
     return {name: Tensor(np.random.default_rng(i).integers(0, 1 << 16, shape, dtype=np.uint16).view(np.float16)
                          if fill else np.zeros(shape, np.float16))
             for i, name in enumerate(NAMES)}
+
+
+def check(kv, src):
+    """(per-block or per-layer equality, untouched blocks still zero)."""
+    if DEVICE:
+        di = torch.as_tensor(DST_BLOCKS, device=DEVICE)
+        si = torch.as_tensor(SRC_BLOCKS, device=DEVICE)
+        rest = torch.ones(BLOCKS, dtype=torch.bool, device=DEVICE)
+        rest[di] = False
+        ok = [bool(torch.equal(kv[n][di].view(torch.int16), src[n][si].view(torch.int16))) for n in NAMES]
+        return ok, all(not bool(kv[n][rest].view(torch.int16).any()) for n in NAMES)
+    ok = [bool(np.array_equal(kv[n].a[d].view(np.uint16), src[n].a[s].view(np.uint16)))
+          for n in NAMES for d, s in zip(DST_BLOCKS, SRC_BLOCKS)]
+    untouched = [b for b in range(BLOCKS) if b not in DST_BLOCKS]
+    return ok, all(not kv[n].a[untouched].any() for n in NAMES)
 
 
 def vllm_config():
@@ -148,7 +198,7 @@ def worker(engine_id):
     w.tp_rank, w.world_size, w.pcp_size, w.dcp_size, w.pcp_rank, w.pp_size = 0, 1, 1, 1, 0, 1
     w.pcp_dcp_sharded, w.transfer_tp_size, w.transfer_tp_rank, w.dcp_rank = False, 1, 0, 0
     w.enable_permute_local_kv = w.enable_heterogeneous_attn_post_process = False
-    w.device_type, w.kv_buffer_device, w.nixl_memory_type = "cpu", "cpu", "DRAM"
+    w.device_type, w.kv_buffer_device, w.nixl_memory_type = ("cuda", "cuda", "VRAM") if DEVICE else ("cpu", "cpu", "DRAM")
     w.device_kv_caches, w.host_xfer_buffers, w.use_host_buffer, w.copy_blocks = {}, {}, False, None
     w.device_id = 0
     w.kv_caches_base_addr = defaultdict(dict)
@@ -191,8 +241,74 @@ def worker(engine_id):
     return w
 
 
+# -- FERRY_NIXL_VIA=connector: vLLM's own constructor, through its factory --
+
+
+class _Backend:
+    """The attention backend the worker asks the model's layers for (there
+    is no model here): FLASH_ATTN by name, as worker() above says."""
+
+    @staticmethod
+    def get_name():
+        return "FLASH_ATTN"
+
+    @classmethod
+    def full_cls_name(cls):
+        return "vllm_nixl_peer._Backend"
+
+
+def connector_worker(engine_id):
+    """The worker FerryNixlConnector's constructor makes (vLLM's
+    NixlConnector.__init__ and NixlBaseConnectorWorker.__init__, run
+    whole), the class found by vLLM's KVConnectorFactory from
+    kv_connector_module_path. Stand-ins for what a model and a launched
+    vLLM would give: a one-rank TP group, the CPU platform's answers (a
+    CPU device, no cores reserved, no platform NIXL memory type: DRAM from
+    kv_buffer_device), the attention backend and the kernel block size
+    (vLLM reads both from the model's attention layers) and the KV layout
+    (LBNHC, as worker() above)."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed import parallel_state
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    parallel_state._TP = SimpleNamespace(rank_in_group=0, world_size=1)
+    if type(current_platform).__name__ == "UnspecifiedPlatform":
+        current_platform.device_type = "cpu"
+        current_platform.discover_numa_topology = lambda: []
+        current_platform.get_nixl_memory_type = lambda: None
+    bw.get_current_attn_backends = lambda vllm_config, layer_names=None: [_Backend]
+    bw.NixlBaseConnectorWorker._sync_block_size_with_kernel = lambda self: None
+
+    ktc = KVTransferConfig(kv_connector="FerryNixlConnector", kv_connector_module_path="ferry.nixl_vllm",
+                           kv_role="kv_producer" if engine_id == "prefill" else "kv_consumer",
+                           engine_id=engine_id, kv_buffer_device="cuda" if DEVICE else "cpu")
+    cls = KVConnectorFactory.get_connector_class(ktc)
+    import ferry.nixl_vllm
+
+    assert cls is ferry.nixl_vllm.FerryNixlConnector, cls
+    vc = vllm_config()
+    vc.kv_transfer_config = ktc
+    vc.model_config.enable_sleep_mode = False
+    vc.cache_config.block_size = BLOCK_SIZE
+    vc.cache_config.get_resolved_kv_cache_layout = lambda: SimpleNamespace(name="LBNHC")
+    vc.parallel_config = SimpleNamespace(prefill_context_parallel_size=1, decode_context_parallel_size=1,
+                                         tensor_parallel_size=1, pipeline_parallel_size=1)
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16)
+    cfg = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(layer_names=list(NAMES), kv_cache_spec=spec)])
+    connector = cls(vc, KVConnectorRole.WORKER, cfg)
+    # The swap is over: vLLM's module holds what it held (no NIXL here).
+    assert bw.NixlWrapper is None and bw.nixl_agent_config is None, (bw.NixlWrapper, bw.nixl_agent_config)
+    return connector.connector_worker
+
+
+def make_worker(engine_id):
+    return connector_worker(engine_id) if VIA == "connector" else worker(engine_id)
+
+
 def prefill():
-    w = worker("prefill")
+    w = make_worker("prefill")
     kv = caches(fill=True)
     w.register_kv_caches(kv)
     host, port = get_ip(), get_open_port()
@@ -220,7 +336,7 @@ def prefill():
 
 
 def decode(info):
-    w = worker("decode")
+    w = make_worker("decode")
     kv = caches(fill=False)
     w.register_kv_caches(kv)
     src = caches(fill=True)  # what P holds (same seeds): the bytes that must land
@@ -233,6 +349,7 @@ def decode(info):
             remote=RemoteMeta(block_ids=[list(SRC_BLOCKS)], host=info["host"], port=info["port"],
                               engine_id="prefill", request_id=req_id))
         handshake_was_needed = "prefill" not in w._remote_agents
+        t0 = time.perf_counter()
         w.start_load_kv(meta)  # the handshake runs in vLLM's background thread
         done, failed, steps, deadline = set(), set(), 0, time.monotonic() + 60
         while req_id not in done and time.monotonic() < deadline:
@@ -241,27 +358,34 @@ def decode(info):
             done |= r.finished_recving
             failed |= r.failed_recving
             steps += 1
-            time.sleep(0.005)
-        ok = [bool(np.array_equal(kv[n].a[d].view(np.uint16), src[n].a[s].view(np.uint16)))
-              for n in NAMES for d, s in zip(DST_BLOCKS, SRC_BLOCKS)]
-        untouched = [b for b in range(BLOCKS) if b not in DST_BLOCKS]
+            if not DEVICE:  # on the GPU D spins, as a timed step loop would
+                time.sleep(0.005)
+        seconds = time.perf_counter() - t0
+        ok, untouched_zero = check(kv, src)
         stats = w.xfer_stats.data
         print(json.dumps({
             "done": sorted(done), "failed": sorted(failed), "handshake": handshake_was_needed,
             "remote_agents": {e: [ferry.nixl._name(n) for n in a.values()] for e, a in w._remote_agents.items()},
-            "ok": ok, "untouched_zero": all(not kv[n].a[untouched].any() for n in NAMES),
+            "ok": ok, "untouched_zero": untouched_zero,
+            "seconds": seconds, "gbps": len(DST_BLOCKS) * LAYERS * BLOCK_BYTES / seconds / 1e9,
             "bytes": sum(stats.get("bytes_transferred", [])), "descs": sum(stats.get("num_descriptors", [])),
             "failed_transfers": len(stats.get("num_failed_transfers", [])),
             "agent": type(w.nixl_wrapper).__module__,
+            "worker": type(w).__name__,
+            "nixl_modules": sorted(m for m in sys.modules if m.split(".")[0] in ("nixl", "nixl_rocm")),
         }), flush=True)
         for t in kv.values():
-            t.a[:] = 0
+            if DEVICE:
+                t.zero_()
+            else:
+                t.a[:] = 0
     w.shutdown()
 
 
 def main():
-    assert nixl_utils.NixlWrapper is ferry.nixl.nixl_agent, nixl_utils.NixlWrapper
-    assert bw.NixlWrapper is ferry.nixl.nixl_agent, bw.NixlWrapper
+    if VIA == "alias":
+        assert nixl_utils.NixlWrapper is ferry.nixl.nixl_agent, nixl_utils.NixlWrapper
+        assert bw.NixlWrapper is ferry.nixl.nixl_agent, bw.NixlWrapper
     if sys.argv[1] == "prefill":
         prefill()
     else:

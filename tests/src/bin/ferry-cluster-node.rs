@@ -280,7 +280,8 @@ impl Node {
                     .copy_memory(addr, bytes.as_ptr() as u64, bytes.len() as u64)
             }
         } else {
-            // SAFETY: as above, in host memory this node owns.
+            // SAFETY: addr is a registered cell of `bytes.len()` bytes of host
+            // memory this node owns; nothing transfers into it now.
             unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), addr as *mut u8, bytes.len()) };
             Ok(())
         }
@@ -297,7 +298,8 @@ impl Node {
                     .copy_memory(out.as_mut_ptr() as u64, addr, len)?
             };
         } else {
-            // SAFETY: as above, in host memory this node owns.
+            // SAFETY: addr is a registered cell of len bytes of host memory
+            // this node owns; no transfer writes it now.
             unsafe {
                 std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), out.len())
             };

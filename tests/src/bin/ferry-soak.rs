@@ -77,7 +77,8 @@ struct Mapping {
 
 // SAFETY: a plain memory region; threads coordinate through the engine.
 unsafe impl Send for Mapping {}
-// SAFETY: as above.
+// SAFETY: &Mapping exposes only the pointer and length; threads write
+// disjoint ranges through the engine, never through Rust references.
 unsafe impl Sync for Mapping {}
 
 impl Mapping {

@@ -87,8 +87,9 @@ fn main() {
                     )])
                 });
                 match done {
-                    // SAFETY: nothing else writes scratch while no transfer runs.
                     Ok(())
+                        // SAFETY: scratch is this node's mapping of at least len
+                        // bytes; nothing writes it while no transfer runs.
                         if unsafe {
                             std::slice::from_raw_parts(scratch_addr as *const u8, len)
                         } == &src[..] =>

@@ -4,6 +4,15 @@
 //! exchange and only when the kernel says (SO_PEERCRED) it runs as our
 //! user.
 //!
+//! Admission is the SDK's gate (`sdk::gate`), as on every Ferry listener:
+//! a process of another user is closed before a byte is read or sent, the
+//! rest run the token exchange (kind "cuda-ipc") on the gate's one thread
+//! under one deadline (auth_timeout_ms) in a pre-auth pool keyed by uid
+//! (auth.max_pending, auth.max_pending_per_host; the oldest silent one is
+//! evicted when it is full). Each authenticated peer is then served on a
+//! thread of its own (at most `MAX_CONNECTIONS`; a peer's requests are few:
+//! one per registration it opens).
+//!
 //! A client asks for a registration (OPEN) and gets its pieces, with a
 //! descriptor per VMM chunk or host file; the server remembers who opened
 //! what, and on unregister tells each of them (REVOKE) and waits until each
@@ -11,14 +20,16 @@
 //! closes counts as confirmed: the process is gone or has dropped it.
 
 use crate::wire::{self, Piece, Reply, Request, PIECE_LEN, REPLY_LEN, REQUEST_LEN};
+use ferry_plugins_abi::sdk::admission::{Refusal, Refusals};
 use ferry_plugins_abi::sdk::auth::{self, Token};
+use ferry_plugins_abi::sdk::gate::{Admitted, Gate, GateConfig};
 use ferry_plugins_abi::sdk::local;
 use ferry_plugins_abi::sdk::{PluginError, PluginResult};
 use ferry_plugins_abi::ErrorCode;
 use std::collections::{HashMap, HashSet};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -61,26 +72,34 @@ struct ServerState {
     /// Paired with `acked`.
     ack_lock: Mutex<()>,
     stop: AtomicBool,
-    uid: u32,
-    token: Option<Token>,
-    auth_timeout: Duration,
     lookup: Arc<Lookup>,
+    /// The threads serving authenticated peers.
+    workers: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    next_id: AtomicU64,
+    refusals: Arc<Refusals>,
+    log: Arc<dyn Fn(&str) + Send + Sync>,
+}
+
+/// Who may connect, and how refusals are counted and logged.
+pub struct Admission {
+    pub token: Option<Token>,
+    /// The whole exchange's deadline (auth_timeout_ms).
+    pub auth_timeout: Duration,
+    /// Connections authenticating at once, in all and per uid.
+    pub max_pending: usize,
+    pub max_pending_per_source: usize,
+    pub refusals: Arc<Refusals>,
+    pub log: Arc<dyn Fn(&str) + Send + Sync>,
 }
 
 pub struct Server {
     state: Arc<ServerState>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    gate: Option<Gate>,
 }
 
 impl Server {
-    pub fn start(
-        name: &[u8],
-        lookup: Arc<Lookup>,
-        token: Option<Token>,
-        auth_timeout: Duration,
-    ) -> io::Result<Server> {
+    pub fn start(name: &[u8], lookup: Arc<Lookup>, admission: Admission) -> io::Result<Server> {
         let listener = local::listen(name)?;
-        listener.set_nonblocking(true)?;
         // SAFETY: getuid has no preconditions.
         let uid = unsafe { libc::getuid() };
         let state = Arc::new(ServerState {
@@ -88,18 +107,50 @@ impl Server {
             acked: Condvar::new(),
             ack_lock: Mutex::new(()),
             stop: AtomicBool::new(false),
-            uid,
-            token,
-            auth_timeout,
             lookup,
+            workers: Mutex::new(Vec::new()),
+            next_id: AtomicU64::new(0),
+            refusals: admission.refusals.clone(),
+            log: admission.log.clone(),
         });
+        let by_user = local::classify_by_user(
+            Vec::new(),
+            format!("CUDA handles go to the same user only: uid {uid}"),
+        );
         let s = state.clone();
-        let thread = std::thread::Builder::new()
-            .name("ferry-cuda-ipc-accept".into())
-            .spawn(move || accept_loop(&listener, &s))?;
+        let classify = move |fd: &OwnedFd| {
+            let who = by_user(fd)?;
+            let mut workers = lock(&s.workers);
+            workers.retain(|w| !w.is_finished());
+            if workers.len() >= MAX_CONNECTIONS {
+                return Err((
+                    Refusal::Full,
+                    format!("{}: {MAX_CONNECTIONS} peers are connected", who.1),
+                ));
+            }
+            Ok(who)
+        };
+        let s = state.clone();
+        let on_admit = move |a: Admitted| admit(&s, a);
+        let gate = Gate::start(
+            OwnedFd::from(listener),
+            "ferry-cuda-ipc-gate",
+            GateConfig {
+                // Bound into the proofs: peers of every version use it.
+                kind: "cuda-ipc",
+                token: admission.token,
+                auth_timeout: admission.auth_timeout,
+                max_pending: admission.max_pending,
+                max_pending_per_source: admission.max_pending_per_source,
+            },
+            Box::new(classify),
+            Box::new(on_admit),
+            admission.refusals,
+            admission.log,
+        )?;
         Ok(Server {
             state,
-            thread: Some(thread),
+            gate: Some(gate),
         })
     }
 
@@ -145,67 +196,42 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
+        // No new peers, then every served one closes and its thread ends.
+        drop(self.gate.take());
         self.state.stop.store(true, Ordering::SeqCst);
         for c in lock(&self.state.conns).values() {
             let _ = c.stream.shutdown(std::net::Shutdown::Both);
         }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        let workers = std::mem::take(&mut *lock(&self.state.workers));
+        for w in workers {
+            let _ = w.join();
         }
     }
 }
 
-fn accept_loop(listener: &UnixListener, state: &Arc<ServerState>) {
-    let mut next_id = 0u64;
-    let mut workers: Vec<std::thread::JoinHandle<()>> = Vec::new();
-    while !state.stop.load(Ordering::SeqCst) {
+/// Takes a proven peer (on the gate's thread) to a thread of its own.
+fn admit(state: &Arc<ServerState>, a: Admitted) {
+    let Admitted { fd, peer, .. } = a;
+    let stream = UnixStream::from(fd);
+    let id = state.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+    let s = state.clone();
+    let spawned = std::thread::Builder::new()
+        .name("ferry-cuda-ipc-peer".into())
+        .spawn(move || serve(id, stream, &peer, &s));
+    if let Ok(w) = spawned {
+        let mut workers = lock(&state.workers);
         workers.retain(|w| !w.is_finished());
-        let stream = match listener.accept() {
-            Ok((s, _)) => s,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(5));
-                continue;
-            }
-            Err(_) => {
-                std::thread::sleep(TICK);
-                continue;
-            }
-        };
-        if workers.len() >= MAX_CONNECTIONS {
-            continue;
-        }
-        next_id += 1;
-        let id = next_id;
-        let s = state.clone();
-        if let Ok(w) = std::thread::Builder::new()
-            .name("ferry-cuda-ipc-peer".into())
-            .spawn(move || serve(id, stream, &s))
-        {
-            workers.push(w);
-        }
-    }
-    for w in workers {
-        let _ = w.join();
+        workers.push(w);
     }
 }
 
-/// One peer's connection: authenticate, check its user, then answer.
-fn serve(conn_id: u64, stream: UnixStream, state: &Arc<ServerState>) {
+/// One authenticated peer's connection: answer until it leaves.
+fn serve(conn_id: u64, stream: UnixStream, peer: &str, state: &Arc<ServerState>) {
     if stream.set_nonblocking(false).is_err() {
         return;
     }
-    let _ = stream.set_read_timeout(Some(state.auth_timeout));
-    let _ = stream.set_write_timeout(Some(state.auth_timeout));
-    // The kernel's word on who connected: handles go to our own user only.
-    match local::peer_credentials(&stream) {
-        Ok(c) if c.uid == state.uid => {}
-        _ => return,
-    }
-    let mut s = &stream;
-    if auth::accept(&mut s, state.token.as_ref(), "cuda-ipc").is_err() {
-        return;
-    }
     let _ = stream.set_read_timeout(Some(TICK));
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
     let Ok(write_stream) = stream.try_clone() else {
         return;
     };
@@ -218,6 +244,7 @@ fn serve(conn_id: u64, stream: UnixStream, state: &Arc<ServerState>) {
     });
     lock(&state.conns).insert(conn_id, conn.clone());
     let mut frame = [0u8; REQUEST_LEN];
+    let mut broke = None;
     while !state.stop.load(Ordering::SeqCst) {
         match local::recv_frame(&stream, &mut frame) {
             Ok(Some(fds)) if fds.is_empty() => {}
@@ -229,10 +256,19 @@ fn serve(conn_id: u64, stream: UnixStream, state: &Arc<ServerState>) {
             {
                 continue
             }
-            // Closed, failed, or descriptors a client never sends.
+            Ok(Some(_)) => {
+                broke = Some("sent descriptors, which only servers send".to_string());
+                break;
+            }
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                broke = Some(e.to_string());
+                break;
+            }
+            // Closed or failed.
             _ => break,
         }
         let Some(req) = Request::decode(&frame) else {
+            broke = Some("sent a malformed request".to_string());
             break;
         };
         match req.op {
@@ -251,6 +287,14 @@ fn serve(conn_id: u64, stream: UnixStream, state: &Arc<ServerState>) {
                 state.acked.notify_all();
             }
         }
+    }
+    if let Some(why) = broke {
+        let log = &state.log;
+        state.refusals.record(
+            Refusal::Protocol,
+            || format!("{peer}: {why}; hung up"),
+            |l| log(l),
+        );
     }
     conn.alive.store(false, Ordering::SeqCst);
     lock(&state.conns).remove(&conn_id);
@@ -565,3 +609,7 @@ fn read_loop(
     slot.1.notify_all();
     events.closed();
 }
+
+#[cfg(test)]
+#[path = "channel_tests.rs"]
+mod tests;

@@ -7,10 +7,10 @@
 //! length and puts back what was current (the application's threads keep
 //! their device).
 
-use crate::kernel::Kernel;
-use crate::method::CopySetting;
 use crate::wire::{Piece, KIND_IPC, KIND_VMM};
 use ferry_cuda_driver::driver::*;
+use ferry_cuda_driver::kernel::Kernel;
+use ferry_cuda_driver::method::CopySetting;
 use ferry_cuda_driver::PrimaryContext;
 use ferry_plugins_abi::sdk::{Host, PluginError, PluginResult};
 use ferry_plugins_abi::ErrorCode;
@@ -87,7 +87,8 @@ pub(crate) struct Stream(pub(crate) CUstream);
 // SAFETY: a CUstream is a process-wide handle; the driver takes work on it
 // from any thread, and every use here makes its context current first.
 unsafe impl Send for Stream {}
-// SAFETY: as above; the handle is never changed after creation.
+// SAFETY: shared references only pass the handle to the driver, which
+// takes work on it from any thread; it is never changed after creation.
 unsafe impl Sync for Stream {}
 
 /// The GPUs of this process and the driver.
@@ -439,7 +440,8 @@ impl Gpus {
         let _current = self.context(gpu)?.enter()?;
         // SAFETY: [va, va + total) is a reservation map_vmm mapped whole.
         d.check("cuMemUnmap", unsafe { unmap(va, total as usize) })?;
-        // SAFETY: as above, now unmapped.
+        // SAFETY: [va, va + total) is the reservation map_vmm made, unmapped
+        // just above, so nothing maps it any more.
         d.check("cuMemAddressFree", unsafe { free(va, total as usize) })
     }
 

@@ -29,28 +29,26 @@
 //!   memory; else cuMemcpyBatchAsync where the driver has it; else one
 //!   cuMemcpyAsync per copy), or `kernel`, `batch`, `per-copy` to force one.
 
-mod batch;
 mod channel;
 mod copies;
 mod gpu;
 mod import;
-mod kernel;
 mod lists;
-mod method;
 mod submit;
 pub mod wire;
 
 use channel::{Client, ClientEvents, Exported, Server};
 use copies::Copies;
 use ferry_cuda_driver::driver::{self, Driver};
+use ferry_cuda_driver::method::CopySetting;
+use ferry_plugins_abi::sdk::admission;
 use ferry_plugins_abi::sdk::{
-    BlockList, Completer, Host, InitParams, MemRegion, PeerInfo, PluginError, PluginResult,
-    ProbeDevice, ProbeReport, Registration, TransferRequest, TransportInstance,
+    BlockList, Completer, Host, InitParams, LayoutList, MemRegion, PeerInfo, PluginError,
+    PluginResult, ProbeDevice, ProbeReport, Registration, TransferRequest, TransportInstance,
 };
 use ferry_plugins_abi::{sys, ErrorCode};
 use gpu::Gpus;
 use import::{Import, IpcCache, OPEN_MAPPINGS};
-use method::CopySetting;
 use std::collections::{HashMap, HashSet};
 use std::ffi::CStr;
 use std::os::fd::BorrowedFd;
@@ -136,12 +134,13 @@ impl ferry_plugins_abi::sdk::TransportPlugin for CudaIpcTransport {
     const DESCRIPTION: &'static CStr =
         c"GPU memory between processes of one host: CUDA IPC handles or VMM fds, copy engines";
     const BLOCK_LISTS: bool = true;
+    const LAYOUT_LISTS: bool = true;
     type Instance = CudaIpcInstance;
 
     fn probe(host: &Host<'_>, report: &mut ProbeReport<'_>) -> PluginResult<()> {
         let d = open_driver(host)?;
         let mut gpus = Gpus::new(d, 1)?;
-        gpus.copy = CopySetting::parse(host.config("cuda_ipc.copy").as_deref())?;
+        gpus.copy = CopySetting::parse("cuda_ipc.copy", host.config("cuda_ipc.copy").as_deref())?;
         if gpus.list.is_empty() {
             return Err(unavailable(format!(
                 "no CUDA device visible ({})",
@@ -225,6 +224,14 @@ struct LocalReg {
     memory: LocalMemory,
 }
 
+/// A count setting, or its default when unset or not a number (as the
+/// other settings of this plugin are read).
+fn number(host: &Host<'_>, key: &str, default: usize) -> usize {
+    host.config(key)
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(default)
+}
+
 type Exports = RwLock<HashMap<u64, Arc<Exported>>>;
 
 pub struct CudaIpcInstance {
@@ -266,7 +273,7 @@ impl CudaIpcInstance {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(4);
         let mut gpus = Gpus::new(d, streams)?;
-        gpus.copy = CopySetting::parse(host.config("cuda_ipc.copy").as_deref())?;
+        gpus.copy = CopySetting::parse("cuda_ipc.copy", host.config("cuda_ipc.copy").as_deref())?;
         gpus.log = Some(host);
         let gpus = Arc::new(gpus);
         // SAFETY: getpid/getuid have no preconditions.
@@ -290,13 +297,34 @@ impl CudaIpcInstance {
         let token = host
             .config("auth.token")
             .and_then(|t| ferry_plugins_abi::sdk::auth::Token::new(&t));
-        let server =
-            Server::start(&socket, lookup, token.clone(), connect_timeout).map_err(|e| {
-                PluginError::new(
-                    ErrorCode::Io,
-                    format!("cuda-ipc: cannot open its Unix socket: {e}"),
-                )
-            })?;
+        let count_host = host;
+        let refusals = Arc::new(
+            admission::Refusals::new("cuda-ipc")
+                .counted_by(move |r| count_host.count(r.counter(), None, 1)),
+        );
+        let log_host = host;
+        let server = Server::start(
+            &socket,
+            lookup,
+            channel::Admission {
+                token: token.clone(),
+                auth_timeout: ms("auth_timeout_ms", admission::DEFAULT_AUTH_TIMEOUT_MS),
+                max_pending: number(&host, "auth.max_pending", admission::DEFAULT_MAX_PENDING),
+                max_pending_per_source: number(
+                    &host,
+                    "auth.max_pending_per_host",
+                    admission::DEFAULT_MAX_PENDING_PER_SOURCE,
+                ),
+                refusals,
+                log: Arc::new(move |m: &str| log_host.warn(m)),
+            },
+        )
+        .map_err(|e| {
+            PluginError::new(
+                ErrorCode::Io,
+                format!("cuda-ipc: cannot open its Unix socket: {e}"),
+            )
+        })?;
         let endpoint = Endpoint {
             pid,
             uid,
@@ -764,6 +792,15 @@ impl TransportInstance for CudaIpcInstance {
             return Err(peer.gone());
         }
         self.queue_blocks(peer, list)?;
+        self.copies.progress();
+        Ok(())
+    }
+
+    fn submit_layouts(&self, peer: &CudaIpcPeer, list: &LayoutList<'_>) -> PluginResult<()> {
+        if peer.client.is_dead() {
+            return Err(peer.gone());
+        }
+        self.queue_layouts(peer, list)?;
         self.copies.progress();
         Ok(())
     }

@@ -3,10 +3,10 @@
 //! exists, else one cuMemcpyAsync per copy; one event behind the whole
 //! list either way. `cuda_ipc.copy` (FERRY_CUDA_IPC_COPY) forces one.
 
-use crate::batch;
 use crate::gpu::{Event, Gpus};
-use crate::kernel::{Desc, Kernel};
-use crate::method::{CopySetting, Method};
+use ferry_cuda_driver::batch;
+use ferry_cuda_driver::kernel::{Desc, Kernel, LayoutCopy};
+use ferry_cuda_driver::method::{CopySetting, Method};
 use ferry_plugins_abi::sdk::{PluginError, PluginResult};
 use ferry_plugins_abi::ErrorCode;
 
@@ -66,7 +66,8 @@ impl Gpus {
                 match &loaded {
                     Ok(_) => host.info(&format!(
                         "cuda-ipc: cuda:{}: lists of GPU copies move by the copy kernel, one \
-                         launch each (cuda_ipc.copy={})",
+                         launch each, and transfers by block layout read their index arrays \
+                         on the GPU (cuda_ipc.copy={})",
                         g.ordinal,
                         self.copy.name()
                     )),
@@ -90,9 +91,49 @@ impl Gpus {
     /// them all. `device_only`: both ends of every copy are GPU memory
     /// (the kernel reaches nothing else).
     pub fn copy_list(&self, gpu: usize, copies: &[Desc], device_only: bool) -> PluginResult<Event> {
+        let method = self.method(gpu, device_only, copies.len())?;
+        // SAFETY: the caller's contract (module docs of submit.rs): every
+        // copy's ranges were checked against live registrations and mappings
+        // held open until the returned event fires.
+        unsafe { self.queue_copies(gpu, method, Copies::List(copies)) }
+    }
+
+    /// Queues blocks of two layouts by index on one of GPU `gpu`'s streams
+    /// and one event behind them: one launch of the layout kernel where
+    /// lists move by the kernel, else the same blocks as a list of copies
+    /// (the batched or per-copy paths, as `cuda_ipc.copy` says). The caller
+    /// checked both layouts' extents against the live registration and the
+    /// peer's mapping, and every index against its layout.
+    pub fn copy_layouts(
+        &self,
+        gpu: usize,
+        l: &LayoutCopy<'_>,
+        device_only: bool,
+    ) -> PluginResult<Event> {
+        let method = self.method(gpu, device_only, l.src_ids.len())?;
+        if method == Method::Kernel {
+            // SAFETY: as in copy_list, for every block of the layouts.
+            return unsafe { self.queue_copies(gpu, method, Copies::Layouts(l)) };
+        }
+        let copies: Vec<Desc> = l
+            .src_ids
+            .iter()
+            .zip(l.dst_ids)
+            .map(|(&s, &d)| Desc {
+                src: l.src_base + s * l.src_stride,
+                dst: l.dst_base + d * l.dst_stride,
+                len: l.block,
+            })
+            .collect();
+        // SAFETY: as in copy_list: these are the layouts' blocks.
+        unsafe { self.queue_copies(gpu, method, Copies::List(&copies)) }
+    }
+
+    /// How a list of `n` copies moves on GPU `gpu`, or why none of the
+    /// forced ways can.
+    fn method(&self, gpu: usize, device_only: bool, n: usize) -> PluginResult<Method> {
         let d = self.driver;
-        let stream = self.next_stream(gpu)?;
-        let method = match (self.copy, device_only, copies.len()) {
+        Ok(match (self.copy, device_only, n) {
             (CopySetting::Force(Method::Kernel), true, _) => {
                 self.kernel(gpu).map_err(|why| {
                     PluginError::new(
@@ -119,16 +160,46 @@ impl Gpus {
             (_, true, _) if self.kernel(gpu).is_ok() => Method::Kernel,
             _ if self.has_batch() => Method::Batch,
             _ => Method::PerCopy,
-        };
+        })
+    }
+
+    /// Queues `copies` by `method` on the next stream of GPU `gpu` and an
+    /// event behind them.
+    ///
+    /// # Safety
+    /// Every copy's ranges are GPU memory (or host memory the GPU maps)
+    /// checked against live registrations and mappings that stay open until
+    /// the returned event fires; the kernel only where both ends are GPU
+    /// memory.
+    unsafe fn queue_copies(
+        &self,
+        gpu: usize,
+        method: Method,
+        copies: Copies<'_>,
+    ) -> PluginResult<Event> {
+        let d = self.driver;
+        let stream = self.next_stream(gpu)?;
         let _current = self.context(gpu)?.enter()?;
         let event = self.event(gpu)?;
-        let queued = match method {
-            Method::Kernel => match self.kernel(gpu) {
-                Ok(k) => k.launch(d, stream, copies),
-                Err(why) => Err(PluginError::new(ErrorCode::Unavailable, why)),
-            },
-            Method::Batch => batch::copy_batch(d, stream, copies),
-            Method::PerCopy => batch::copy_each(d, stream, copies),
+        // SAFETY: the stream is one of this GPU's, whose context `_current`
+        // made current; every copy's ranges were checked by the callers
+        // (submit.rs) against the live local registration and the peer's
+        // mapping, which the returned event's InFlight keeps open until the
+        // stream has run them. That is what all three calls require.
+        let queued = unsafe {
+            match (method, copies) {
+                (Method::Kernel, c) => match (self.kernel(gpu), c) {
+                    (Ok(k), Copies::List(list)) => k.launch(d, stream, list),
+                    (Ok(k), Copies::Layouts(l)) => k.launch_layouts(d, stream, l),
+                    (Err(why), _) => Err(PluginError::new(ErrorCode::Unavailable, why)),
+                },
+                (Method::Batch, Copies::List(list)) => batch::copy_batch(d, stream, list),
+                (Method::PerCopy, Copies::List(list)) => batch::copy_each(d, stream, list),
+                (_, Copies::Layouts(_)) => Err(PluginError::new(
+                    ErrorCode::Internal,
+                    "cuda-ipc: layouts reach only the kernel",
+                )),
+            }
         };
         if let Err(e) = queued.and_then(|()| self.record(gpu, event, stream)) {
             // What was queued may still run: wait for it before the event
@@ -139,4 +210,11 @@ impl Gpus {
         }
         Ok(event)
     }
+}
+
+/// What one queueing moves: a list of copies, or blocks of two layouts.
+#[derive(Clone, Copy)]
+enum Copies<'a> {
+    List(&'a [Desc]),
+    Layouts(&'a LayoutCopy<'a>),
 }

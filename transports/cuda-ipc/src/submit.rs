@@ -4,11 +4,11 @@
 
 use crate::copies::InFlight;
 use crate::import::{Import, View};
-use crate::kernel::Desc;
 use crate::wire::Key;
 use crate::{CudaIpcInstance, CudaIpcPeer, LocalMemory, LocalReg};
+use ferry_cuda_driver::kernel::{Desc, LayoutCopy};
 use ferry_plugins_abi::sdk::{
-    block_extent, BlockList, Op, PluginError, PluginResult, TransferRequest,
+    block_extent, BlockList, LayoutList, Op, PluginError, PluginResult, TransferRequest,
 };
 use ferry_plugins_abi::ErrorCode;
 use std::sync::Arc;
@@ -156,6 +156,61 @@ impl CudaIpcInstance {
             SPARE.with(|s| s.set(copies));
         }
         let event = queued?;
+        drop(view);
+        self.copies.add(vec![InFlight {
+            event,
+            tokens: vec![list.token],
+            imports: vec![res.import],
+        }]);
+        Ok(())
+    }
+
+    /// Queues blocks by layout and index as one launch (or one list), or
+    /// refuses them whole before anything moves: each layout's extent
+    /// checked once against its side, each index array by its largest
+    /// index; no per-block work on the host.
+    pub(crate) fn queue_layouts(
+        &self,
+        peer: &CudaIpcPeer,
+        list: &LayoutList<'_>,
+    ) -> PluginResult<()> {
+        list.check_indices()?;
+        let too_far = |side: &str| {
+            PluginError::new(
+                ErrorCode::InvalidArgument,
+                format!("cuda-ipc: the {side} layout runs past the end of the address space"),
+            )
+        };
+        let local_end = list
+            .local
+            .extent(list.block_size)
+            .ok_or_else(|| too_far("local"))?;
+        let remote_end = list
+            .remote
+            .extent(list.block_size)
+            .ok_or_else(|| too_far("remote"))?;
+        let res = self.resolve(peer, list.remote_key, list.local_mem)?;
+        check_local(&res.local, list.local.base, local_end)?;
+        let view = res.import.view()?;
+        let remote = view.local(list.remote.base, remote_end)?;
+        let (local, remote) = (
+            (list.local.base, list.local.stride, list.local_ids),
+            (remote, list.remote.stride, list.remote_ids),
+        );
+        let (src, dst) = match list.op {
+            Op::Write => (local, remote),
+            Op::Read => (remote, local),
+        };
+        let copy = LayoutCopy {
+            src_base: src.0,
+            src_stride: src.1,
+            dst_base: dst.0,
+            dst_stride: dst.1,
+            block: list.block_size,
+            src_ids: src.2,
+            dst_ids: dst.2,
+        };
+        let event = self.gpus.copy_layouts(res.gpu, &copy, res.device_only)?;
         drop(view);
         self.copies.add(vec![InFlight {
             event,

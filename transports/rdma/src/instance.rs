@@ -26,29 +26,16 @@ use std::time::{Duration, Instant};
 const CQ_ENTRIES: u32 = 4096;
 /// Queue pairs peers may have this instance create; the oldest goes first.
 const MAX_RESPONDERS: usize = 4096;
-fn setting<T: std::str::FromStr>(host: &Host<'_>, key: &str, default: T) -> PluginResult<T> {
-    match host.config(key) {
-        None => Ok(default),
-        Some(v) if v.trim().is_empty() => Ok(default),
-        Some(v) => v.trim().parse().map_err(|_| {
-            PluginError::new(
-                ErrorCode::InvalidArgument,
-                format!("setting {key} = {v:?} is not a valid number"),
-            )
-        }),
-    }
-}
-
 impl Settings {
     pub fn from_host(host: &Host<'_>) -> PluginResult<Settings> {
-        let slice_bytes: u64 = setting(host, "rdma.slice_bytes", DEFAULT_SLICE_BYTES)?;
+        let slice_bytes: u64 = host.setting("rdma.slice_bytes", DEFAULT_SLICE_BYTES)?;
         if !(4096..=1 << 30).contains(&slice_bytes) {
             return Err(PluginError::new(
                 ErrorCode::InvalidArgument,
                 format!("rdma.slice_bytes = {slice_bytes}: use 4096 to 1073741824"),
             ));
         }
-        let rails: usize = setting(host, "rdma.rails", 0)?;
+        let rails: usize = host.setting("rdma.rails", 0)?;
         if rails > 64 {
             return Err(PluginError::new(
                 ErrorCode::InvalidArgument,
@@ -67,7 +54,7 @@ impl Settings {
                 )
             })?),
         };
-        let queue_depth: u32 = setting(host, "rdma.queue_depth", DEFAULT_QUEUE_DEPTH)?;
+        let queue_depth: u32 = host.setting("rdma.queue_depth", DEFAULT_QUEUE_DEPTH)?;
         if !(1..=4096).contains(&queue_depth) {
             return Err(PluginError::new(
                 ErrorCode::InvalidArgument,
@@ -79,8 +66,8 @@ impl Settings {
             rails,
             gid_index,
             queue_depth,
-            pause: Duration::from_millis(setting(host, "rdma.pause_ms", DEFAULT_PAUSE_MS)?.max(1)),
-            timeout: Duration::from_millis(setting(host, "timeout_ms", 15_000u64)?.max(1)),
+            pause: Duration::from_millis(host.setting("rdma.pause_ms", DEFAULT_PAUSE_MS)?.max(1)),
+            timeout: Duration::from_millis(host.setting("timeout_ms", 15_000u64)?.max(1)),
         })
     }
 }

@@ -73,12 +73,13 @@ fn report_methods(
     dmabuf: &Result<String, String>,
     peermem: &Result<String, String>,
 ) {
-    // One plugin, both GPU memory methods, each enabled or not with why.
-    for (name, state) in [("rdma+dmabuf", dmabuf), ("rdma+peermem", peermem)] {
-        match state {
-            Ok(how) => report.add_note(name, &format!("enabled: {how}")),
-            Err(why) => report.add_missing(name, &format!("disabled: {why}")),
-        }
+    // One plugin, both GPU memory methods, each available or not with why:
+    // the engine decides GPU-memory registration from these, by their bits.
+    for (kind, state) in [
+        (sys::FERRY_MEM_CUDA_DMABUF, dmabuf),
+        (sys::FERRY_MEM_CUDA_PEERMEM, peermem),
+    ] {
+        report.add_memory_method(kind, state.as_deref().map_err(String::as_str));
     }
 }
 

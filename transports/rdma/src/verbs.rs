@@ -254,7 +254,7 @@ pub fn port_state_name(state: u32) -> &'static str {
     }
 }
 
-/// The DMA-BUF probe DESIGN.md describes: `ibv_reg_dmabuf_mr` with fd -1
+/// The DMA-BUF probe (docs/gpu.md): `ibv_reg_dmabuf_mr` with fd -1
 /// answers EBADF where the NIC and kernel take DMA-BUF.
 pub fn dmabuf_probe(pd: &Arc<ProtectionDomain>) -> Result<(), String> {
     // SAFETY: fd -1 names no memory; the call can only fail, and a

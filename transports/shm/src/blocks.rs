@@ -124,8 +124,10 @@ impl ShmInstance {
                 }
             }
             Key::Cma { .. } => {
-                // SAFETY: as above for the local ranges; the kernel checks the
-                // remote ones against the peer's address space.
+                // SAFETY: the local ranges lie in the buffer the engine checked
+                // the list against (or memory submitted unregistered that must
+                // stay valid until completion); the kernel checks the remote
+                // ones against the peer's address space.
                 let failed =
                     unsafe { copy::cma(pool.as_deref(), peer.endpoint.pid, &pieces, parts) };
                 match failed.into_iter().min_by_key(|(i, _)| *i) {

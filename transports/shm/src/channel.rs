@@ -9,19 +9,12 @@
 //!
 //! Every message is 32 bytes (`wire::Msg`).
 //!
-//! Who may connect: the kernel names the process at the other end
-//! (SO_PEERCRED), and before anything else is read or sent the owner
-//! refuses every user but its own (and those in `shm.allowed_uids`); then
-//! the token exchange (`sdk::auth`) runs under the short auth deadline,
-//! checked on every packet, in a pool of its own (`sdk::admission`) apart
-//! from the served connections. A peer may confirm only revocations it was
-//! sent and has not confirmed yet: anything else hangs up, so nothing a peer
-//! sends grows the owner's memory.
+//! The owner's side (who may connect, serving every peer) is `owner`; this
+//! file has the socket, its messages and the peer's side.
 
 use crate::wire::{Msg, MAP, MAP_ERR, MAP_OK, MSG_LEN, REVOKE, REVOKE_ACK};
-use ferry_plugins_abi::sdk::admission::{PreAuthPool, Refusal, Refusals, Source};
 use ferry_plugins_abi::sdk::auth::{self, Token};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -31,11 +24,8 @@ use std::time::{Duration, Instant};
 
 /// How often blocked reads wake to check whether to stop.
 const TICK: Duration = Duration::from_millis(100);
-/// Peers connected to one instance's socket at once; more are closed at
-/// accept. Every peer process needs one (it carries revocations).
-pub const MAX_CONNECTIONS: usize = 1024;
-/// Connections authenticating at once (their own pool).
-pub const MAX_PENDING: usize = 64;
+/// How long a peer's message may wait for room in the socket.
+const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn abstract_addr(name: &[u8]) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
     // SAFETY: a zeroed sockaddr_un is a valid value.
@@ -63,6 +53,25 @@ fn seqpacket() -> io::Result<OwnedFd> {
     }
     // SAFETY: a fresh descriptor we own.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// A listening socket on the abstract name `name`.
+pub fn listen(name: &[u8]) -> io::Result<OwnedFd> {
+    let listener = seqpacket()?;
+    let (addr, len) = abstract_addr(name)?;
+    // SAFETY: bind/listen with a valid address of `len` bytes.
+    unsafe {
+        if libc::bind(
+            listener.as_raw_fd(),
+            (&addr as *const libc::sockaddr_un).cast(),
+            len,
+        ) != 0
+            || libc::listen(listener.as_raw_fd(), 64) != 0
+        {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(listener)
 }
 
 fn set_timeouts(fd: RawFd) {
@@ -182,8 +191,9 @@ pub fn peer_cred(fd: RawFd) -> Option<libc::ucred> {
     (rc == 0).then_some(cred)
 }
 
-/// Sends one message, with an fd attached when given.
-fn send(fd: RawFd, msg: Msg, pass: Option<RawFd>) -> io::Result<()> {
+/// Sends one message, with an fd attached when given, without waiting:
+/// Ok(false) when the socket has no room for it now.
+pub fn try_send(fd: RawFd, msg: Msg, pass: Option<RawFd>) -> io::Result<bool> {
     let bytes = msg.encode();
     let mut iov = libc::iovec {
         iov_base: bytes.as_ptr() as *mut libc::c_void,
@@ -210,27 +220,50 @@ fn send(fd: RawFd, msg: Msg, pass: Option<RawFd>) -> io::Result<()> {
             std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), pass);
         }
     }
-    let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         // SAFETY: hdr describes valid buffers for the call.
-        let rc = unsafe { libc::sendmsg(fd, &hdr, libc::MSG_NOSIGNAL) };
+        let rc = unsafe { libc::sendmsg(fd, &hdr, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
         if rc == MSG_LEN as isize {
-            return Ok(());
+            return Ok(true);
+        }
+        if rc >= 0 {
+            return Err(io::Error::new(io::ErrorKind::WriteZero, "short send"));
         }
         let e = io::Error::last_os_error();
-        if rc < 0 && e.kind() == io::ErrorKind::WouldBlock && Instant::now() < deadline {
-            continue;
+        match e.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => return Ok(false),
+            _ => return Err(e),
         }
-        return Err(if rc < 0 {
-            e
-        } else {
-            io::Error::new(io::ErrorKind::WriteZero, "short send")
-        });
+    }
+}
+
+/// Sends one message (and fd), waiting for room until `deadline`.
+pub fn send(fd: RawFd, msg: Msg, pass: Option<RawFd>, deadline: Instant) -> io::Result<()> {
+    loop {
+        if try_send(fd, msg, pass)? {
+            return Ok(());
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the peer did not take a message in time",
+            ));
+        }
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLOUT,
+            revents: 0,
+        };
+        let ms = left.min(TICK).as_millis().max(1) as i32;
+        // SAFETY: one valid pollfd for the duration of the call.
+        unsafe { libc::poll(&mut pfd, 1, ms) };
     }
 }
 
 /// Receives one message and any fd attached. Ok(None) on a tick timeout.
-fn recv(fd: RawFd) -> io::Result<Option<(Msg, Option<OwnedFd>)>> {
+pub fn recv(fd: RawFd) -> io::Result<Option<(Msg, Option<OwnedFd>)>> {
     let mut bytes = [0u8; MSG_LEN];
     let mut iov = libc::iovec {
         iov_base: bytes.as_mut_ptr().cast(),
@@ -297,347 +330,6 @@ fn recv(fd: RawFd) -> io::Result<Option<(Msg, Option<OwnedFd>)>> {
 /// memory is still registered.
 pub type Lookup = dyn Fn(u64) -> Option<(OwnedFd, u64)> + Send + Sync;
 
-/// One connected peer, as the owner sees it.
-struct ServerConn {
-    fd: OwnedFd,
-    /// Revocations sent to this peer and not confirmed yet; only those
-    /// may be confirmed.
-    outstanding: Mutex<HashSet<u64>>,
-    acked: Mutex<Vec<u64>>,
-    cond: Condvar,
-    dead: AtomicBool,
-}
-
-/// Connected peers and the threads serving them.
-type ConnList = Arc<Mutex<Vec<(Arc<ServerConn>, JoinHandle<()>)>>>;
-
-/// The owner side: the listening socket and every connected peer.
-pub struct Server {
-    stop: Arc<AtomicBool>,
-    conns: ConnList,
-    accept: Option<JoinHandle<()>>,
-    next_id: AtomicU64,
-}
-
-/// Who may connect to the owner's socket, and how refusals are logged.
-pub struct Admission {
-    pub token: Option<Token>,
-    /// The exchange's deadline (auth_timeout_ms).
-    pub auth_timeout: Duration,
-    /// Users besides the owner's own whose processes may connect
-    /// (shm.allowed_uids).
-    pub allowed_uids: Vec<u32>,
-    pub log: Arc<dyn Fn(&str) + Send + Sync>,
-}
-
-impl Server {
-    pub fn start(name: Vec<u8>, lookup: Arc<Lookup>, admission: Admission) -> io::Result<Server> {
-        let Admission {
-            token,
-            auth_timeout,
-            allowed_uids,
-            log,
-        } = admission;
-        // SAFETY: geteuid has no preconditions.
-        let own_uid = unsafe { libc::geteuid() };
-        let refusals2 = Arc::new(Refusals::new("shm"));
-        let pending = PreAuthPool::new(MAX_PENDING, MAX_PENDING);
-        let listener = seqpacket()?;
-        let (addr, len) = abstract_addr(&name)?;
-        // SAFETY: bind/listen with a valid address of `len` bytes.
-        unsafe {
-            if libc::bind(
-                listener.as_raw_fd(),
-                (&addr as *const libc::sockaddr_un).cast(),
-                len,
-            ) != 0
-                || libc::listen(listener.as_raw_fd(), 64) != 0
-            {
-                return Err(io::Error::last_os_error());
-            }
-        }
-        set_timeouts(listener.as_raw_fd());
-        let stop = Arc::new(AtomicBool::new(false));
-        let conns: ConnList = Arc::default();
-        let (stop2, conns2) = (stop.clone(), conns.clone());
-        let accept = std::thread::Builder::new()
-            .name("ferry-shm-accept".into())
-            .spawn(move || {
-                while !stop2.load(Ordering::SeqCst) {
-                    // SAFETY: accept4 on our listener; SO_RCVTIMEO makes it
-                    // return regularly so the stop flag is seen.
-                    let fd = unsafe {
-                        libc::accept4(
-                            listener.as_raw_fd(),
-                            std::ptr::null_mut(),
-                            std::ptr::null_mut(),
-                            libc::SOCK_CLOEXEC,
-                        )
-                    };
-                    // Forget peers that left each time accept returns (at
-                    // least every receive timeout), not only when the next
-                    // peer connects: each entry owns its socket, so a
-                    // finished one kept its descriptor open (found by
-                    // tests/faults.rs counting a target's descriptors).
-                    conns2
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .retain(|(c, _)| !c.dead.load(Ordering::SeqCst));
-                    if fd < 0 {
-                        continue;
-                    }
-                    // SAFETY: a fresh descriptor we own.
-                    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-                    let record = |kind: Refusal, detail: String| {
-                        refusals2.record(kind, || detail, |l| log(l));
-                    };
-                    // Before anything is read or sent: which user is it?
-                    let uid = match peer_cred(fd.as_raw_fd()) {
-                        Some(c) if c.uid == own_uid || allowed_uids.contains(&c.uid) => c.uid,
-                        Some(c) => {
-                            record(
-                                Refusal::PeerUser,
-                                format!(
-                                    "pid {} of uid {} (only uid {own_uid} and shm.allowed_uids \
-                                     may connect)",
-                                    c.pid, c.uid
-                                ),
-                            );
-                            continue;
-                        }
-                        None => {
-                            record(Refusal::PeerUser, "a process the kernel cannot name".into());
-                            continue;
-                        }
-                    };
-                    set_timeouts(fd.as_raw_fd());
-                    {
-                        let mut list = conns2.lock().unwrap_or_else(|p| p.into_inner());
-                        list.retain(|(c, _)| !c.dead.load(Ordering::SeqCst));
-                        if list.len() >= MAX_CONNECTIONS {
-                            auth::refuse_busy(&mut handshake(fd.as_raw_fd(), TICK));
-                            record(Refusal::Full, format!("{MAX_CONNECTIONS} peers connected"));
-                            continue;
-                        }
-                    }
-                    let slot = match pending.enter(Source::Other(u64::from(uid))) {
-                        Ok(slot) => slot,
-                        Err(why) => {
-                            auth::refuse_busy(&mut handshake(fd.as_raw_fd(), TICK));
-                            record(
-                                why,
-                                format!("{} connections are being set up", pending.pending()),
-                            );
-                            continue;
-                        }
-                    };
-                    let conn = Arc::new(ServerConn {
-                        fd,
-                        outstanding: Mutex::new(HashSet::new()),
-                        acked: Mutex::new(Vec::new()),
-                        cond: Condvar::new(),
-                        dead: AtomicBool::new(false),
-                    });
-                    let (c, lookup, stop3) = (conn.clone(), lookup.clone(), stop2.clone());
-                    let (token, refusals3, log3) = (token.clone(), refusals2.clone(), log.clone());
-                    let t = std::thread::Builder::new()
-                        .name("ferry-shm-serve".into())
-                        .spawn(move || {
-                            // Nothing is served before the peer proved itself.
-                            let mut h = handshake(c.fd.as_raw_fd(), auth_timeout);
-                            let proved = auth::accept(&mut h, token.as_ref(), "shm");
-                            drop(slot);
-                            match proved {
-                                Ok(_) => {
-                                    if let Err(why) = serve(&c, &*lookup, &stop3) {
-                                        refusals3.record(Refusal::Protocol, || why, |l| log3(l));
-                                    }
-                                }
-                                Err(e) => {
-                                    let kind = match &e {
-                                        auth::AuthError::Refused(_) => Refusal::Auth,
-                                        _ if e.to_string().contains("deadline") => Refusal::Timeout,
-                                        _ => Refusal::Protocol,
-                                    };
-                                    refusals3.record(
-                                        kind,
-                                        || format!("uid {uid}: {e}"),
-                                        |l| log3(l),
-                                    );
-                                }
-                            }
-                            c.dead.store(true, Ordering::SeqCst);
-                        });
-                    let mut list = conns2.lock().unwrap_or_else(|p| p.into_inner());
-                    list.retain(|(c, _)| !c.dead.load(Ordering::SeqCst));
-                    if let Ok(t) = t {
-                        list.push((conn, t));
-                    }
-                }
-            })?;
-        Ok(Server {
-            stop,
-            conns,
-            accept: Some(accept),
-            next_id: AtomicU64::new(1),
-        })
-    }
-
-    /// Tells every peer that registration `id` (of allocation `token`, or 0)
-    /// is going away and waits (up to `timeout`) until each confirms it no
-    /// longer touches it. Returns how many peers did not confirm in time.
-    pub fn revoke(&self, id_revoked: u64, token: u64, timeout: Duration) -> usize {
-        let id = self.next_id.fetch_add(1, Ordering::SeqCst);
-        let conns: Vec<Arc<ServerConn>> = self
-            .conns
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .map(|(c, _)| c.clone())
-            .filter(|c| !c.dead.load(Ordering::SeqCst))
-            .collect();
-        let msg = Msg {
-            kind: REVOKE,
-            id,
-            a: id_revoked,
-            b: token,
-        };
-        let sent: Vec<Arc<ServerConn>> = conns
-            .into_iter()
-            .filter(|c| {
-                // Outstanding before it is sent: the answer may be quick.
-                c.outstanding
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(id);
-                send(c.fd.as_raw_fd(), msg, None).is_ok()
-            })
-            .collect();
-        let deadline = Instant::now() + timeout;
-        let mut missing = 0;
-        for c in sent {
-            let mut acked = c.acked.lock().unwrap_or_else(|p| p.into_inner());
-            loop {
-                if let Some(pos) = acked.iter().position(|a| *a == id) {
-                    acked.swap_remove(pos);
-                    break;
-                }
-                let now = Instant::now();
-                if c.dead.load(Ordering::SeqCst) {
-                    break;
-                }
-                if now >= deadline {
-                    // A late answer is no longer expected: it hangs up.
-                    c.outstanding
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .remove(&id);
-                    missing += 1;
-                    break;
-                }
-                acked = c
-                    .cond
-                    .wait_timeout(acked, (deadline - now).min(TICK))
-                    .map(|(g, _)| g)
-                    .unwrap_or_else(|p| p.into_inner().0);
-            }
-        }
-        missing
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.accept.take() {
-            let _ = t.join();
-        }
-        let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|p| p.into_inner()));
-        for (c, _) in &conns {
-            // SAFETY: shutting down a socket we own; wakes its thread.
-            unsafe { libc::shutdown(c.fd.as_raw_fd(), libc::SHUT_RDWR) };
-        }
-        for (_, t) in conns {
-            let _ = t.join();
-        }
-    }
-}
-
-/// Serves a peer until it leaves; Err says how it broke the protocol.
-fn serve(conn: &ServerConn, lookup: &Lookup, stop: &AtomicBool) -> Result<(), String> {
-    let fd = conn.fd.as_raw_fd();
-    let mut broke = Ok(());
-    while !stop.load(Ordering::SeqCst) {
-        let msg = match recv(fd) {
-            Ok(Some((m, _ignored_fd))) => m,
-            Ok(None) => continue,
-            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
-                broke = Err(format!("a peer sent a malformed message: {e}"));
-                break;
-            }
-            Err(_) => break,
-        };
-        match msg.kind {
-            MAP => {
-                let reply = match lookup(msg.a) {
-                    Some((memfd, len)) => send(
-                        fd,
-                        Msg {
-                            kind: MAP_OK,
-                            id: msg.id,
-                            a: msg.a,
-                            b: len,
-                        },
-                        Some(memfd.as_raw_fd()),
-                    ),
-                    None => send(
-                        fd,
-                        Msg {
-                            kind: MAP_ERR,
-                            id: msg.id,
-                            a: msg.a,
-                            b: 0,
-                        },
-                        None,
-                    ),
-                };
-                if reply.is_err() {
-                    break;
-                }
-            }
-            REVOKE_ACK => {
-                let expected = conn
-                    .outstanding
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .remove(&msg.id);
-                if !expected {
-                    broke = Err(format!(
-                        "a peer confirmed revocation {} that is not outstanding; hung up",
-                        msg.id
-                    ));
-                    break;
-                }
-                conn.acked
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(msg.id);
-                conn.cond.notify_all();
-            }
-            // Anything else from a peer is a protocol error: hang up.
-            k => {
-                broke = Err(format!(
-                    "a peer sent message kind {k}, which only owners send"
-                ));
-                break;
-            }
-        }
-    }
-    conn.dead.store(true, Ordering::SeqCst);
-    conn.cond.notify_all();
-    broke
-}
-
 /// What a peer's reader does with the owner's announcements.
 pub trait ClientEvents: Send + Sync + 'static {
     /// Registration `id` (of allocation `token`, or 0) is going away: stop
@@ -650,6 +342,38 @@ pub trait ClientEvents: Send + Sync + 'static {
 enum Reply {
     Mapped(OwnedFd, u64),
     Refused,
+}
+
+/// A connection to the owner's socket, checked to belong to process `pid`
+/// (a recycled socket name cannot fool us), with short socket timeouts.
+pub(crate) fn open(name: &[u8], pid: i32) -> Result<OwnedFd, String> {
+    let fd = seqpacket().map_err(|e| e.to_string())?;
+    let (addr, len) = abstract_addr(name).map_err(|e| e.to_string())?;
+    // SAFETY: connect with a valid address of `len` bytes.
+    let rc = unsafe {
+        libc::connect(
+            fd.as_raw_fd(),
+            (&addr as *const libc::sockaddr_un).cast(),
+            len,
+        )
+    };
+    if rc != 0 {
+        return Err(format!(
+            "cannot reach its shm socket: {} (a different network namespace?)",
+            io::Error::last_os_error()
+        ));
+    }
+    match peer_pid(fd.as_raw_fd()) {
+        Some(p) if p == pid => {}
+        Some(p) => {
+            return Err(format!(
+                "its shm socket belongs to pid {p}, not {pid} (a different PID namespace?)"
+            ))
+        }
+        None => return Err("cannot identify the process behind its shm socket".into()),
+    }
+    set_timeouts(fd.as_raw_fd());
+    Ok(fd)
 }
 
 /// The peer side: a connection to an owner's socket.
@@ -665,6 +389,8 @@ pub struct Client {
 impl Client {
     /// Connects to the owner's socket and checks that the process at the
     /// other end is `pid` (a recycled socket name cannot fool us).
+    /// A busy owner (its pre-auth pool full) is asked again, with a pause
+    /// doubling up to 250 ms, until `auth_timeout` has passed.
     pub fn connect(
         name: &[u8],
         pid: i32,
@@ -672,51 +398,42 @@ impl Client {
         token: Option<&Token>,
         auth_timeout: Duration,
     ) -> Result<Client, String> {
-        let fd = seqpacket().map_err(|e| e.to_string())?;
-        let (addr, len) = abstract_addr(name).map_err(|e| e.to_string())?;
-        // SAFETY: connect with a valid address of `len` bytes.
-        let rc = unsafe {
-            libc::connect(
-                fd.as_raw_fd(),
-                (&addr as *const libc::sockaddr_un).cast(),
-                len,
-            )
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(5);
+        let fd = loop {
+            let fd = open(name, pid)?;
+            let owner_uid = peer_cred(fd.as_raw_fd()).map(|c| c.uid);
+            let left = auth_timeout
+                .saturating_sub(started.elapsed())
+                .max(Duration::from_millis(100));
+            match auth::connect(
+                &mut handshake(fd.as_raw_fd(), left),
+                token,
+                "shm",
+                &format!("pid {pid}"),
+            ) {
+                Ok(_) => break fd,
+                Err(auth::AuthError::Busy(_)) if started.elapsed() + pause < auth_timeout => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(250));
+                }
+                Err(e) => {
+                    // SAFETY: geteuid has no preconditions.
+                    let me = unsafe { libc::geteuid() };
+                    return Err(match owner_uid {
+                        // Closed before the greeting: the owner's user check.
+                        Some(owner) if owner != me && e.to_string().contains("greeting") => {
+                            format!(
+                                "its shm socket refused this process: it belongs to uid {owner} \
+                                 and lets in only that user and shm.allowed_uids (this process \
+                                 is uid {me})"
+                            )
+                        }
+                        _ => e.to_string(),
+                    });
+                }
+            }
         };
-        if rc != 0 {
-            return Err(format!(
-                "cannot reach its shm socket: {} (a different network namespace?)",
-                io::Error::last_os_error()
-            ));
-        }
-        match peer_pid(fd.as_raw_fd()) {
-            Some(p) if p == pid => {}
-            Some(p) => {
-                return Err(format!(
-                    "its shm socket belongs to pid {p}, not {pid} (a different PID namespace?)"
-                ))
-            }
-            None => return Err("cannot identify the process behind its shm socket".into()),
-        }
-        set_timeouts(fd.as_raw_fd());
-        let owner_uid = peer_cred(fd.as_raw_fd()).map(|c| c.uid);
-        auth::connect(
-            &mut handshake(fd.as_raw_fd(), auth_timeout),
-            token,
-            "shm",
-            &format!("pid {pid}"),
-        )
-        .map_err(|e| {
-            // SAFETY: geteuid has no preconditions.
-            let me = unsafe { libc::geteuid() };
-            match owner_uid {
-                // Closed before the greeting: the owner's user check.
-                Some(owner) if owner != me && e.to_string().contains("greeting") => format!(
-                    "its shm socket refused this process: it belongs to uid {owner} and lets in \
-                     only that user and shm.allowed_uids (this process is uid {me})"
-                ),
-                _ => e.to_string(),
-            }
-        })?;
         let fd = Arc::new(fd);
         let replies: Arc<(Mutex<HashMap<u64, Reply>>, Condvar)> = Arc::default();
         let dead = Arc::new(AtomicBool::new(false));
@@ -752,7 +469,8 @@ impl Client {
                                 a: msg.a,
                                 b: msg.b,
                             };
-                            if send(fd2.as_raw_fd(), ack, None).is_err() {
+                            let deadline = Instant::now() + SEND_TIMEOUT;
+                            if send(fd2.as_raw_fd(), ack, None, deadline).is_err() {
                                 break;
                             }
                         }
@@ -793,6 +511,7 @@ impl Client {
                 b: 0,
             },
             None,
+            Instant::now() + SEND_TIMEOUT,
         )
         .map_err(|e| format!("asking the peer for its memory: {e}"))?;
         let (lock, cond) = &*self.replies;

@@ -39,13 +39,15 @@ mod copy;
 mod endpoint;
 mod memory;
 mod numa;
+mod owner;
 mod pool;
 mod speed;
 mod wire;
 
-use channel::{Client, ClientEvents, Server};
+use channel::{Client, ClientEvents};
 use copy::{NonTemporal, Piece};
 use endpoint::{Endpoint, Key};
+use ferry_plugins_abi::sdk::admission;
 use ferry_plugins_abi::sdk::{
     BlockList, Completer, Host, InitParams, MemRegion, PeerInfo, PluginError, PluginResult,
     ProbeDevice, ProbeReport, Registration, TransferRequest, TransportInstance,
@@ -53,6 +55,7 @@ use ferry_plugins_abi::sdk::{
 use ferry_plugins_abi::sys;
 use ferry_plugins_abi::ErrorCode;
 use memory::{Mapping, SharedFile};
+use owner::Server;
 use smallvec::SmallVec;
 use std::collections::{HashMap, HashSet};
 use std::ffi::CStr;
@@ -287,25 +290,39 @@ impl ShmInstance {
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(5_000),
         );
-        let log_host = host;
+        let (log_host, count_host) = (host, host);
+        let refusals = Arc::new(
+            admission::Refusals::new("shm")
+                .counted_by(move |r| count_host.count(r.counter(), None, 1)),
+        );
+        let listener = channel::listen(&name).map_err(|e| {
+            PluginError::new(
+                ErrorCode::Io,
+                format!("shm: cannot open its Unix socket: {e}"),
+            )
+        })?;
         let server = Server::start(
-            name.clone(),
+            listener,
             lookup,
-            channel::Admission {
+            owner::Admission {
                 token: token.clone(),
                 auth_timeout: Duration::from_millis(
-                    host.config("auth_timeout_ms")
-                        .and_then(|v| v.trim().parse().ok())
-                        .unwrap_or(ferry_plugins_abi::sdk::admission::DEFAULT_AUTH_TIMEOUT_MS),
+                    host.setting("auth_timeout_ms", admission::DEFAULT_AUTH_TIMEOUT_MS)?,
                 ),
+                max_pending: host.setting("auth.max_pending", admission::DEFAULT_MAX_PENDING)?,
+                max_pending_per_source: host.setting(
+                    "auth.max_pending_per_host",
+                    admission::DEFAULT_MAX_PENDING_PER_SOURCE,
+                )?,
                 allowed_uids: allowed_uids(&host)?,
+                refusals,
                 log: Arc::new(move |m: &str| log_host.warn(m)),
             },
         )
         .map_err(|e| {
             PluginError::new(
                 ErrorCode::Io,
-                format!("shm: cannot open its Unix socket: {e}"),
+                format!("shm: cannot serve its Unix socket: {e}"),
             )
         })?;
         let endpoint = Endpoint {
@@ -692,7 +709,9 @@ impl TransportInstance for ShmInstance {
             }
         }
         if !cma.is_empty() {
-            // SAFETY: as above for the local ranges; the kernel checks the
+            // SAFETY: the local ranges lie in buffers the engine keeps
+            // registered while the requests are in flight (or memory submitted
+            // unregistered, valid until completion); the kernel checks the
             // remote ones against the peer's address space.
             let cma_failed = unsafe {
                 copy::cma(

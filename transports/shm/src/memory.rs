@@ -63,7 +63,8 @@ pub struct Mapping {
 // SAFETY: the mapping is owned by this struct (unmapped in Drop) and used
 // only through bounds-checked copies.
 unsafe impl Send for Mapping {}
-// SAFETY: as above.
+// SAFETY: shared references only copy through bounds-checked ranges of a
+// mapping that lives as long as the struct.
 unsafe impl Sync for Mapping {}
 
 impl Drop for Mapping {

@@ -29,7 +29,8 @@ pub fn allowed_cpus() -> BTreeSet<usize> {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity
     // writes at most its size.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: as above, for the calling thread (pid 0).
+    // SAFETY: `set` is a valid cpu_set_t of the size passed, which the
+    // kernel writes at most; pid 0 is the calling thread.
     let rc = unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) };
     if rc != 0 {
         return BTreeSet::new();

@@ -64,7 +64,8 @@ struct Job {
 // SAFETY: `work` points to a `dyn Fn + Sync`, callable from any thread; the
 // rest is atomics and locks.
 unsafe impl Send for Job {}
-// SAFETY: as above.
+// SAFETY: shared references only call `work` (a `dyn Fn + Sync`) and use
+// atomics and locks.
 unsafe impl Sync for Job {}
 
 impl Job {

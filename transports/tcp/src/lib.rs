@@ -4,11 +4,16 @@
 //!
 //! Loaded at run time as `libferry_transport_tcp.so` through the plugin ABI.
 
+mod entries;
+mod errors;
 mod initiator;
 mod peer;
+mod reactor;
 mod regions;
+mod response;
 mod sockio;
 mod target;
+mod target_conn;
 pub mod wire;
 
 use ferry_plugins_abi::sdk::admission;
@@ -20,6 +25,7 @@ use ferry_plugins_abi::sys;
 use ferry_plugins_abi::ErrorCode;
 use initiator::Settings;
 use peer::{ConnRegistry, TcpPeer};
+use reactor::Reactor;
 use regions::Regions;
 use std::ffi::CStr;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
@@ -143,18 +149,6 @@ fn sysfs_speed_mbps(interface: &str) -> Option<u64> {
         .filter(|s| *s > 0)
 }
 
-fn setting<T: std::str::FromStr>(host: &Host<'_>, key: &str, default: T) -> PluginResult<T> {
-    match host.config(key) {
-        None => Ok(default),
-        Some(v) => v.trim().parse().map_err(|_| {
-            PluginError::new(
-                ErrorCode::InvalidArgument,
-                format!("setting {key} = {v:?} is not a valid number"),
-            )
-        }),
-    }
-}
-
 /// One engine's TCP transport: a data listener serving registered memory,
 /// and peers reached through their own connections.
 pub struct TcpInstance {
@@ -166,6 +160,9 @@ pub struct TcpInstance {
     /// "host:port instance" (wire::encode_endpoint).
     endpoint: Vec<u8>,
     conns: Arc<ConnRegistry>,
+    /// The I/O threads driving every connection, served and opened; last,
+    /// so the target and the peers leave them before they stop.
+    reactor: Arc<Reactor>,
 }
 
 impl TcpInstance {
@@ -175,9 +172,9 @@ impl TcpInstance {
         completer: Completer,
     ) -> PluginResult<TcpInstance> {
         let ms = |key: &str, default: u64| -> PluginResult<Duration> {
-            setting(&host, key, default).map(Duration::from_millis)
+            host.setting(key, default).map(Duration::from_millis)
         };
-        let connections: usize = setting(&host, "tcp.connections", DEFAULT_CONNECTIONS)?;
+        let connections: usize = host.setting("tcp.connections", DEFAULT_CONNECTIONS)?;
         if !(1..=64).contains(&connections) {
             return Err(PluginError::new(
                 ErrorCode::InvalidArgument,
@@ -186,13 +183,17 @@ impl TcpInstance {
         }
         let settings = Arc::new(Settings {
             connections,
-            frame_bytes: setting(&host, "tcp.frame_bytes", DEFAULT_FRAME_BYTES)?
+            frame_bytes: host
+                .setting("tcp.frame_bytes", DEFAULT_FRAME_BYTES)?
                 .clamp(4096, wire::MAX_FRAME_PAYLOAD),
-            stripe_bytes: setting(&host, "tcp.stripe_bytes", DEFAULT_STRIPE_BYTES)?.max(4096),
+            stripe_bytes: host
+                .setting("tcp.stripe_bytes", DEFAULT_STRIPE_BYTES)?
+                .max(4096),
             timeout: ms("timeout_ms", 15_000)?,
             connect_timeout: ms("connect_timeout_ms", 5_000)?,
             idle_timeout: Duration::from_secs(
-                setting(&host, "idle_timeout_s", DEFAULT_IDLE_TIMEOUT_S)?.max(1),
+                host.setting("idle_timeout_s", DEFAULT_IDLE_TIMEOUT_S)?
+                    .max(1),
             ),
             token: host
                 .config("auth.token")
@@ -210,9 +211,22 @@ impl TcpInstance {
             .listen_host
             .parse()
             .unwrap_or(IpAddr::from([127, 0, 0, 1]));
-        let port: u16 = setting(&host, "tcp.port", 0)?;
-        let log_host = host;
-        let log: Arc<dyn Fn(&str) + Send + Sync> = Arc::new(move |m: &str| log_host.debug(m));
+        let port: u16 = host.setting("tcp.port", 0)?;
+        let (warn_host, debug_host) = (host, host);
+        let logs = target_conn::Logs {
+            warn: Arc::new(move |m: &str| warn_host.warn(m)),
+            debug: Arc::new(move |m: &str| debug_host.debug(m)),
+        };
+        let io_threads = match host.setting("tcp.io_threads", 0usize)? {
+            0 => default_io_threads(&host),
+            n => n.min(256),
+        };
+        let reactor = Arc::new(Reactor::start(io_threads, "ferry-tcp-io").map_err(|e| {
+            PluginError::new(
+                ErrorCode::NoMemory,
+                format!("tcp: cannot start {io_threads} I/O threads: {e}"),
+            )
+        })?);
         let instance = random_instance();
         let target = Target::start(
             &SocketAddr::new(bind_ip, port).to_string(),
@@ -220,31 +234,32 @@ impl TcpInstance {
             TargetConfig {
                 timeout: settings.timeout,
                 idle_timeout: settings.idle_timeout,
-                max_connections: setting(
-                    &host,
-                    "tcp.max_connections",
-                    target::DEFAULT_MAX_CONNECTIONS,
-                )?
-                .max(1),
-                max_connections_per_host: setting(
-                    &host,
-                    "tcp.max_connections_per_host",
-                    target::DEFAULT_MAX_CONNECTIONS_PER_HOST,
-                )?
-                .max(1),
+                max_connections: host
+                    .setting("tcp.max_connections", target::DEFAULT_MAX_CONNECTIONS)?
+                    .max(1),
+                max_connections_per_host: host
+                    .setting(
+                        "tcp.max_connections_per_host",
+                        target::DEFAULT_MAX_CONNECTIONS_PER_HOST,
+                    )?
+                    .max(1),
                 instance,
                 auth_timeout: ms("auth_timeout_ms", admission::DEFAULT_AUTH_TIMEOUT_MS)?,
-                max_pending: setting(&host, "auth.max_pending", admission::DEFAULT_MAX_PENDING)?,
-                max_pending_per_source: setting(
-                    &host,
+                max_pending: host.setting("auth.max_pending", admission::DEFAULT_MAX_PENDING)?,
+                max_pending_per_source: host.setting(
                     "auth.max_pending_per_host",
                     admission::DEFAULT_MAX_PENDING_PER_SOURCE,
                 )?,
                 require_payload_tag: settings.payload_integrity,
                 token: settings.token.clone(),
-                spin: Duration::from_micros(setting(&host, "tcp.spin_us", DEFAULT_SPIN_US)?),
+                spin: Duration::from_micros(host.setting("tcp.spin_us", DEFAULT_SPIN_US)?),
             },
-            log,
+            reactor.clone(),
+            Arc::new(
+                admission::Refusals::new("tcp")
+                    .counted_by(move |r| host.count(r.counter(), None, 1)),
+            ),
+            logs,
         )
         .map_err(|e| {
             PluginError::new(
@@ -296,8 +311,11 @@ impl TcpInstance {
         };
         let endpoint = wire::encode_endpoint(&advertised, instance);
         host.info(&format!(
-            "tcp: serving data on {} for engine {} ({} connections per peer)",
-            advertised, params.engine_name, settings.connections
+            "tcp: serving data on {} for engine {} ({} connections per peer, {} I/O threads)",
+            advertised,
+            params.engine_name,
+            settings.connections,
+            reactor.threads()
         ));
         Ok(TcpInstance {
             host,
@@ -307,6 +325,7 @@ impl TcpInstance {
             target,
             endpoint,
             conns: Arc::default(),
+            reactor,
         })
     }
 }
@@ -376,6 +395,7 @@ impl TransportInstance for TcpInstance {
             self.settings.clone(),
             self.completer,
             self.conns.clone(),
+            self.reactor.clone(),
         ))
     }
 
@@ -403,6 +423,41 @@ impl Drop for TcpInstance {
             self.target.local_addr()
         ));
     }
+}
+
+/// I/O threads when tcp.io_threads is not set: the cores this process may
+/// run on in the NUMA node of the first NIC that reports one (else all of
+/// them), at most 8: one loop moves several GB/s, and more threads only
+/// add wake-ups.
+fn default_io_threads(host: &Host<'_>) -> usize {
+    let allowed = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let node = host
+        .nics(None)
+        .unwrap_or_default()
+        .iter()
+        .find_map(|n| n.numa_node);
+    let in_node = node
+        .and_then(|n| {
+            std::fs::read_to_string(format!("/sys/devices/system/node/node{n}/cpulist")).ok()
+        })
+        .map(|list| cpulist_len(&list))
+        .filter(|n| *n > 0);
+    in_node.unwrap_or(allowed).min(allowed).clamp(1, 8)
+}
+
+/// The number of CPUs in a kernel cpulist ("0-3,8-11").
+fn cpulist_len(list: &str) -> usize {
+    list.trim()
+        .split(',')
+        .filter(|p| !p.is_empty())
+        .map(|part| match part.split_once('-') {
+            Some((a, b)) => match (a.parse::<usize>(), b.parse::<usize>()) {
+                (Ok(a), Ok(b)) if b >= a => b - a + 1,
+                _ => 0,
+            },
+            None => usize::from(part.parse::<usize>().is_ok()),
+        })
+        .sum()
 }
 
 /// FERRY_INTEGRITY (setting `integrity`): `headers` (the default: every

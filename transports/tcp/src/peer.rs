@@ -4,9 +4,10 @@
 //! striped, small ones packed into frames) and queued on each connection
 //! (initiator.rs).
 
-use crate::initiator::{
-    connection_error, integrity, protocol, Conn, Done, Entry, Settings, Split, RETIRED_RETRIES,
-};
+use crate::entries::{Done, Entry, Split};
+use crate::errors::{connection_error, integrity, protocol};
+use crate::initiator::{Conn, Settings, RETIRED_RETRIES};
+use crate::reactor::Reactor;
 use crate::sockio;
 use crate::wire::{self, Desc, Kind, TAG_LEN};
 use ferry_plugins_abi::sdk::auth::AuthError;
@@ -41,10 +42,9 @@ impl ConnRegistry {
     /// Completes, on this thread, every response that has fully arrived.
     pub fn progress(&self) -> usize {
         let list = self.conns.read().unwrap_or_else(|p| p.into_inner());
-        let mut buf = Vec::new();
         list.iter()
             .filter_map(|w| w.upgrade())
-            .map(|c| c.try_progress(&mut buf))
+            .map(|c| c.try_progress())
             .sum()
     }
 }
@@ -61,6 +61,7 @@ pub struct TcpPeer {
     next: AtomicUsize,
     local_ip: Mutex<Option<std::net::IpAddr>>,
     registry: Arc<ConnRegistry>,
+    reactor: Arc<Reactor>,
 }
 
 impl TcpPeer {
@@ -71,6 +72,7 @@ impl TcpPeer {
         settings: Arc<Settings>,
         completer: Completer,
         registry: Arc<ConnRegistry>,
+        reactor: Arc<Reactor>,
     ) -> TcpPeer {
         let slots = (0..settings.connections.max(1))
             .map(|_| Mutex::new(None))
@@ -85,6 +87,7 @@ impl TcpPeer {
             next: AtomicUsize::new(0),
             local_ip: Mutex::new(None),
             registry,
+            reactor,
         }
     }
 
@@ -136,6 +139,7 @@ impl TcpPeer {
             (tx, rx),
             self.completer,
             self.settings.clone(),
+            self.reactor.place(),
         )?;
         self.registry.add(&conn);
         *slot = Some(conn.clone());

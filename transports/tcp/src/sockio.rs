@@ -1,17 +1,11 @@
-//! Scatter/gather socket I/O with deadlines: bytes go straight between the
-//! socket and the caller's memory (readv/writev style), never through an
-//! intermediate buffer.
-//!
-//! Sockets carry SO_RCVTIMEO/SO_SNDTIMEO of one [`TICK`], so a blocked call
-//! returns regularly and the loop can check its deadline and whether it was
-//! asked to stop.
+//! Scatter/gather socket I/O without blocking: bytes go straight between
+//! the socket and the caller's memory (readv/writev style), never through
+//! an intermediate buffer; a call moves what the socket takes now, and the
+//! caller's state machine picks up where it stopped.
 
 use std::io;
 use std::os::fd::RawFd;
-use std::time::{Duration, Instant};
 
-/// How often a blocked send or receive wakes up to check its deadline.
-pub const TICK: Duration = Duration::from_millis(100);
 const IOV_MAX: usize = 1024;
 
 /// A list of memory ranges consumed front to back.
@@ -144,121 +138,11 @@ pub fn recv_some(fd: RawFd, s: &mut IoSlices, dontwait: bool) -> io::Result<usiz
     Ok(rc as usize)
 }
 
-/// Why a loop stopped early.
-pub enum Stop {
-    /// The deadline passed.
-    Deadline,
-    /// No byte of a new message arrived within the idle timeout.
-    Idle,
-    /// The keep-going check said no.
-    Cancelled,
-}
-
-/// Sends everything by `deadline`, blocking in ticks; fails when the
-/// deadline passes (the peer reads too slowly or not at all) or
-/// `keep_going` returns false.
-pub fn send_all(
-    fd: RawFd,
-    s: &mut IoSlices,
-    deadline: Instant,
-    mut keep_going: impl FnMut() -> bool,
-) -> Result<(), IoStop> {
-    while !s.is_done() {
-        match send_some(fd, s, false) {
-            Ok(0) => {
-                if !keep_going() {
-                    return Err(IoStop::Stopped(Stop::Cancelled));
-                }
-            }
-            Ok(_) => {}
-            Err(e) => return Err(IoStop::Io(e)),
-        }
-        if !s.is_done() && Instant::now() > deadline {
-            return Err(IoStop::Stopped(Stop::Deadline));
-        }
-    }
-    Ok(())
-}
-
-/// When a receive must finish.
-#[derive(Clone, Copy, Debug)]
-pub enum Deadline {
-    /// By this instant.
-    At(Instant),
-    /// The first byte within `idle` (a connection waiting for its next
-    /// frame), then all of it within `frame` of that byte.
-    Idle { idle: Duration, frame: Duration },
-}
-
-/// Receives until the slices are full; fails when the deadline passes or
-/// `keep_going` says so (checked at least once a tick).
-pub fn recv_all(
-    fd: RawFd,
-    s: &mut IoSlices,
-    deadline: Deadline,
-    mut keep_going: impl FnMut() -> bool,
-) -> Result<(), IoStop> {
-    let (mut limit, mut waiting_for_first) = match deadline {
-        Deadline::At(at) => (at, false),
-        Deadline::Idle { idle, .. } => (Instant::now() + idle, true),
-    };
-    while !s.is_done() {
-        match recv_some(fd, s, false) {
-            Ok(0) => {
-                if !keep_going() {
-                    return Err(IoStop::Stopped(Stop::Cancelled));
-                }
-            }
-            Ok(_) => {
-                if let (true, Deadline::Idle { frame, .. }) = (waiting_for_first, deadline) {
-                    waiting_for_first = false;
-                    limit = Instant::now() + frame;
-                }
-            }
-            Err(e) => return Err(IoStop::Io(e)),
-        }
-        if !s.is_done() && Instant::now() > limit {
-            let why = if waiting_for_first {
-                Stop::Idle
-            } else {
-                Stop::Deadline
-            };
-            return Err(IoStop::Stopped(why));
-        }
-    }
-    Ok(())
-}
-
-pub enum IoStop {
-    Io(io::Error),
-    Stopped(Stop),
-}
-
-impl IoStop {
-    pub fn describe(&self) -> String {
-        match self {
-            IoStop::Io(e) => e.to_string(),
-            IoStop::Stopped(Stop::Deadline) => "timed out".into(),
-            IoStop::Stopped(Stop::Idle) => "idle".into(),
-            IoStop::Stopped(Stop::Cancelled) => "cancelled".into(),
-        }
-    }
-
-    pub fn is_timeout(&self) -> bool {
-        matches!(self, IoStop::Stopped(Stop::Deadline))
-    }
-
-    pub fn is_idle(&self) -> bool {
-        matches!(self, IoStop::Stopped(Stop::Idle))
-    }
-}
-
-/// Sets the tick timeouts and TCP_NODELAY on a connected socket.
+/// Readies a connected socket for the I/O loops: TCP_NODELAY (frames are
+/// whole when written) and non-blocking.
 pub fn configure(stream: &std::net::TcpStream) -> io::Result<()> {
     stream.set_nodelay(true)?;
-    stream.set_read_timeout(Some(TICK))?;
-    stream.set_write_timeout(Some(TICK))?;
-    Ok(())
+    stream.set_nonblocking(true)
 }
 
 #[cfg(test)]

@@ -1,45 +1,28 @@
-//! The target side: accepts data connections and serves READ and WRITE
-//! frames against registered memory only.
+//! The target side: the data listener. Connections are accepted and
+//! authenticated by a gate (`sdk::gate`: one thread for every pending
+//! handshake, the oldest silent one evicted when the pre-auth pool is
+//! full), counted against the caps on served connections (in all and per
+//! peer host), sent the hello, and handed to the I/O loops, which serve
+//! their frames against registered memory only (target_conn.rs).
 //!
-//! For each frame: read and check the header and descriptors, pin every
-//! range that lies inside a registered region, then move the payload
-//! straight between the socket and those ranges. A range outside registered
-//! memory gets an error status and its WRITE bytes are read into a scratch
-//! buffer and dropped, so the stream stays in step and nothing else is
-//! touched. Anything malformed closes the connection.
-//!
-//! Limits: a connection has at most one frame in flight (at most
-//! [`wire::MAX_DESCS`] requests and [`wire::MAX_FRAME_PAYLOAD`] bytes): the
-//! next is not read before this one's response is sent, so a peer that
-//! sends faster than it reads is held back by TCP flow control, and one
-//! that stops reading is dropped once a response cannot be sent within the
-//! timeout. Authenticated connections are capped per target and per peer
-//! host, and one that carries no frame for the idle timeout is closed.
-//! Connections still authenticating have a pool of their own (per source and
-//! in total, `sdk::admission`) and the short auth deadline, so they never
-//! take the places of authenticated peers; one that finds the pool full is
-//! told BUSY.
-//!
-//! Every frame's header and descriptors must pass their session tag
-//! (`wire`) before anything in them is acted on.
+//! No thread per connection: a target serving a thousand connections runs
+//! the gate's thread and the instance's I/O threads.
 
-use crate::regions::{Pin, Regions};
-use crate::sockio::{self, Deadline, IoSlices, IoStop};
-use crate::wire::{self, Desc, Header, Kind};
-use ferry_plugins_abi::sdk::admission::{PreAuthPool, Refusal, Refusals, Source};
-use ferry_plugins_abi::sdk::auth::{self, AuthError, Direction, Session, Token, TAG_LEN};
-use ferry_plugins_abi::sdk::deadline::DeadlineStream;
-use ferry_plugins_abi::sys;
-use std::io::Write;
+use crate::reactor::{Reactor, Registration};
+use crate::regions::Regions;
+use crate::target_conn::{Logs, ServeConfig, ServedConn};
+use crate::wire;
+use ferry_plugins_abi::sdk::admission::{Refusal, Refusals};
+use ferry_plugins_abi::sdk::auth::Token;
+use ferry_plugins_abi::sdk::gate::{self, Admitted, Gate, GateConfig};
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
-/// Incoming data connections served at once; more are closed at accept
-/// (tcp.max_connections).
+/// Incoming data connections served at once; more are refused after
+/// authentication (tcp.max_connections).
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 /// Of those, from one peer host (tcp.max_connections_per_host).
 pub const DEFAULT_MAX_CONNECTIONS_PER_HOST: usize = 256;
@@ -53,7 +36,7 @@ pub struct TargetConfig {
     pub max_connections_per_host: usize,
     /// Sent in the hello after authentication (and in the endpoint).
     pub instance: u64,
-    /// Deadline of a new connection's authentication (auth_timeout_ms).
+    /// Deadline of a new connection's whole authentication (auth_timeout_ms).
     pub auth_timeout: Duration,
     /// Connections authenticating at once: in all, and per source.
     pub max_pending: usize,
@@ -64,31 +47,43 @@ pub struct TargetConfig {
     /// The cluster's token (`auth.token`): a connection that does not prove
     /// it knows it is closed before any frame is read.
     pub token: Option<Token>,
-    /// How long a connection's thread polls for the next frame (tcp.spin_us).
+    /// How long an I/O loop polls for a connection's next frame after a
+    /// response (tcp.spin_us).
     pub spin: Duration,
 }
 
-/// One connection as the accept loop tracks it.
-struct Tracked {
-    ip: IpAddr,
-    /// A clone of its socket, to shut it down.
-    stream: TcpStream,
-    thread: JoinHandle<()>,
-    /// It passed authentication (only those count against the caps).
-    authed: Arc<AtomicBool>,
+/// Served connections, in all and per peer host.
+#[derive(Default)]
+struct Served {
+    total: usize,
+    by_host: HashMap<IpAddr, usize>,
 }
 
-/// The target's connections.
-type ConnList = Arc<Mutex<Vec<Tracked>>>;
+/// A served connection's place under the caps; released when it goes.
+struct Place {
+    served: Arc<Mutex<Served>>,
+    ip: IpAddr,
+}
 
-/// Frames that failed their tag, process-wide (for tests and reports).
-pub static INTEGRITY_FAILURES: AtomicU64 = AtomicU64::new(0);
+impl Drop for Place {
+    fn drop(&mut self) {
+        let mut s = self.served.lock().unwrap_or_else(|p| p.into_inner());
+        s.total = s.total.saturating_sub(1);
+        if let Some(n) = s.by_host.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                s.by_host.remove(&self.ip);
+            }
+        }
+    }
+}
+
+type Live = Arc<Mutex<Vec<(Registration, Weak<ServedConn>)>>>;
 
 pub struct Target {
     addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    accept_thread: Option<JoinHandle<()>>,
-    conns: ConnList,
+    gate: Option<Gate>,
+    live: Live,
 }
 
 impl Target {
@@ -96,23 +91,89 @@ impl Target {
         bind: &str,
         regions: Arc<Regions>,
         config: TargetConfig,
-        log: Arc<dyn Fn(&str) + Send + Sync>,
+        reactor: Arc<Reactor>,
+        refusals: Arc<Refusals>,
+        logs: Logs,
     ) -> std::io::Result<Target> {
         let listener = TcpListener::bind(bind)?;
         let addr = listener.local_addr()?;
-        listener.set_nonblocking(true)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let conns: ConnList = Arc::default();
-        let refusals = Arc::new(Refusals::new("tcp"));
-        let (stop2, conns2, refusals2) = (stop.clone(), conns.clone(), refusals);
-        let accept_thread = std::thread::Builder::new()
-            .name("ferry-tcp-accept".into())
-            .spawn(move || accept_loop(listener, regions, stop2, conns2, config, log, refusals2))?;
+        let live: Live = Arc::default();
+        let served: Arc<Mutex<Served>> = Arc::default();
+        let serve = Arc::new(ServeConfig {
+            timeout: config.timeout,
+            idle_timeout: config.idle_timeout,
+            require_payload_tag: config.require_payload_tag,
+            spin: config.spin,
+        });
+        let (live2, refusals2, logs2) = (live.clone(), refusals.clone(), logs.clone());
+        let (max_total, max_host, instance, timeout) = (
+            config.max_connections,
+            config.max_connections_per_host,
+            config.instance,
+            config.timeout,
+        );
+        let on_admit = move |a: Admitted| {
+            let Admitted {
+                fd, peer, session, ..
+            } = a;
+            let stream = TcpStream::from(fd);
+            let Ok(peer_addr) = stream.peer_addr() else {
+                return;
+            };
+            let place = match admit(&served, peer_addr.ip(), max_total, max_host) {
+                Ok(p) => p,
+                Err((kind, why)) => {
+                    refusals2.record(kind, || format!("{peer}: {why}"), |l| (logs2.warn)(l));
+                    return;
+                }
+            };
+            let mut session = session;
+            let hello = wire::encode_hello(instance);
+            let tag = session.send.seal(&[&hello]);
+            let mut out = hello.to_vec();
+            out.extend_from_slice(&tag);
+            // The hello is the first thing this side sends after the
+            // exchange: the socket's empty buffer takes it whole.
+            if !send_now(&stream, &out, timeout) || stream.set_nodelay(true).is_err() {
+                return;
+            }
+            let reg = reactor.place();
+            let conn = Arc::new(ServedConn::new(
+                stream,
+                peer_addr,
+                session,
+                regions.clone(),
+                serve.clone(),
+                refusals2.clone(),
+                logs2.clone(),
+                Box::new(place),
+            ));
+            let want = conn.first_want();
+            let mut list = live2.lock().unwrap_or_else(|p| p.into_inner());
+            list.retain(|(_, w)| w.strong_count() > 0);
+            list.push((reg.clone(), Arc::downgrade(&conn)));
+            drop(list);
+            reg.start(conn, want);
+        };
+        let gate = Gate::start(
+            OwnedFd::from(listener),
+            "ferry-tcp-gate",
+            GateConfig {
+                kind: "tcp",
+                token: config.token.clone(),
+                auth_timeout: config.auth_timeout,
+                max_pending: config.max_pending,
+                max_pending_per_source: config.max_pending_per_source,
+            },
+            Box::new(gate::classify_tcp),
+            Box::new(on_admit),
+            refusals,
+            logs.warn,
+        )?;
         Ok(Target {
             addr,
-            stop,
-            accept_thread: Some(accept_thread),
-            conns,
+            gate: Some(gate),
+            live,
         })
     }
 
@@ -123,152 +184,15 @@ impl Target {
 
 impl Drop for Target {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.accept_thread.take() {
-            let _ = t.join();
-        }
-        let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
-        for c in &conns {
-            let _ = c.stream.shutdown(std::net::Shutdown::Both);
-        }
-        for c in conns {
-            let _ = c.thread.join();
-        }
-    }
-}
-
-fn accept_loop(
-    listener: TcpListener,
-    regions: Arc<Regions>,
-    stop: Arc<AtomicBool>,
-    conns: ConnList,
-    config: TargetConfig,
-    log: Arc<dyn Fn(&str) + Send + Sync>,
-    refusals: Arc<Refusals>,
-) {
-    let config = Arc::new(config);
-    let pending = PreAuthPool::new(config.max_pending, config.max_pending_per_source);
-    let fd = listener.as_raw_fd();
-    while !stop.load(Ordering::SeqCst) {
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for the duration of the call.
-        unsafe { libc::poll(&mut pfd, 1, 100) };
-        // Forget connections whose thread ended, on every tick: each entry
-        // holds a clone of its socket, so a finished one kept its file
-        // descriptor open until the next peer connected (found by
-        // tests/faults.rs counting a target's descriptors after its peers
-        // left).
-        conns
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|c| !c.thread.is_finished());
-        let (stream, peer) = match listener.accept() {
-            Ok(s) => s,
-            Err(_) => continue,
-        };
-        if stream.set_nonblocking(false).is_err() {
-            continue;
-        }
-        let slot = match pending.enter(Source::ip(peer.ip())) {
-            Ok(slot) => slot,
-            Err(why) => {
-                auth::refuse_busy(&mut DeadlineStream::new(
-                    &stream,
-                    Duration::from_millis(100),
-                ));
-                refusals.record(
-                    why,
-                    || format!("{peer}: {} connections are being set up", pending.pending()),
-                    |l| log(l),
-                );
-                continue;
+        // No new connections, then every served one closes (its peer fails
+        // what it has in flight) and leaves its loop.
+        drop(self.gate.take());
+        let live = std::mem::take(&mut *self.live.lock().unwrap_or_else(|p| p.into_inner()));
+        for (reg, conn) in live {
+            if let Some(c) = conn.upgrade() {
+                c.shutdown();
             }
-        };
-        let Ok(clone) = stream.try_clone() else {
-            continue;
-        };
-        let authed = Arc::new(AtomicBool::new(false));
-        let (regions, stop, log, config, conns2, authed2, refusals) = (
-            regions.clone(),
-            stop.clone(),
-            log.clone(),
-            config.clone(),
-            conns.clone(),
-            authed.clone(),
-            refusals.clone(),
-        );
-        let spawned = std::thread::Builder::new()
-            .name("ferry-tcp-target".into())
-            .spawn(move || {
-                let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    // Nothing the peer sends is parsed before it proved
-                    // itself; the whole exchange has the auth deadline.
-                    let mut proving = DeadlineStream::new(&stream, config.auth_timeout);
-                    let proved = auth::accept(&mut proving, config.token.as_ref(), "tcp");
-                    drop(slot);
-                    let mut session = match proved {
-                        Ok(s) => s,
-                        Err(e) => {
-                            let kind = match &e {
-                                AuthError::Refused(_) => Refusal::Auth,
-                                AuthError::Protocol(m) if m.contains("deadline") => {
-                                    Refusal::Timeout
-                                }
-                                _ => Refusal::Protocol,
-                            };
-                            refusals.record(kind, || format!("{peer}: {e}"), |l| log(l));
-                            return Ok(());
-                        }
-                    };
-                    admit(&conns2, peer, &authed2, &config).map_err(|(kind, why)| {
-                        refusals.record(kind, || format!("{peer}: {why}"), |l| log(l));
-                        why
-                    })?;
-                    let hello = wire::encode_hello(config.instance);
-                    let tag = session.send.seal(&[&hello]);
-                    proving.restart(config.timeout);
-                    proving
-                        .write_all(&hello)
-                        .and_then(|()| proving.write_all(&tag))
-                        .map_err(|e| format!("sending the hello: {e}"))?;
-                    sockio::configure(&stream).map_err(|e| e.to_string())?;
-                    serve(&stream, &regions, &stop, &config, &mut session).map_err(|e| {
-                        if e.contains("integrity check failed") {
-                            INTEGRITY_FAILURES.fetch_add(1, Ordering::SeqCst);
-                            refusals.record(
-                                Refusal::Integrity,
-                                || format!("{peer}: {e}"),
-                                |l| log(l),
-                            );
-                        }
-                        e
-                    })
-                }));
-                match served {
-                    Ok(Ok(())) => {}
-                    Ok(Err(why)) => log(&format!("data connection from {peer} closed: {why}")),
-                    Err(_) => log(&format!(
-                        "data connection from {peer} closed: its thread failed unexpectedly \
-                         (a bug; please report it)"
-                    )),
-                }
-                // The peer sees the connection close and fails its requests.
-                let _ = stream.shutdown(std::net::Shutdown::Both);
-            });
-        if let Ok(thread) = spawned {
-            conns
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(Tracked {
-                    ip: peer.ip(),
-                    stream: clone,
-                    thread,
-                    authed,
-                });
+            reg.remove();
         }
     }
 }
@@ -276,27 +200,20 @@ fn accept_loop(
 /// Counts an authenticated connection against the caps on served ones
 /// (in all and per peer host), or says which cap it would pass.
 fn admit(
-    conns: &ConnList,
-    peer: SocketAddr,
-    authed: &AtomicBool,
-    config: &TargetConfig,
-) -> Result<(), (Refusal, String)> {
-    let list = conns.lock().unwrap_or_else(|e| e.into_inner());
-    let served: Vec<&Tracked> = list
-        .iter()
-        .filter(|c| c.authed.load(Ordering::SeqCst) && !c.thread.is_finished())
-        .collect();
-    if served.len() >= config.max_connections {
+    served: &Arc<Mutex<Served>>,
+    ip: IpAddr,
+    max_total: usize,
+    max_host: usize,
+) -> Result<Place, (Refusal, String)> {
+    let mut s = served.lock().unwrap_or_else(|p| p.into_inner());
+    if s.total >= max_total {
         return Err((
             Refusal::Full,
-            format!(
-                "{} data connections are served (tcp.max_connections)",
-                config.max_connections
-            ),
+            format!("{max_total} data connections are served (tcp.max_connections)"),
         ));
     }
-    let from_host = served.iter().filter(|c| c.ip == peer.ip()).count();
-    if from_host >= config.max_connections_per_host {
+    let from_host = s.by_host.get(&ip).copied().unwrap_or(0);
+    if from_host >= max_host {
         return Err((
             Refusal::PerSource,
             format!(
@@ -305,297 +222,19 @@ fn admit(
             ),
         ));
     }
-    authed.store(true, Ordering::SeqCst);
-    Ok(())
+    s.total += 1;
+    *s.by_host.entry(ip).or_insert(0) += 1;
+    Ok(Place {
+        served: served.clone(),
+        ip,
+    })
 }
 
-/// A fixed buffer that swallows WRITE bytes aimed outside registered memory.
-const SCRATCH_LEN: usize = 64 * 1024;
-
-fn serve(
-    stream: &TcpStream,
-    regions: &Regions,
-    stop: &AtomicBool,
-    config: &TargetConfig,
-    session: &mut Session,
-) -> Result<(), String> {
-    let (timeout, spin) = (config.timeout, config.spin);
-    let fd = stream.as_raw_fd();
-    let keep_going = || !stop.load(Ordering::SeqCst);
-    let mut scratch = vec![0u8; SCRATCH_LEN];
-    let mut desc_bytes: Vec<u8> = Vec::new();
-    let mut out: Vec<u8> = Vec::new();
-    loop {
-        // Every frame has at least one descriptor: read the header and the
-        // first descriptor in one call.
-        let mut hb = [0u8; wire::HEADER_LEN];
-        let mut first_desc = [0u8; wire::DESC_LEN];
-        let mut s = IoSlices::new();
-        s.push(hb.as_mut_ptr(), hb.len());
-        s.push(first_desc.as_mut_ptr(), first_desc.len());
-        // A connection waits for its next frame up to the idle timeout;
-        // once a frame begins, all of it must arrive within the timeout.
-        spin_for_next_frame(fd, spin);
-        let wait = Deadline::Idle {
-            idle: config.idle_timeout,
-            frame: timeout,
-        };
-        match sockio::recv_all(fd, &mut s, wait, keep_going) {
-            Ok(()) => {}
-            Err(IoStop::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) if e.is_idle() => {
-                return Err(format!(
-                    "idle for {} s (the peer reconnects when it needs to)",
-                    config.idle_timeout.as_secs()
-                ))
-            }
-            Err(e) => return Err(e.describe()),
-        }
-        let deadline = Instant::now() + timeout;
-        let header = Header::decode(&hb).map_err(|e| e.0)?;
-        if header.kind == Kind::Response {
-            return Err("a peer sent a response frame as a request".into());
-        }
-        desc_bytes.clear();
-        desc_bytes.extend_from_slice(&first_desc);
-        desc_bytes.resize(header.count as usize * wire::DESC_LEN, 0);
-        let mut tag = [0u8; TAG_LEN];
-        let mut s = IoSlices::new();
-        s.push(
-            desc_bytes[wire::DESC_LEN..].as_mut_ptr(),
-            desc_bytes.len() - wire::DESC_LEN,
-        );
-        s.push(tag.as_mut_ptr(), TAG_LEN);
-        sockio::recv_all(fd, &mut s, Deadline::At(deadline), keep_going)
-            .map_err(|e| format!("reading descriptors: {}", e.describe()))?;
-        // Nothing in the frame is acted on before its tag passed.
-        session
-            .recv
-            .open(&[&hb, &desc_bytes], &tag)
-            .map_err(|e| e.to_string())?;
-        if config.require_payload_tag && !header.payload_tagged() {
-            return Err(
-                "the peer sent a frame without a payload tag, and this target requires \
-                 them (FERRY_INTEGRITY=payload); set it on the peer too"
-                    .into(),
-            );
-        }
-        let descs = wire::decode_descs(&header, &desc_bytes).map_err(|e| e.0)?;
-
-        // Check every range; keep the pins until the payload has moved.
-        let mut pins: Vec<Option<Pin>> = Vec::with_capacity(descs.len());
-        let mut statuses: Vec<i32> = Vec::with_capacity(descs.len());
-        for d in &descs {
-            match regions.pin(d.addr, d.len) {
-                Ok(p) => {
-                    pins.push(Some(p));
-                    statuses.push(sys::FERRY_OK);
-                }
-                Err(code) => {
-                    pins.push(None);
-                    statuses.push(code);
-                }
-            }
-        }
-
-        match header.kind {
-            Kind::Write if header.payload_tagged() => {
-                receive_tagged_payload(
-                    fd,
-                    &descs,
-                    &pins,
-                    &mut scratch,
-                    &header,
-                    &session.recv,
-                    deadline,
-                    keep_going,
-                )?;
-                drop(pins);
-                respond(
-                    fd,
-                    &mut out,
-                    &header,
-                    &statuses,
-                    &[],
-                    timeout,
-                    keep_going,
-                    &mut session.send,
-                )?;
-            }
-            Kind::Write => {
-                let mut s = IoSlices::new();
-                for (d, pin) in descs.iter().zip(&pins) {
-                    if pin.is_some() {
-                        s.push(d.addr as *const u8, d.len as usize);
-                    } else {
-                        push_scratch(&mut s, &mut scratch, d.len);
-                    }
-                }
-                sockio::recv_all(fd, &mut s, Deadline::At(deadline), keep_going)
-                    .map_err(|e| format!("reading a WRITE payload: {}", e.describe()))?;
-                drop(pins);
-                respond(
-                    fd,
-                    &mut out,
-                    &header,
-                    &statuses,
-                    &[],
-                    timeout,
-                    keep_going,
-                    &mut session.send,
-                )?;
-            }
-            Kind::Read => {
-                respond(
-                    fd,
-                    &mut out,
-                    &header,
-                    &statuses,
-                    &descs,
-                    timeout,
-                    keep_going,
-                    &mut session.send,
-                )?;
-                drop(pins);
-            }
-            Kind::Response => return Err("a peer sent a response frame as a request".into()),
-        }
-    }
-}
-
-/// Polls for the next frame for up to `spin` before the thread sleeps: a
-/// peer issuing requests one after another gets each picked up without a
-/// thread wake-up, which costs more than the round trip itself on a VM.
-fn spin_for_next_frame(fd: i32, spin: Duration) {
-    let started = Instant::now();
-    while started.elapsed() < spin {
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for the duration of the call.
-        if unsafe { libc::poll(&mut pfd, 1, 0) } != 0 {
-            return;
-        }
-        std::hint::spin_loop();
-    }
-}
-
-/// Queues `len` bytes of scratch (reused as often as needed).
-fn push_scratch(s: &mut IoSlices, scratch: &mut [u8], mut len: u64) {
-    while len > 0 {
-        let n = len.min(scratch.len() as u64) as usize;
-        s.push(scratch.as_mut_ptr(), n);
-        len -= n as u64;
-    }
-}
-
-/// Receives a WRITE payload whose tag follows it: a run of pinned ranges at
-/// a time straight into memory, refused ranges through the scratch buffer,
-/// each hashed once it arrived, then the tag. A payload that fails it has
-/// landed already: the connection is closed and the peer's requests fail.
-#[allow(clippy::too_many_arguments)]
-fn receive_tagged_payload(
-    fd: i32,
-    descs: &[Desc],
-    pins: &[Option<Pin>],
-    scratch: &mut [u8],
-    header: &Header,
-    rx: &Direction,
-    deadline: Instant,
-    mut keep_going: impl FnMut() -> bool,
-) -> Result<(), String> {
-    let mut mac = rx.payload(header.seq);
-    let mut i = 0;
-    while i < descs.len() {
-        if pins[i].is_some() {
-            let mut j = i;
-            let mut s = IoSlices::new();
-            while j < descs.len() && pins[j].is_some() {
-                s.push(descs[j].addr as *const u8, descs[j].len as usize);
-                j += 1;
-            }
-            sockio::recv_all(fd, &mut s, Deadline::At(deadline), &mut keep_going)
-                .map_err(|e| format!("reading a WRITE payload: {}", e.describe()))?;
-            for d in &descs[i..j] {
-                // SAFETY: the range lies inside a registered region that the
-                // pin keeps registered; the bytes were just received there.
-                mac.update(unsafe {
-                    std::slice::from_raw_parts(d.addr as *const u8, d.len as usize)
-                });
-            }
-            i = j;
-        } else {
-            let mut left = descs[i].len;
-            while left > 0 {
-                let n = left.min(scratch.len() as u64) as usize;
-                let mut s = IoSlices::new();
-                s.push(scratch.as_mut_ptr(), n);
-                sockio::recv_all(fd, &mut s, Deadline::At(deadline), &mut keep_going)
-                    .map_err(|e| format!("reading a WRITE payload: {}", e.describe()))?;
-                mac.update(&scratch[..n]);
-                left -= n as u64;
-            }
-            i += 1;
-        }
-    }
-    let mut tag = [0u8; TAG_LEN];
-    let mut s = IoSlices::new();
-    s.push(tag.as_mut_ptr(), TAG_LEN);
-    sockio::recv_all(fd, &mut s, Deadline::At(deadline), keep_going)
-        .map_err(|e| format!("reading a payload tag: {}", e.describe()))?;
-    mac.verify(&tag).map_err(|e| format!("WRITE payload: {e}"))
-}
-
-#[allow(clippy::too_many_arguments)]
-fn respond(
-    fd: i32,
-    out: &mut Vec<u8>,
-    request: &Header,
-    statuses: &[i32],
-    read_descs: &[Desc],
-    timeout: Duration,
-    keep_going: impl FnMut() -> bool,
-    tx: &mut Direction,
-) -> Result<(), String> {
-    let payload_len: u64 = read_descs
-        .iter()
-        .zip(statuses)
-        .filter(|(_, s)| **s == sys::FERRY_OK)
-        .map(|(d, _)| d.len)
-        .sum();
-    let header = Header {
-        kind: Kind::Response,
-        flags: request.flags,
-        count: request.count,
-        seq: request.seq,
-        payload_len,
-    };
-    out.clear();
-    out.extend_from_slice(&header.encode());
-    wire::encode_statuses(statuses, out);
-    let tag = tx.seal(&[out]);
-    out.extend_from_slice(&tag);
-    let mut s = IoSlices::new();
-    s.push(out.as_ptr(), out.len());
-    let mut mac = request.payload_tagged().then(|| tx.payload(request.seq));
-    for (d, st) in read_descs.iter().zip(statuses) {
-        if *st == sys::FERRY_OK {
-            s.push(d.addr as *const u8, d.len as usize);
-            if let Some(m) = &mut mac {
-                // SAFETY: the range was pinned inside a registered region by
-                // the caller, which holds the pins until this returns.
-                m.update(unsafe {
-                    std::slice::from_raw_parts(d.addr as *const u8, d.len as usize)
-                });
-            }
-        }
-    }
-    let ptag = mac.map(|m| m.finish());
-    if let Some(t) = &ptag {
-        s.push(t.as_ptr(), TAG_LEN);
-    }
-    sockio::send_all(fd, &mut s, Instant::now() + timeout, keep_going)
-        .map_err(|e| format!("sending a response: {}", e.describe()))
+/// Sends a few bytes that must go now (into an empty socket buffer).
+fn send_now(stream: &TcpStream, bytes: &[u8], timeout: Duration) -> bool {
+    use std::io::Write;
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_write_timeout(Some(timeout.max(Duration::from_millis(1))));
+    let ok = (&mut &*stream).write_all(bytes).is_ok();
+    ok && stream.set_nonblocking(true).is_ok()
 }

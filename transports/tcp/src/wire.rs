@@ -49,6 +49,9 @@ pub const HEADER_LEN: usize = 32;
 pub use ferry_plugins_abi::sdk::auth::TAG_LEN;
 /// Header flag: a payload tag follows the payload.
 pub const FLAG_PAYLOAD_TAG: u16 = 1;
+/// Response flag: the request's payload failed its tag at the target (the
+/// target closes the connection after this response).
+pub const FLAG_INTEGRITY_FAILED: u16 = 2;
 pub const DESC_LEN: usize = 16;
 pub const STATUS_LEN: usize = 4;
 /// Most descriptors in one frame (the kernel's IOV_MAX).
@@ -126,7 +129,11 @@ impl Header {
             k => return Err(WireError(format!("unknown TCP frame kind {k}"))),
         };
         let flags = u16::from_le_bytes([b[6], b[7]]);
-        if flags & !FLAG_PAYLOAD_TAG != 0 {
+        let known = match kind {
+            Kind::Response => FLAG_PAYLOAD_TAG | FLAG_INTEGRITY_FAILED,
+            _ => FLAG_PAYLOAD_TAG,
+        };
+        if flags & !known != 0 {
             return Err(WireError(format!("unknown TCP frame flags {flags:#x}")));
         }
         let count = u32::from_le_bytes([b[8], b[9], b[10], b[11]]);

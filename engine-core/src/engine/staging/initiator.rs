@@ -1,7 +1,9 @@
 //! The initiator side of staging: this engine's own pinned slots, the
 //! sessions peers lend it (leased one job at a time), and copy streams.
 
-use super::protocol::{decode_open_reply, CopyRequest, OpenRequest};
+use super::protocol::{
+    decode_open_reply, CopyListRequest, CopyRequest, OpenRequest, COPY_LIST_VERSION,
+};
 use super::slots::{slot_geometry, Piece, SlotPool, Space};
 use crate::control::{ControlClient, MsgType};
 use crate::device::Stream;
@@ -47,6 +49,23 @@ impl StagingLease {
         })
         .map_err(|e| Error::new(ErrorCode::Internal, e.to_string()))?;
         let sent = self.session().client.lock().send(MsgType::StageCopy, &body);
+        self.broken |= sent.is_err();
+        sent
+    }
+
+    /// Whether the peer takes lists of copies (StageCopyList).
+    pub(crate) fn copy_list(&self) -> bool {
+        self.session().copy_list
+    }
+
+    /// Asks the peer for many copies between one slot and its device
+    /// memory as one device operation; answered as send_copy is.
+    pub(crate) fn send_copy_list(&mut self, list: &CopyListRequest) -> Result<()> {
+        let sent = self
+            .session()
+            .client
+            .lock()
+            .send(MsgType::StageCopyList, &list.encode());
         self.broken |= sent.is_err();
         sent
     }
@@ -182,6 +201,8 @@ impl Shared {
             ));
         }
         let reply = decode_open_reply(&reply, slot_geometry(self.staging.chunk).1)?;
+        // We send version 1 lists; a peer announcing it (or later) takes them.
+        let copy_list = reply.copy_list >= COPY_LIST_VERSION;
         let main = seg.view.read().clone();
         let mut descriptor = main.descriptor.clone();
         descriptor.buffers = reply.slots;
@@ -193,6 +214,7 @@ impl Shared {
             session: Some(Arc::new(RemoteStaging {
                 client: Mutex::new(client),
                 view,
+                copy_list,
             })),
             broken: false,
         })

@@ -1,23 +1,43 @@
 //! A staging job: staged requests cut into chunks, each moved through its
 //! phases (device copy, host transfer, the peer's device copy), up to
 //! `depth` chunks in flight.
+//!
+//! Small device-to-device requests to one peer are packed: many of them
+//! share one chunk (a packed run in one slot), gathered by one list copy
+//! on the local device, sent as one host transfer, and scattered by one
+//! list copy on the peer's (StageCopyList); reads the other way round.
 
 use super::initiator::StagingLease;
+use super::protocol::{CopyListRequest, ListPiece, MAX_LIST_PIECES};
 use super::slots::{slot_geometry, LocalSlot, Piece, SlotPool, Space};
 use crate::batch::{Batch, BatchId};
 use crate::device::Stream;
 use crate::engine::plan::StagedItem;
 use crate::engine::request::{Op, Request, SegmentId};
+use crate::engine::segments::RemoteSegment;
 use crate::engine::shared::Shared;
 use crate::error::{Error, ErrorCode, Result};
 use crate::location::Location;
 use crate::memory::LocalBuffer;
-use std::collections::{HashMap, VecDeque};
+use ferry_plugins_abi::sys::ferry_device_copy_t;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
 /// Most chunks of one job in flight (small requests share slots).
 const MAX_INFLIGHT: usize = 64;
+/// Where each request starts in a packed run: aligned for the copy
+/// kernel's wide loads and stores.
+const PACK_ALIGN: u64 = 256;
+
+/// One whole small request in a packed run: `len` bytes of item `item`,
+/// at `at` in the run.
+#[derive(Clone, Copy, Debug)]
+struct Part {
+    item: usize,
+    len: u64,
+    at: u64,
+}
 
 /// Where a chunk is on its way.
 enum Phase {
@@ -35,6 +55,12 @@ struct Chunk {
     item: usize,
     off: u64,
     len: u64,
+    /// The requests of a packed run (two or more); empty for a chunk of
+    /// one request, [off, off + len) of `item`.
+    parts: Vec<Part>,
+    /// The peer refused the packed run's list as outside its registered
+    /// memory: its requests go again one by one, so only the bad ones fail.
+    alone: bool,
     local_slot: Option<LocalSlot>,
     /// Room in the peer's slots, in the job's session.
     remote_slot: Option<Piece>,
@@ -55,11 +81,15 @@ impl Shared {
             items: &items,
             errors: (0..items.len()).map(|_| None).collect(),
             remaining: items.iter().map(|i| i.length.div_ceil(chunk)).collect(),
+            said_alone: false,
             batch: &batch,
             leases: HashMap::new(),
             free_remote: HashMap::new(),
             awaiting: HashMap::new(),
             replies: HashMap::new(),
+            alone: HashSet::new(),
+            no_session: HashMap::new(),
+            requeue: Vec::new(),
         };
         let mut pending = items
             .iter()
@@ -94,15 +124,27 @@ impl Shared {
                     job.finish(i, Ok(()));
                     continue;
                 }
-                match self.admit(&mut job, pool.as_ref(), i, off, inflight.is_empty()) {
-                    Ok(Some(c)) => {
+                let parts = match self.pack(&mut job, &pending) {
+                    Ok(parts) => parts,
+                    Err(e) => {
                         pending.pop_front();
+                        job.finish(i, Err(e));
+                        continue;
+                    }
+                };
+                let taken = parts.len().max(1);
+                let items: Vec<usize> = pending.iter().take(taken).map(|&(i, _)| i).collect();
+                match self.admit(&mut job, pool.as_ref(), i, off, parts, inflight.is_empty()) {
+                    Ok(Some(c)) => {
+                        pending.drain(..taken);
                         inflight.push_back(c);
                     }
                     Ok(None) => break,
                     Err(e) => {
-                        pending.pop_front();
-                        job.finish(i, Err(e));
+                        pending.drain(..taken);
+                        for i in items {
+                            job.finish(i, Err(e.clone()));
+                        }
                     }
                 }
             }
@@ -132,7 +174,61 @@ impl Shared {
                     self.retire(&mut job, c, Ok(()));
                 }
             }
+            for i in job.requeue.drain(..).rev() {
+                pending.push_front((i, 0));
+            }
         }
+    }
+
+    /// The requests at the front of `pending` that go as one packed run:
+    /// two or more whole small device-to-device requests to one peer that
+    /// takes lists, from one local device, in one direction, that fit a
+    /// chunk together. Empty when the front request goes alone.
+    fn pack(&self, job: &mut Job<'_>, pending: &VecDeque<(usize, u64)>) -> Result<Vec<Part>> {
+        let chunk = self.staging.chunk;
+        let packable = |job: &Job<'_>, i: usize, off: u64| {
+            let it = &job.items[i];
+            off == 0
+                && it.length < chunk
+                && it.local.device.is_some()
+                && it.remote_on_device
+                && job.errors[i].is_none()
+                && !job.alone.contains(&i)
+        };
+        let Some(&(first, off)) = pending.front() else {
+            return Ok(Vec::new());
+        };
+        if !packable(job, first, off) {
+            return Ok(Vec::new());
+        }
+        let lead = &job.items[first];
+        if !job.lease(self, &lead.segment)?.copy_list() {
+            return Ok(Vec::new());
+        }
+        let same = |it: &StagedItem| {
+            it.segment.id == lead.segment.id
+                && it.op == lead.op
+                && it.local.device == lead.local.device
+                && it.local.location == lead.local.location
+        };
+        let mut parts = Vec::new();
+        let mut end = 0u64;
+        for &(i, off) in pending.iter().take(MAX_LIST_PIECES) {
+            if !packable(job, i, off) || !same(&job.items[i]) {
+                break;
+            }
+            let at = end.next_multiple_of(PACK_ALIGN);
+            let len = job.items[i].length;
+            if at + len > chunk {
+                break;
+            }
+            parts.push(Part { item: i, len, at });
+            end = at + len;
+        }
+        if parts.len() < 2 {
+            parts.clear();
+        }
+        Ok(parts)
     }
 
     /// Starts one chunk: takes its slots and queues its first step. None
@@ -143,10 +239,14 @@ impl Shared {
         pool: Option<&Arc<SlotPool>>,
         i: usize,
         off: u64,
+        parts: Vec<Part>,
         may_wait: bool,
     ) -> Result<Option<Chunk>> {
         let it = &job.items[i];
-        let len = self.staging.chunk.min(it.length - off);
+        let len = match parts.last() {
+            Some(p) => p.at + p.len,
+            None => self.staging.chunk.min(it.length - off),
+        };
         let local_slot = match (it.local.device, pool) {
             (Some(_), Some(p)) => match p.take(len, may_wait) {
                 Some(s) => Some(s),
@@ -156,13 +256,7 @@ impl Shared {
         };
         let remote_slot = if it.remote_on_device {
             let seg = it.segment.id;
-            if !job.leases.contains_key(&seg) {
-                let lease = self.remote_staging(&it.segment)?;
-                let (unit, _) = slot_geometry(self.staging.chunk);
-                job.free_remote
-                    .insert(seg, Space::new(lease.view().buffers.len(), unit));
-                job.leases.insert(seg, lease);
-            }
+            job.lease(self, &it.segment)?;
             match job.free_remote.get_mut(&seg).and_then(|f| f.take(len)) {
                 Some(s) => Some(s),
                 None => return Ok(None),
@@ -174,6 +268,8 @@ impl Shared {
             item: i,
             off,
             len,
+            parts,
+            alone: false,
             local_slot,
             remote_slot,
             stream: None,
@@ -184,8 +280,13 @@ impl Shared {
                 Op::Write => match &c.local_slot {
                     Some(s) => {
                         let mut stream = self.stream_for(&it.local)?;
-                        stream.2.copy(s.addr, it.local_addr + off, len)?;
+                        let queued = if c.parts.is_empty() {
+                            stream.2.copy(s.addr, it.local_addr + off, len)
+                        } else {
+                            stream.2.copy_list(&job.local_copies(&c, s.addr, true))
+                        };
                         c.stream = Some(stream);
+                        queued?;
                         c.phase = Phase::Copying;
                     }
                     None => c.phase = Phase::Moving(self.start_move(job, &c)?),
@@ -312,8 +413,13 @@ impl Shared {
                         }
                         (Op::Read, _, Some(s)) => {
                             let mut stream = self.stream_for(&it.local)?;
-                            stream.2.copy(it.local_addr + c.off, s.addr, c.len)?;
+                            let queued = if c.parts.is_empty() {
+                                stream.2.copy(it.local_addr + c.off, s.addr, c.len)
+                            } else {
+                                stream.2.copy_list(&job.local_copies(c, s.addr, false))
+                            };
                             c.stream = Some(stream);
+                            queued?;
                             c.phase = Phase::Copying;
                         }
                         _ => {}
@@ -325,6 +431,23 @@ impl Shared {
                         return Ok(false);
                     };
                     c.phase = Phase::Done;
+                    if let Err(e) = &r {
+                        if c.parts.len() > 1 && e.code == ErrorCode::OutOfBounds {
+                            // Refused whole, nothing touched: each request
+                            // goes again alone, so only the bad ones fail.
+                            if !job.said_alone {
+                                job.said_alone = true;
+                                log::info!(
+                                    "{}: the peer refused a packed staging run ({e}); its {} \
+                                     requests are sent again one by one",
+                                    it.segment.name,
+                                    c.parts.len()
+                                );
+                            }
+                            c.alone = true;
+                            return Ok(true);
+                        }
+                    }
                     r?;
                     if it.op == Op::Read {
                         c.phase = Phase::Moving(self.start_move(job, c)?);
@@ -337,7 +460,9 @@ impl Shared {
         match step {
             Ok(moved) => moved,
             Err(e) => {
-                job.errors[c.item].get_or_insert(e);
+                for i in c.items() {
+                    job.errors[i].get_or_insert(e.clone());
+                }
                 c.phase = Phase::Done;
                 true
             }
@@ -346,9 +471,17 @@ impl Shared {
 
     /// Gives a finished chunk's slots back and counts it.
     fn retire(&self, job: &mut Job<'_>, c: Chunk, result: Result<()>) {
-        let i = c.item;
+        let items: Vec<usize> = c.items().collect();
+        let alone = c.alone;
         self.release_chunk(job, c);
-        job.finish(i, result);
+        for i in items {
+            if alone {
+                job.alone.insert(i);
+                job.requeue.push(i);
+            } else {
+                job.finish(i, result.clone());
+            }
+        }
     }
 
     fn release_chunk(&self, job: &mut Job<'_>, mut c: Chunk) {
@@ -379,9 +512,67 @@ struct Job<'a> {
     awaiting: HashMap<SegmentId, VecDeque<(usize, u64)>>,
     /// Replies read for chunks that were not being looked at.
     replies: HashMap<(usize, u64), Result<()>>,
+    /// Requests that go alone, never packed (their packed run was refused).
+    alone: HashSet<usize>,
+    /// Peers this job could not open a staging session with, and why.
+    no_session: HashMap<SegmentId, Error>,
+    /// Requests to send again, alone, at the front of the queue.
+    requeue: Vec<usize>,
+    said_alone: bool,
+}
+
+impl Chunk {
+    /// The requests this chunk carries (one, or a packed run's).
+    fn items(&self) -> impl Iterator<Item = usize> + '_ {
+        let single = self.parts.is_empty().then_some(self.item);
+        single.into_iter().chain(self.parts.iter().map(|p| p.item))
+    }
 }
 
 impl Job<'_> {
+    /// The session with `segment`'s peer for this job, opened on first use.
+    fn lease(&mut self, shared: &Shared, segment: &Arc<RemoteSegment>) -> Result<&StagingLease> {
+        let seg = segment.id;
+        if let Some(e) = self.no_session.get(&seg) {
+            // Asked once per job: thousands of small requests to a peer
+            // that is down must not each wait out a connection attempt.
+            return Err(e.clone());
+        }
+        if !self.leases.contains_key(&seg) {
+            let lease = shared.remote_staging(segment).inspect_err(|e| {
+                self.no_session.insert(seg, e.clone());
+            })?;
+            let (unit, _) = slot_geometry(shared.staging.chunk);
+            self.free_remote
+                .insert(seg, Space::new(lease.view().buffers.len(), unit));
+            self.leases.insert(seg, lease);
+        }
+        self.leases
+            .get(&seg)
+            .ok_or_else(|| Error::new(ErrorCode::Internal, "a staging session vanished"))
+    }
+
+    /// A packed run's copies between local device memory and the local
+    /// slot at `slot`: the gather (`into_slot`) or the scatter.
+    fn local_copies(&self, c: &Chunk, slot: u64, into_slot: bool) -> Vec<ferry_device_copy_t> {
+        c.parts
+            .iter()
+            .map(|p| {
+                let device = self.items[p.item].local_addr;
+                let (src, dst) = if into_slot {
+                    (device, slot + p.at)
+                } else {
+                    (slot + p.at, device)
+                };
+                ferry_device_copy_t {
+                    src,
+                    dst,
+                    len: p.len,
+                }
+            })
+            .collect()
+    }
+
     fn finish(&mut self, i: usize, r: Result<()>) {
         if let Err(e) = r {
             self.errors[i].get_or_insert(e);
@@ -405,7 +596,24 @@ impl Job<'_> {
             .leases
             .get_mut(&seg)
             .ok_or_else(|| Error::new(ErrorCode::Internal, "a staged chunk lost its session"))?;
-        lease.send_copy(to_device, slot, c.len, it.remote_addr + c.off)?;
+        if c.parts.is_empty() {
+            lease.send_copy(to_device, slot, c.len, it.remote_addr + c.off)?;
+        } else {
+            let pieces = c
+                .parts
+                .iter()
+                .map(|p| ListPiece {
+                    slot_offset: slot.offset + p.at,
+                    device_addr: self.items[p.item].remote_addr,
+                    len: p.len,
+                })
+                .collect();
+            lease.send_copy_list(&CopyListRequest {
+                to_device,
+                slot: slot.slot,
+                pieces,
+            })?;
+        }
         self.awaiting
             .entry(seg)
             .or_default()

@@ -21,7 +21,7 @@ mod state;
 mod target;
 
 pub use protocol::{
-    decode_copy_request, decode_open_reply, decode_open_request, CopyRequest, OpenReply,
-    OpenRequest,
+    decode_copy_list, decode_copy_request, decode_open_reply, decode_open_request, CopyListRequest,
+    CopyRequest, ListPiece, OpenReply, OpenRequest, MAX_LIST_PIECES,
 };
 pub(crate) use state::Staging;

@@ -27,7 +27,8 @@ pub(crate) struct Staging {
 /// Slots lent to one peer on one control connection.
 pub(crate) struct Session {
     pub(crate) slots: Vec<(u64, u64)>,
-    pub(crate) streams: HashMap<usize, Stream>,
+    /// A copy stream per (device plugin, ordinal).
+    pub(crate) streams: HashMap<(usize, u32), Stream>,
 }
 
 impl Staging {

@@ -1,14 +1,17 @@
 //! The target side of staging: slots lent to a peer on its control
 //! connection, and copies between them and device memory on request.
 
-use super::protocol::{bad, decode_copy_request, decode_open_request, OpenReply};
+use super::protocol::{bad, decode_copy_list, decode_copy_request, decode_open_request, OpenReply};
 use super::state::{Session, MAX_LENT};
 use crate::control::MsgType;
 use crate::descriptor::BufferDescriptor;
+use crate::device::Stream;
 use crate::engine::shared::Shared;
 use crate::error::{Error, ErrorCode, Result};
 use crate::location::Location;
+use crate::memory::LocalBuffer;
 use crate::memory::Visibility;
+use ferry_plugins_abi::sys::ferry_device_copy_t;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -74,8 +77,11 @@ impl Shared {
                 streams: HashMap::new(),
             })),
         );
-        let reply = serde_json::to_vec(&OpenReply { slots: descriptors })
-            .map_err(|e| Error::new(ErrorCode::Internal, e.to_string()))?;
+        let reply = serde_json::to_vec(&OpenReply {
+            slots: descriptors,
+            copy_list: super::protocol::COPY_LIST_VERSION,
+        })
+        .map_err(|e| Error::new(ErrorCode::Internal, e.to_string()))?;
         Ok((MsgType::StageOpened, reply))
     }
 
@@ -154,12 +160,7 @@ impl Shared {
                 ))
             }
         };
-        let stream = match session.streams.entry(device) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(self.devices.plugins[device].stream(ordinal)?)
-            }
-        };
+        let stream = session_stream(self, &mut session, device, ordinal)?;
         let slot = slot_addr + req.offset;
         buffer
             .inflight
@@ -173,6 +174,108 @@ impl Shared {
         buffer
             .inflight
             .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        copied?;
+        Ok((MsgType::StageDone, b"{}".to_vec()))
+    }
+
+    /// Copies many pieces between a lent slot and device memory this engine
+    /// registered, one device operation per device (staging's scatter of a
+    /// packed run, or its gather of one). Every piece is checked against
+    /// the slot and a published device registration first: one bad piece
+    /// refuses the whole list, and nothing is copied.
+    pub(crate) fn stage_copy_list(&self, conn: u64, body: &[u8]) -> Result<(MsgType, Vec<u8>)> {
+        let req = decode_copy_list(body)?;
+        let session = self
+            .staging
+            .sessions
+            .lock()
+            .get(&conn)
+            .cloned()
+            .ok_or_else(|| bad("no staging session on this connection"))?;
+        let mut session = session.lock();
+        let &(slot_addr, slot_len) = session
+            .slots
+            .get(req.slot)
+            .ok_or_else(|| bad("no such slot"))?;
+        // Checked whole before anything moves.
+        let mut buffers: Vec<Arc<LocalBuffer>> = Vec::new();
+        let mut groups: Vec<((usize, u32), Vec<ferry_device_copy_t>)> = Vec::new();
+        for (i, p) in req.pieces.iter().enumerate() {
+            // decode_copy_list checked that neither side wraps.
+            if p.slot_offset + p.len > slot_len {
+                return Err(bad(&format!("copy list piece {i} falls outside the slot")));
+            }
+            let inside =
+                |b: &Arc<LocalBuffer>| b.addr <= p.device_addr && p.device_addr + p.len <= b.end();
+            let buffer = match buffers.iter().rev().find(|b| inside(b)) {
+                Some(b) => b.clone(),
+                None => {
+                    let b = self
+                        .memory
+                        .find(p.device_addr, p.len)
+                        .filter(|b| b.visibility == Visibility::Published && b.device.is_some())
+                        .ok_or_else(|| {
+                            Error::new(
+                                ErrorCode::OutOfBounds,
+                                format!(
+                                    "copy list piece {i}: [{:#x}, +{}) is not inside device \
+                                     memory registered here; the list was refused whole",
+                                    p.device_addr, p.len
+                                ),
+                            )
+                        })?;
+                    buffers.push(b.clone());
+                    b
+                }
+            };
+            let key = device_of(&buffer)?;
+            let slot = slot_addr + p.slot_offset;
+            let copy = if req.to_device {
+                ferry_device_copy_t {
+                    src: slot,
+                    dst: p.device_addr,
+                    len: p.len,
+                }
+            } else {
+                ferry_device_copy_t {
+                    src: p.device_addr,
+                    dst: slot,
+                    len: p.len,
+                }
+            };
+            match groups.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, list)) => list.push(copy),
+                None => groups.push((key, vec![copy])),
+            }
+        }
+        for b in &buffers {
+            b.inflight.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        let copied = (|| -> Result<()> {
+            for ((device, ordinal), list) in &groups {
+                let stream = session_stream(self, &mut session, *device, *ordinal)?;
+                stream.copy_list(list)?;
+            }
+            // Every list queued; wait for all of them.
+            for (key, _) in &groups {
+                if let Some(stream) = session.streams.get_mut(key) {
+                    stream.sync()?;
+                }
+            }
+            Ok(())
+        })();
+        if copied.is_err() {
+            // A list that failed midway may have left copies queued: let
+            // them end before the slot is reused or the buffers go.
+            for (key, _) in &groups {
+                if let Some(stream) = session.streams.get_mut(key) {
+                    let _ = stream.sync();
+                }
+            }
+        }
+        for b in &buffers {
+            b.inflight.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        }
         copied?;
         Ok((MsgType::StageDone, b"{}".to_vec()))
     }
@@ -195,4 +298,33 @@ impl Shared {
     pub(crate) fn staging_connections(&self) -> Vec<u64> {
         self.staging.sessions.lock().keys().copied().collect()
     }
+}
+
+/// The device plugin and ordinal of a registered device buffer.
+fn device_of(buffer: &LocalBuffer) -> Result<(usize, u32)> {
+    let device = buffer
+        .device
+        .ok_or_else(|| Error::new(ErrorCode::Internal, "device memory without a device"))?;
+    match buffer.location {
+        Location::Cuda(o) | Location::Rocm(o) => Ok((device, o)),
+        Location::Cpu(_) => Err(Error::new(
+            ErrorCode::Internal,
+            "host memory as device memory",
+        )),
+    }
+}
+
+/// The session's copy stream of (device, ordinal), made on first use.
+fn session_stream<'a>(
+    shared: &Shared,
+    session: &'a mut Session,
+    device: usize,
+    ordinal: u32,
+) -> Result<&'a mut Stream> {
+    Ok(match session.streams.entry((device, ordinal)) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => {
+            e.insert(shared.devices.plugins[device].stream(ordinal)?)
+        }
+    })
 }

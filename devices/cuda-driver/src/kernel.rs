@@ -7,8 +7,12 @@
 //! whatever its length. The ring and its device twin are allocated once per
 //! GPU; a slot is reused only after the event recorded behind its launch
 //! fired, so nothing is allocated per launch.
+//!
+//! Blocks of two layouts by index (`launch_layouts`) skip the descriptors:
+//! the ring carries the two index arrays as they came, and the kernel's
+//! second entry computes every block's addresses and pieces.
 
-use ferry_cuda_driver::driver::*;
+use crate::driver::*;
 use ferry_plugins_abi::sdk::{PluginError, PluginResult};
 use ferry_plugins_abi::ErrorCode;
 use std::collections::VecDeque;
@@ -19,6 +23,8 @@ use std::sync::{Mutex, PoisonError};
 const PTX: &str = concat!(include_str!("copy.ptx"), "\0");
 /// Its entry point (the emulator recognises the module by this name).
 const ENTRY: &CStr = c"ferry_copy_list";
+/// The entry point that moves blocks of two layouts by index.
+const LAYOUTS_ENTRY: &CStr = c"ferry_copy_layouts";
 /// Entries longer than this are split on the host: one warp moves one
 /// piece, so a list of a few large blocks still keeps every SM busy.
 pub const PIECE: u64 = 32 << 10;
@@ -41,8 +47,26 @@ pub struct Desc {
 pub struct Kernel {
     module: CUmodule,
     function: CUfunction,
+    layouts: CUfunction,
     ring: Mutex<Ring>,
 }
+
+/// Blocks of two layouts by index, as [`Kernel::launch_layouts`] moves
+/// them: block `i` is `block` bytes from `src_base + src_ids[i] *
+/// src_stride` to `dst_base + dst_ids[i] * dst_stride`.
+#[derive(Clone, Copy, Debug)]
+pub struct LayoutCopy<'a> {
+    pub src_base: u64,
+    pub src_stride: u64,
+    pub dst_base: u64,
+    pub dst_stride: u64,
+    pub block: u64,
+    pub src_ids: &'a [u64],
+    pub dst_ids: &'a [u64],
+}
+
+/// Most blocks one layout launch takes: both index arrays fill the ring.
+const RING_IDS: usize = RING * std::mem::size_of::<Desc>() / 16;
 
 struct Ring {
     host: *mut Desc,
@@ -57,7 +81,8 @@ struct Ring {
 // used only with that context current; the ring's memory is touched only
 // under its mutex.
 unsafe impl Send for Kernel {}
-// SAFETY: as above.
+// SAFETY: shared references use the handles only with their context
+// current and touch the ring's memory only under its mutex.
 unsafe impl Sync for Kernel {}
 
 /// How many descriptors `copies` become once long ones are split.
@@ -81,9 +106,18 @@ impl Kernel {
         let mut function: CUfunction = std::ptr::null_mut();
         // SAFETY: module was loaded above; ENTRY is NUL-terminated.
         let r = unsafe { get(&mut function, module, ENTRY.as_ptr()) };
+        let mut layouts: CUfunction = std::ptr::null_mut();
+        let r = d.check("cuModuleGetFunction", r).and_then(|()| {
+            // SAFETY: module was loaded above; LAYOUTS_ENTRY is
+            // NUL-terminated; layouts is a valid out-pointer.
+            d.check("cuModuleGetFunction", unsafe {
+                get(&mut layouts, module, LAYOUTS_ENTRY.as_ptr())
+            })
+        });
         let mut k = Kernel {
             module,
             function,
+            layouts,
             ring: Mutex::new(Ring {
                 host: std::ptr::null_mut(),
                 dev: 0,
@@ -95,7 +129,7 @@ impl Kernel {
         let alloc = d.function(d.api.cu_mem_alloc, "cuMemAlloc_v2")?;
         let host_alloc = d.function(d.api.cu_mem_host_alloc, "cuMemHostAlloc")?;
         let ring = k.ring.get_mut().unwrap_or_else(PoisonError::into_inner);
-        let result = d.check("cuModuleGetFunction", r).and_then(|()| {
+        let result = r.and_then(|()| {
             let mut host: *mut c_void = std::ptr::null_mut();
             // SAFETY: host is a valid out-pointer; freed in `free`.
             d.check("cuMemHostAlloc", unsafe {
@@ -141,7 +175,13 @@ impl Kernel {
 
     /// Queues every copy of `copies` on `stream` (of this kernel's context,
     /// current): long ones split, at most RING descriptors per launch.
-    pub fn launch(&self, d: &Driver, stream: CUstream, copies: &[Desc]) -> PluginResult<()> {
+    ///
+    /// # Safety
+    /// `stream` belongs to this kernel's context, which is current; every
+    /// copy's ranges are GPU memory this context reaches, checked by the
+    /// caller against live registrations and mappings, and stay so until
+    /// the stream has run the launch.
+    pub unsafe fn launch(&self, d: &Driver, stream: CUstream, copies: &[Desc]) -> PluginResult<()> {
         let htod = d.function(d.api.cu_memcpy_htod_async, "cuMemcpyHtoDAsync_v2")?;
         let launch = d.function(d.api.cu_launch_kernel, "cuLaunchKernel")?;
         let mut ring = self.ring.lock().unwrap_or_else(PoisonError::into_inner);
@@ -179,7 +219,7 @@ impl Kernel {
             let mut list = ring.dev + (at * std::mem::size_of::<Desc>()) as u64;
             // SAFETY: both ranges are this ring's, bytes long, inside it; the
             // host side is pinned and left alone until the event behind the
-            // launch fires.
+            // launch fires; the stream is the current context's (contract).
             d.check("cuMemcpyHtoDAsync", unsafe {
                 htod(list, ring.host.add(at).cast(), bytes, stream)
             })?;
@@ -191,8 +231,8 @@ impl Kernel {
             let blocks = n.div_ceil(WARPS).min(65_535) as u32;
             // SAFETY: the function takes (const ferry_copy *, unsigned int),
             // the two pointers params holds, alive for the call; every
-            // descriptor's ranges were checked by the caller against live
-            // registrations and mappings of memory this GPU reaches.
+            // descriptor's ranges are what this function's contract makes
+            // the caller vouch for, on a stream of the current context.
             d.check("cuLaunchKernel", unsafe {
                 launch(
                     self.function,
@@ -210,6 +250,102 @@ impl Kernel {
             })?;
             ring.commit(d, at, n, stream)?;
             left -= n;
+        }
+        Ok(())
+    }
+}
+
+impl Kernel {
+    /// Queues the blocks of `l` on `stream` (of this kernel's context,
+    /// current): both index arrays copied into the ring and uploaded, one
+    /// launch per RING_IDS blocks; the GPU computes every address and
+    /// splits blocks longer than PIECE.
+    ///
+    /// # Safety
+    /// As [`Kernel::launch`], for every block's two ranges: the caller
+    /// checked both layouts' extents against live registrations and
+    /// mappings and every index against its layout (`src_ids` and
+    /// `dst_ids` are equally long).
+    pub unsafe fn launch_layouts(
+        &self,
+        d: &Driver,
+        stream: CUstream,
+        l: &LayoutCopy<'_>,
+    ) -> PluginResult<()> {
+        if l.src_ids.len() != l.dst_ids.len() || l.block == 0 {
+            return Err(PluginError::new(
+                ErrorCode::Internal,
+                "a layout copy's index arrays differ in length, or its blocks are empty",
+            ));
+        }
+        let htod = d.function(d.api.cu_memcpy_htod_async, "cuMemcpyHtoDAsync_v2")?;
+        let launch = d.function(d.api.cu_launch_kernel, "cuLaunchKernel")?;
+        let pieces = u32::try_from(l.block.div_ceil(PIECE)).map_err(|_| {
+            PluginError::new(ErrorCode::InvalidArgument, "a block of more than 128 TiB")
+        })?;
+        let mut ring = self.ring.lock().unwrap_or_else(PoisonError::into_inner);
+        for (src, dst) in l.src_ids.chunks(RING_IDS).zip(l.dst_ids.chunks(RING_IDS)) {
+            let m = src.len();
+            // Slots of 24 bytes holding 2 * m indices of 8 bytes.
+            let slots = (2 * m).div_ceil(3);
+            let at = ring.reserve(d, slots)?;
+            let ids = ring.host.wrapping_add(at).cast::<u64>();
+            // SAFETY: slots [at, at + slots) are free (reserve), inside the
+            // ring, 8-byte aligned (a page-aligned ring, 24-byte slots) and
+            // hold 2 * m u64s; the source arrays are m long and are the
+            // caller's, not the ring.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src.as_ptr(), ids, m);
+                std::ptr::copy_nonoverlapping(dst.as_ptr(), ids.add(m), m);
+            }
+            let mut src_list = ring.dev + (at * std::mem::size_of::<Desc>()) as u64;
+            let mut dst_list = src_list + (m * 8) as u64;
+            // SAFETY: both ranges are this ring's, 16 * m bytes from slot
+            // at, inside it; the host side is pinned and left alone until
+            // the event behind the launch fires; the stream is the current
+            // context's (contract).
+            d.check("cuMemcpyHtoDAsync", unsafe {
+                htod(src_list, ids.cast(), 16 * m, stream)
+            })?;
+            let (mut src_base, mut src_stride, mut dst_base, mut dst_stride) =
+                (l.src_base, l.src_stride, l.dst_base, l.dst_stride);
+            let (mut block, mut piece) = (l.block, PIECE);
+            let (mut count, mut pieces) = (m as u32, pieces);
+            let mut params = [
+                (&mut src_list as *mut CUdeviceptr).cast::<c_void>(),
+                (&mut dst_list as *mut CUdeviceptr).cast::<c_void>(),
+                (&mut src_base as *mut u64).cast::<c_void>(),
+                (&mut src_stride as *mut u64).cast::<c_void>(),
+                (&mut dst_base as *mut u64).cast::<c_void>(),
+                (&mut dst_stride as *mut u64).cast::<c_void>(),
+                (&mut block as *mut u64).cast::<c_void>(),
+                (&mut piece as *mut u64).cast::<c_void>(),
+                (&mut count as *mut u32).cast::<c_void>(),
+                (&mut pieces as *mut u32).cast::<c_void>(),
+            ];
+            let items = m as u64 * u64::from(pieces);
+            let blocks = items.div_ceil(WARPS as u64).min(65_535) as u32;
+            // SAFETY: ferry_copy_layouts takes (const u64 *, const u64 *,
+            // u64 x 6, unsigned int x 2), the ten pointers params holds,
+            // alive for the call; every block's ranges are what this
+            // function's contract makes the caller vouch for, on a stream
+            // of the current context.
+            d.check("cuLaunchKernel", unsafe {
+                launch(
+                    self.layouts,
+                    blocks,
+                    1,
+                    1,
+                    THREADS,
+                    1,
+                    1,
+                    0,
+                    stream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            })?;
+            ring.commit(d, at, slots, stream)?;
         }
         Ok(())
     }
@@ -245,7 +381,8 @@ impl Ring {
             } else if tail - head >= n {
                 return Ok(head);
             }
-            // SAFETY: as above; waits for the oldest launch, then reclaims.
+            // SAFETY: `oldest` is an event of this context recorded by
+            // commit and not yet reclaimed; waiting on it touches no memory.
             d.check("cuEventSynchronize", unsafe { sync(oldest) })?;
         }
     }
@@ -305,5 +442,13 @@ mod tests {
         assert!(PTX.contains(".entry ferry_copy_list("));
         assert!(PTX.contains(".param .u64 ferry_copy_list_param_0"));
         assert!(PTX.contains(".param .u32 ferry_copy_list_param_1"));
+        // ferry_copy_layouts: two id arrays, six u64s, two u32s.
+        assert!(PTX.contains(".entry ferry_copy_layouts("));
+        for i in 0..8 {
+            assert!(PTX.contains(&format!(".param .u64 ferry_copy_layouts_param_{i}")));
+        }
+        assert!(PTX.contains(".param .u32 ferry_copy_layouts_param_8"));
+        assert!(PTX.contains(".param .u32 ferry_copy_layouts_param_9"));
+        assert!(!PTX.contains("ferry_copy_layouts_param_10"));
     }
 }

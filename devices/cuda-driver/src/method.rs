@@ -1,5 +1,6 @@
 //! How a list of GPU copies moves: the copy kernel, the driver's batched
-//! copy, or a copy each, and the `cuda_ipc.copy` setting that forces one.
+//! copy, or a copy each, and the setting that forces one (each CUDA plugin
+//! has its own key: `cuda_ipc.copy`, `cuda.copy`).
 
 use ferry_plugins_abi::sdk::{PluginError, PluginResult};
 use ferry_plugins_abi::ErrorCode;
@@ -25,7 +26,7 @@ impl Method {
     }
 }
 
-/// The `cuda_ipc.copy` setting.
+/// A plugin's copy setting (`cuda_ipc.copy`, `cuda.copy`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CopySetting {
     /// The best this GPU and driver offer.
@@ -35,8 +36,9 @@ pub enum CopySetting {
 }
 
 impl CopySetting {
-    /// `auto|kernel|batch|per-copy`; absent or empty is auto.
-    pub fn parse(value: Option<&str>) -> PluginResult<CopySetting> {
+    /// `auto|kernel|batch|per-copy`; absent or empty is auto. `key` names
+    /// the setting in the error.
+    pub fn parse(key: &str, value: Option<&str>) -> PluginResult<CopySetting> {
         Ok(match value.map(str::trim).unwrap_or("") {
             "" | "auto" => CopySetting::Auto,
             "kernel" => CopySetting::Force(Method::Kernel),
@@ -45,7 +47,7 @@ impl CopySetting {
             other => {
                 return Err(PluginError::new(
                     ErrorCode::InvalidArgument,
-                    format!("cuda_ipc.copy={other:?}: expected auto, kernel, batch or per-copy"),
+                    format!("{key}={other:?}: expected auto, kernel, batch or per-copy"),
                 ))
             }
         })
@@ -65,19 +67,18 @@ mod tests {
 
     #[test]
     fn the_setting_takes_four_words() {
-        assert_eq!(CopySetting::parse(None).unwrap(), CopySetting::Auto);
+        let parse = |v| CopySetting::parse("cuda.copy", v);
+        assert_eq!(parse(None).unwrap(), CopySetting::Auto);
+        assert_eq!(parse(Some(" auto ")).unwrap(), CopySetting::Auto);
         assert_eq!(
-            CopySetting::parse(Some(" auto ")).unwrap(),
-            CopySetting::Auto
-        );
-        assert_eq!(
-            CopySetting::parse(Some("per-copy")).unwrap(),
+            parse(Some("per-copy")).unwrap(),
             CopySetting::Force(Method::PerCopy)
         );
-        let e = CopySetting::parse(Some("dma")).unwrap_err();
+        let e = parse(Some("dma")).unwrap_err();
         assert_eq!(e.code, ErrorCode::InvalidArgument);
         assert!(
-            e.message.contains("auto, kernel, batch or per-copy"),
+            e.message
+                .contains("cuda.copy=\"dma\": expected auto, kernel, batch or per-copy"),
             "{}",
             e.message
         );

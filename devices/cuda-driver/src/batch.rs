@@ -3,13 +3,19 @@
 //! load or cannot reach both ends (host memory), and one cuMemcpyAsync per
 //! copy where the driver has no batched copy either.
 
+use crate::driver::*;
 use crate::kernel::Desc;
-use ferry_cuda_driver::driver::*;
 use ferry_plugins_abi::sdk::PluginResult;
 
 /// Queues `copies` on `stream` (its context current) in one
 /// cuMemcpyBatchAsync.
-pub fn copy_batch(d: &Driver, stream: CUstream, copies: &[Desc]) -> PluginResult<()> {
+///
+/// # Safety
+/// `stream` belongs to the current context and is not the legacy default
+/// stream; every copy's ranges are memory this context reaches, checked by
+/// the caller against live registrations and mappings, and stay so until
+/// the stream has run the copies.
+pub unsafe fn copy_batch(d: &Driver, stream: CUstream, copies: &[Desc]) -> PluginResult<()> {
     let f = d.function(d.api.cu_memcpy_batch_async, "cuMemcpyBatchAsync")?;
     let mut dsts: Vec<CUdeviceptr> = copies.iter().map(|c| c.dst).collect();
     let mut srcs: Vec<CUdeviceptr> = copies.iter().map(|c| c.src).collect();
@@ -23,9 +29,8 @@ pub fn copy_batch(d: &Driver, stream: CUstream, copies: &[Desc]) -> PluginResult
     let mut failed = usize::MAX;
     // SAFETY: the three arrays hold copies.len() entries, attrs and its
     // index one each, all alive for the call (the driver copies what it
-    // keeps); every range was checked by the caller against live
-    // registrations and mappings; the stream belongs to the current
-    // context and is not the legacy default stream.
+    // keeps); the ranges and the stream are as this function's contract
+    // requires of its caller.
     let r = unsafe {
         f(
             dsts.as_mut_ptr(),
@@ -53,12 +58,15 @@ pub fn copy_batch(d: &Driver, stream: CUstream, copies: &[Desc]) -> PluginResult
 }
 
 /// Queues `copies` on `stream` (its context current), one cuMemcpyAsync each.
-pub fn copy_each(d: &Driver, stream: CUstream, copies: &[Desc]) -> PluginResult<()> {
+///
+/// # Safety
+/// As for [`copy_batch`].
+pub unsafe fn copy_each(d: &Driver, stream: CUstream, copies: &[Desc]) -> PluginResult<()> {
     let memcpy = d.function(d.api.cu_memcpy_async, "cuMemcpyAsync")?;
     for c in copies {
-        // SAFETY: dst and src are ranges the caller checked against live
-        // registrations and mappings (unified addressing: the driver finds
-        // the direction); the stream belongs to the current context.
+        // SAFETY: dst and src are ranges this function's caller vouches
+        // for (unified addressing: the driver finds the direction), on a
+        // stream of the current context, as its contract requires.
         d.check("cuMemcpyAsync", unsafe {
             memcpy(c.dst, c.src, c.len as usize, stream)
         })?;
