@@ -16,9 +16,9 @@
 //! answers for any pointer in the process's unified address space. Only if
 //! the driver asks for a current context does it borrow one.
 
-use crate::lists::CopySetting;
 use ferry_cuda_driver::driver::*;
 use ferry_cuda_driver::kernel::Kernel;
+use ferry_cuda_driver::method::CopySetting;
 use ferry_cuda_driver::PrimaryContext;
 use ferry_plugins_abi::sdk::{
     DeviceInfo, DeviceInstance, Host, PluginError, PluginResult, PointerInfo, PointerKind,
@@ -28,6 +28,9 @@ use std::collections::HashMap;
 use std::ffi::{c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+/// The setting that forces how lists of copies move (lists.rs).
+pub(crate) const COPY_KEY: &str = "cuda.copy";
 
 /// cuMemHostRegister: map the range into the devices' address space.
 const CU_MEMHOSTREGISTER_DEVICEMAP: c_uint = 0x02;
@@ -207,10 +210,7 @@ impl CudaInstance {
         driver: &'static Driver,
         facts: Vec<DeviceFacts>,
     ) -> PluginResult<CudaInstance> {
-        let copy = CopySetting::parse(
-            crate::lists::COPY_KEY,
-            host.config(crate::lists::COPY_KEY).as_deref(),
-        )?;
+        let copy = CopySetting::parse(COPY_KEY, host.config(COPY_KEY).as_deref())?;
         Ok(CudaInstance {
             driver,
             host,

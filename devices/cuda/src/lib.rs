@@ -150,7 +150,10 @@ impl ferry_plugins_abi::sdk::DevicePlugin for CudaPlugin {
         report.add_note("driver", &version_text);
         report.add_note("library", &driver.describe_library());
         report.add_note("visible devices", &driver::visible_devices());
-        match lists::CopySetting::parse(lists::COPY_KEY, host.config(lists::COPY_KEY).as_deref()) {
+        match lists::CopySetting::parse(
+            instance::COPY_KEY,
+            host.config(instance::COPY_KEY).as_deref(),
+        ) {
             Ok(copy) => report.add_note("staging lists", &lists::describe(driver, copy)),
             Err(e) => report.add_note("staging lists", &format!("{} (init refuses it)", e.message)),
         }

@@ -17,9 +17,6 @@ use ferry_plugins_abi::ErrorCode;
 use std::sync::atomic::Ordering;
 use std::sync::PoisonError;
 
-/// The setting that forces how lists move.
-pub(crate) const COPY_KEY: &str = "cuda.copy";
-
 /// How staging's lists will move with this driver and setting, for
 /// `ferry info` (probe loads nothing: the kernel's loading is tried at
 /// first use, and a failure is logged then).
@@ -283,7 +280,7 @@ mod tests {
 
     #[test]
     fn the_setting_takes_four_words() {
-        let parse = |v| CopySetting::parse(COPY_KEY, v);
+        let parse = |v| CopySetting::parse(crate::instance::COPY_KEY, v);
         assert_eq!(parse(None).unwrap(), CopySetting::Auto);
         assert_eq!(
             parse(Some(" per-copy ")).unwrap(),
