@@ -374,7 +374,11 @@ pub struct NicRank {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Registration {
+    /// The method once a transport can register GPU memory.
     pub method: String,
+    /// The method the engine uses now under the same plugins, topology and
+    /// settings (`method`, or staging while no transport can take it).
+    pub in_use: String,
     /// Why this method (what makes it possible).
     pub reason: String,
     pub skipped: Vec<Skipped>,
@@ -537,6 +541,7 @@ impl InfoReport {
             };
             Registration {
                 method: d.method.as_str().to_string(),
+                in_use: today.method.as_str().to_string(),
                 reason,
                 note,
                 skipped: d
@@ -595,6 +600,7 @@ impl InfoReport {
                     nearest_nics: nics,
                     registration: Registration {
                         method: gpudirect::Method::Staged.as_str().to_string(),
+                        in_use: gpudirect::Method::Staged.as_str().to_string(),
                         reason: "every transport can move it through pinned host memory".into(),
                         note: None,
                         skipped: vec![Skipped {
