@@ -107,7 +107,8 @@ fn first_non_loopback_ipv4() -> Option<IpAddr> {
 }
 
 impl Engine {
-    /// Loads plugins, starts every enabled transport and the control listener.
+    /// Loads plugins, starts every enabled transport and the control
+    /// listener: the phases below, in order.
     pub fn new(config: EngineConfig) -> Result<Engine> {
         let listener = ControlServer::bind(&config.listen)?;
         let bound = listener.local_addr().map_err(|e| {
@@ -116,67 +117,12 @@ impl Engine {
                 format!("cannot read the control address: {e}"),
             )
         })?;
+        check_exposure(&config, bound)?;
         let host_name = advertised_host(&config, bound);
         let control_addr = format!("{host_name}:{}", bound.port());
-        if !bound.ip().is_loopback() && config.auth_token.is_none() {
-            if !config.auth_off {
-                return Err(Error::new(
-                    ErrorCode::Permission,
-                    format!(
-                        "listening on {bound} (reachable from other hosts) without an auth token: \
-                         set FERRY_AUTH_TOKEN (or FERRY_AUTH_TOKEN_FILE) to a secret shared by \
-                         the cluster, or FERRY_AUTH=off to let anyone who can reach the port \
-                         read and write registered memory"
-                    ),
-                ));
-            }
-            log::warn!(
-                "listening on {bound} without an auth token (FERRY_AUTH=off): anyone who can \
-                 reach this port can read and write registered memory"
-            );
-        }
-        // No token configured and auth not turned off: this user's token,
-        // so other users of the host are refused.
-        let token = match (&config.auth_token, config.auth_off) {
-            (Some(t), _) => Some(t.clone()),
-            (None, true) => {
-                log::warn!(
-                    "FERRY_AUTH=off: no auth token; every process that can reach this engine's \
-                     listeners, of any user, can read and write its registered memory"
-                );
-                None
-            }
-            (None, false) => {
-                let (t, path) = crate::user_token::load_or_create()?;
-                log::info!(
-                    "auth: no token configured; using this user's token {} (other users are \
-                     refused)",
-                    path.display()
-                );
-                Some(t)
-            }
-        };
-        let mut link = control::Link::new(config.connect_timeout, config.timeout, token.clone())
-            .with_idle_timeout(config.idle_timeout);
-        link.auth_timeout = config.auth_timeout;
-        link.max_pending = config.auth_max_pending;
-        link.max_pending_per_source = config.auth_max_pending_per_host;
-        link.max_per_host = config.control_max_per_host;
-        let metadata = match &config.metadata {
-            crate::metadata::MetadataConfig::P2p => {
-                if let Some(n) = &config.name {
-                    log::warn!(
-                        "name {n:?} ignored: without a metadata store (FERRY_METADATA) a \
-                         segment's name is its control address, {control_addr}"
-                    );
-                }
-                None
-            }
-            m => Some(crate::metadata::EtcdStore::connect(
-                m,
-                config.connect_timeout,
-            )?),
-        };
+        let token = cluster_token(&config)?;
+        let link = control_link(&config, token.clone());
+        let metadata = connect_metadata(&config, &control_addr)?;
         let name = match (&metadata, &config.name) {
             (Some(_), Some(n)) => n.clone(),
             _ => control_addr.clone(),
@@ -209,86 +155,26 @@ impl Engine {
         let plugins = load_plugins(&config.loader, host);
 
         // Devices first: transports may ask where a device sits.
-        let mut devices = Vec::new();
-        for plugin in plugins.enabled(PluginKind::Device) {
-            match Device::init(plugin) {
-                Ok(Some(d)) => devices.push(Arc::new(d)),
-                Ok(None) => {}
-                Err(e) => log::warn!("device plugin {} failed to start: {e}", plugin.report.name),
-            }
-        }
-        let devices = Devices::new(devices, &topology);
+        let devices = start_devices(&plugins, &topology);
         for g in &devices.gpus {
             if let Some(t) = &g.topology_name {
                 aliases.write().insert(g.location.to_string(), t.clone());
             }
         }
-
         let batches = Arc::new(BatchTable::default());
-        let listen_host = bound.ip().to_string();
-        let mut transports = Vec::new();
-        let mut transport_failures = Vec::new();
-        let mut endpoints = Vec::new();
-        for plugin in plugins.enabled(PluginKind::Transport) {
-            let started = Transport::init(plugin, &name, &listen_host, batches.clone()).and_then(
-                |t| match t {
-                    Some(t) => t.endpoint().map(|e| Some((t, e))),
-                    None => Ok(None),
-                },
-            );
-            match started {
-                Ok(Some((t, endpoint))) => {
-                    log::info!(
-                        "engine {name}: transport {} started ({} bytes of endpoint data)",
-                        t.name,
-                        endpoint.len()
-                    );
-                    endpoints.push((t.name.clone(), endpoint));
-                    transports.push(Arc::new(t));
-                }
-                Ok(None) => log::info!(
-                    "engine {name}: transport {} is probe-only (no data path); not used",
-                    plugin.report.name
-                ),
-                Err(e) => {
-                    log::warn!(
-                        "engine {name}: transport {} failed to start: {e}",
-                        plugin.report.name
-                    );
-                    transport_failures.push((plugin.report.name.clone(), e));
-                }
-            }
-        }
-        if transports.is_empty() {
-            log::warn!(
-                "engine {name}: no transport can move data; run `ferry info` to see why each \
-                 plugin is disabled"
-            );
-        }
+        let started = start_transports(&plugins, &name, &bound.ip().to_string(), &batches);
 
-        let policy = config.gpu_direct;
         let staging = Staging::new(config.staging_chunk, config.staging_depth);
         let host = HostFacts::from_plugins(&plugins);
-        let gpu_direct = GpuDirect::decide(&devices.gpus, &topology, policy, host);
+        let gpu_direct = GpuDirect::decide(&devices.gpus, &topology, config.gpu_direct, host);
         let metrics = crate::metrics::Metrics::new(config.metrics, plugin_counters);
-        metrics.set_transport_names(transports.iter().map(|t| t.name.clone()).collect());
+        metrics.set_transport_names(started.transports.iter().map(|t| t.name.clone()).collect());
         let metrics_listen = config.metrics_listen.clone();
-        let transports = Transports::new(transports, transport_failures, endpoints)
+        let transports = Transports::new(started.transports, started.failures, started.endpoints)
             .placed(&topology)
             .measured(config.select_measured)
             .preferring(config.prefer.as_deref());
-        if let Some(p) = &config.prefer {
-            match transports.preferred() {
-                Some(t) => log::info!(
-                    "engine {name}: requests prefer the {} transport where it serves them                      (prefer={p}); elsewhere the engine chooses",
-                    transports[t].name
-                ),
-                None => log::info!(
-                    "engine {name}: the preferred transport {p:?} does not run here (running:                      {}; `ferry info` says why); the engine chooses per request",
-                    transports.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", ")
-                ),
-            }
-        }
+        log_preference(&transports, config.prefer.as_deref(), &name);
         let shared = Arc::new(Shared {
             config,
             topology,
@@ -315,53 +201,8 @@ impl Engine {
         });
         let weak: Weak<dyn ControlHandler> = Arc::downgrade(&shared) as Weak<dyn ControlHandler>;
         let control = ControlServer::start(listener, weak, &shared.node.link)?;
-        if let Some(store) = &shared.node.metadata {
-            if let Ok(Some(old)) = store.fetch(&shared.node.name) {
-                if let Ok(d) = SegmentDescriptor::from_json(&old) {
-                    log::warn!(
-                        "metadata: segment {} was registered by engine {} (at {}); replacing it",
-                        shared.node.name,
-                        d.engine_id,
-                        d.control_addr()
-                    );
-                }
-            }
-            // An engine that cannot register yet still starts: it can open
-            // segments by name as soon as etcd answers, and its keeper
-            // registers it then.
-            match store.publish(&shared.node.name, shared.describe().to_json()) {
-                Ok(()) => log::info!(
-                    "metadata: registered segment {} in etcd at {}",
-                    shared.node.name,
-                    store.endpoints()
-                ),
-                Err(e) => log::warn!("metadata: {e}"),
-            }
-        }
-        let changed = shared.config.changed();
-        log::info!(
-            "engine {}: settings other than the defaults: {}",
-            shared.node.name,
-            if changed.is_empty() {
-                "none".to_string()
-            } else {
-                changed
-                    .iter()
-                    .map(|(k, v)| format!("{k}={v}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            }
-        );
-        log::info!(
-            "engine {} listening; transports: {}",
-            shared.node.name,
-            shared
-                .transports
-                .iter()
-                .map(|t| t.name.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+        publish(&shared);
+        log_started(&shared);
         let metrics_server = match &metrics_listen {
             Some(listen) => Some(super::observe::serve_metrics(&shared, listen)?),
             None => None,
@@ -372,6 +213,238 @@ impl Engine {
             shared,
         })
     }
+}
+
+/// Refuses a listener other hosts can reach without a token, unless auth
+/// is turned off (then says what that means, once).
+fn check_exposure(config: &EngineConfig, bound: SocketAddr) -> Result<()> {
+    if bound.ip().is_loopback() || config.auth_token.is_some() {
+        return Ok(());
+    }
+    if !config.auth_off {
+        return Err(Error::new(
+            ErrorCode::Permission,
+            format!(
+                "listening on {bound} (reachable from other hosts) without an auth token: \
+                 set FERRY_AUTH_TOKEN (or FERRY_AUTH_TOKEN_FILE) to a secret shared by \
+                 the cluster, or FERRY_AUTH=off to let anyone who can reach the port \
+                 read and write registered memory"
+            ),
+        ));
+    }
+    log::warn!(
+        "listening on {bound} without an auth token (FERRY_AUTH=off): anyone who can \
+         reach this port can read and write registered memory"
+    );
+    Ok(())
+}
+
+/// The token peers must prove: the configured one; with none configured
+/// and auth not turned off, this user's, so other users of the host are
+/// refused.
+fn cluster_token(config: &EngineConfig) -> Result<Option<ferry_plugins_abi::sdk::auth::Token>> {
+    match (&config.auth_token, config.auth_off) {
+        (Some(t), _) => Ok(Some(t.clone())),
+        (None, true) => {
+            log::warn!(
+                "FERRY_AUTH=off: no auth token; every process that can reach this engine's \
+                 listeners, of any user, can read and write its registered memory"
+            );
+            Ok(None)
+        }
+        (None, false) => {
+            let (t, path) = crate::user_token::load_or_create()?;
+            log::info!(
+                "auth: no token configured; using this user's token {} (other users are \
+                 refused)",
+                path.display()
+            );
+            Ok(Some(t))
+        }
+    }
+}
+
+/// The control plane's timeouts and admission limits, from the settings.
+fn control_link(
+    config: &EngineConfig,
+    token: Option<ferry_plugins_abi::sdk::auth::Token>,
+) -> control::Link {
+    let mut link = control::Link::new(config.connect_timeout, config.timeout, token)
+        .with_idle_timeout(config.idle_timeout);
+    link.auth_timeout = config.auth_timeout;
+    link.max_pending = config.auth_max_pending;
+    link.max_pending_per_source = config.auth_max_pending_per_host;
+    link.max_per_host = config.control_max_per_host;
+    link
+}
+
+/// The metadata store, when one is configured (else segments are named by
+/// their control address, and a configured name is ignored, with a word).
+fn connect_metadata(
+    config: &EngineConfig,
+    control_addr: &str,
+) -> Result<Option<Arc<crate::metadata::EtcdStore>>> {
+    match &config.metadata {
+        crate::metadata::MetadataConfig::P2p => {
+            if let Some(n) = &config.name {
+                log::warn!(
+                    "name {n:?} ignored: without a metadata store (FERRY_METADATA) a \
+                     segment's name is its control address, {control_addr}"
+                );
+            }
+            Ok(None)
+        }
+        m => crate::metadata::EtcdStore::connect(m, config.connect_timeout).map(Some),
+    }
+}
+
+/// Starts every enabled device plugin; one that fails is left out, with
+/// its reason.
+fn start_devices(plugins: &ferry_loader::PluginSet, topology: &Topology) -> Devices {
+    let mut devices = Vec::new();
+    for plugin in plugins.enabled(PluginKind::Device) {
+        match Device::init(plugin) {
+            Ok(Some(d)) => devices.push(Arc::new(d)),
+            Ok(None) => {}
+            Err(e) => log::warn!("device plugin {} failed to start: {e}", plugin.report.name),
+        }
+    }
+    Devices::new(devices, topology)
+}
+
+/// The transports that started, those that failed (with why), and the
+/// endpoint data each publishes.
+struct Started {
+    transports: Vec<Arc<Transport>>,
+    failures: Vec<(String, Error)>,
+    endpoints: Vec<(String, Vec<u8>)>,
+}
+
+/// Starts every enabled transport plugin, each logged once.
+fn start_transports(
+    plugins: &ferry_loader::PluginSet,
+    name: &str,
+    listen_host: &str,
+    batches: &Arc<BatchTable>,
+) -> Started {
+    let mut out = Started {
+        transports: Vec::new(),
+        failures: Vec::new(),
+        endpoints: Vec::new(),
+    };
+    for plugin in plugins.enabled(PluginKind::Transport) {
+        let started =
+            Transport::init(plugin, name, listen_host, batches.clone()).and_then(|t| match t {
+                Some(t) => t.endpoint().map(|e| Some((t, e))),
+                None => Ok(None),
+            });
+        match started {
+            Ok(Some((t, endpoint))) => {
+                log::info!(
+                    "engine {name}: transport {} started ({} bytes of endpoint data)",
+                    t.name,
+                    endpoint.len()
+                );
+                out.endpoints.push((t.name.clone(), endpoint));
+                out.transports.push(Arc::new(t));
+            }
+            Ok(None) => log::info!(
+                "engine {name}: transport {} is probe-only (no data path); not used",
+                plugin.report.name
+            ),
+            Err(e) => {
+                log::warn!(
+                    "engine {name}: transport {} failed to start: {e}",
+                    plugin.report.name
+                );
+                out.failures.push((plugin.report.name.clone(), e));
+            }
+        }
+    }
+    if out.transports.is_empty() {
+        log::warn!(
+            "engine {name}: no transport can move data; run `ferry info` to see why each \
+             plugin is disabled"
+        );
+    }
+    out
+}
+
+/// Says once what the `prefer` setting does here.
+fn log_preference(transports: &Transports<Arc<Transport>>, prefer: Option<&str>, name: &str) {
+    let Some(p) = prefer else { return };
+    match transports.preferred() {
+        Some(t) => log::info!(
+            "engine {name}: requests prefer the {} transport where it serves them \
+             (prefer={p}); elsewhere the engine chooses",
+            transports[t].name
+        ),
+        None => log::info!(
+            "engine {name}: the preferred transport {p:?} does not run here (running: \
+             {}; `ferry info` says why); the engine chooses per request",
+            transports
+                .iter()
+                .map(|t| t.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
+/// Registers the segment in the metadata store, if there is one, saying
+/// which engine's registration it replaces. An engine that cannot register
+/// yet still starts: it can open segments by name as soon as etcd answers,
+/// and its keeper registers it then.
+fn publish(shared: &Shared) {
+    let Some(store) = &shared.node.metadata else {
+        return;
+    };
+    if let Ok(Some(old)) = store.fetch(&shared.node.name) {
+        if let Ok(d) = SegmentDescriptor::from_json(&old) {
+            log::warn!(
+                "metadata: segment {} was registered by engine {} (at {}); replacing it",
+                shared.node.name,
+                d.engine_id,
+                d.control_addr()
+            );
+        }
+    }
+    match store.publish(&shared.node.name, shared.describe().to_json()) {
+        Ok(()) => log::info!(
+            "metadata: registered segment {} in etcd at {}",
+            shared.node.name,
+            store.endpoints()
+        ),
+        Err(e) => log::warn!("metadata: {e}"),
+    }
+}
+
+/// The settings that differ from the defaults, and the transports running.
+fn log_started(shared: &Shared) {
+    let changed = shared.config.changed();
+    log::info!(
+        "engine {}: settings other than the defaults: {}",
+        shared.node.name,
+        if changed.is_empty() {
+            "none".to_string()
+        } else {
+            changed
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    );
+    log::info!(
+        "engine {} listening; transports: {}",
+        shared.node.name,
+        shared
+            .transports
+            .iter()
+            .map(|t| t.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
 }
 
 impl Drop for Shared {
