@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import HELPERS, Proc, env_without_ferry_vars
@@ -55,8 +56,9 @@ def c_route(prefer, session, addr):
 
 
 def python_route(prefer, session, addr):
+    local = np.zeros(LEN, dtype=np.uint8)
     with Engine(prefer=prefer) as e:
-        local = e.allocate(LEN)
+        e.register(local)
         return e.open(session).route(local, addr, LEN)
 
 
@@ -64,7 +66,8 @@ def mooncake_route(prefer, session, addr):
     te = TransferEngine()
     assert te.initialize("127.0.0.1", "P2PHANDSHAKE", prefer or "", "") == 0, te.last_error
     try:
-        local = te._engine.allocate(LEN)
+        local = np.zeros(LEN, dtype=np.uint8)
+        assert te.register_memory(local.ctypes.data, LEN) == 0, te.last_error
         return te._engine.open(session).route(local, addr, LEN)
     finally:
         te._engine.close()
