@@ -13,7 +13,7 @@
 //! depends on timing.
 
 use ferry_core::{Engine, EngineConfig, Location, Op, Request, SegmentId};
-use ferry_tests::{built, pattern};
+use ferry_tests::{built, child_output, child_test, pattern};
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -38,34 +38,16 @@ fn child(name: &str, extra: &[(&str, &str)]) -> String {
     // The plugins must have been built (scripts/test builds the workspace).
     built("libferry_transport_cuda_ipc.so");
     built("libferry_device_cuda.so");
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        name,
-        "--exact",
-        "--ignored",
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env(CHILD, "1")
-    .env("FERRY_CUDA_LIBRARY", emulator())
-    .env("FERRY_TRANSPORTS", "cuda-ipc,tcp")
-    .env("FERRY_TIMEOUT_MS", "10000")
-    .env("RUST_LOG", "info");
+    let mut cmd = child_test(name);
+    cmd.env(CHILD, "1")
+        .env("FERRY_CUDA_LIBRARY", emulator())
+        .env("FERRY_TRANSPORTS", "cuda-ipc,tcp")
+        .env("FERRY_TIMEOUT_MS", "10000")
+        .env("RUST_LOG", "info");
     for (k, v) in extra {
         cmd.env(k, v);
     }
-    let out = cmd.output().expect("run the child test");
-    let text = format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "child {name} failed:\n{text}");
-    assert!(
-        text.contains("1 passed"),
-        "child {name} did not run:\n{text}"
-    );
-    text
+    child_output(cmd, name)
 }
 
 #[test]

@@ -18,7 +18,8 @@ use ferry_core::{Engine, EngineConfig, ErrorCode, Location, Op, Request, Segment
 use ferry_plugins_abi::sys;
 use ferry_tests::ordering::{notifications_follow_their_data, Shape};
 use ferry_tests::{
-    build_verbs_emulator, built, ferry_bin, repo_root, write_fixture, TargetProcess,
+    build_verbs_emulator, built, child_output, child_test, ferry_bin, repo_root, write_fixture,
+    TargetProcess,
 };
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -100,32 +101,15 @@ fn emu_env(fabric: &Path) -> Vec<(String, String)> {
 /// emulator's environment plus `extra`, and fails with its output if it does.
 fn child(name: &str, extra: &[(&str, &str)]) -> String {
     let fabric = tempfile::tempdir().unwrap();
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        name,
-        "--exact",
-        "--ignored",
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env(CHILD, "1");
+    let mut cmd = child_test(name);
+    cmd.env(CHILD, "1");
     for (k, v) in emu_env(fabric.path()) {
         cmd.env(k, v);
     }
     for (k, v) in extra {
         cmd.env(k, v);
     }
-    let out = cmd.output().expect("run the child test");
-    let text = format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "child {name} failed:\n{text}");
-    assert!(
-        text.contains("1 passed"),
-        "child {name} did not run:\n{text}"
-    );
+    let text = child_output(cmd, name);
     if std::env::var_os("FERRY_RDMA_TEST_SHOW").is_some() {
         eprintln!("{text}");
     }

@@ -11,9 +11,8 @@
 //! live in that child. Nothing here depends on timing.
 
 use ferry_core::{Engine, EngineConfig, Location, Op, Request, RequestStatus};
-use ferry_tests::{built, pattern, shuffled};
+use ferry_tests::{built, child_output, child_test, pattern, shuffled};
 use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
 const CHILD: &str = "FERRY_STAGED_LISTS_TEST_CHILD";
@@ -28,35 +27,17 @@ fn emulator() -> &'static Path {
 fn child(name: &str, transports: &str, extra: &[(&str, &str)]) -> String {
     built("libferry_device_cuda.so");
     built(&format!("libferry_transport_{transports}.so"));
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        name,
-        "--exact",
-        "--ignored",
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env(CHILD, "1")
-    .env("FERRY_CUDA_LIBRARY", emulator())
-    .env("FERRY_TRANSPORTS", transports)
-    .env("FERRY_TIMEOUT_MS", "10000")
-    .env("RUST_LOG", "info")
-    .env("FERRY_LOG", "info");
+    let mut cmd = child_test(name);
+    cmd.env(CHILD, "1")
+        .env("FERRY_CUDA_LIBRARY", emulator())
+        .env("FERRY_TRANSPORTS", transports)
+        .env("FERRY_TIMEOUT_MS", "10000")
+        .env("RUST_LOG", "info")
+        .env("FERRY_LOG", "info");
     for (k, v) in extra {
         cmd.env(k, v);
     }
-    let out = cmd.output().expect("run the child test");
-    let text = format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "child {name} failed:\n{text}");
-    assert!(
-        text.contains("1 passed"),
-        "child {name} did not run:\n{text}"
-    );
-    text
+    child_output(cmd, name)
 }
 
 #[test]

@@ -323,6 +323,37 @@ pub fn cannot_switch_user() -> Option<&'static str> {
     None
 }
 
+/// This test binary's ignored test `name`, to run alone in a child process
+/// (the caller adds the child's environment); [`child_output`] runs it.
+pub fn child_test(name: &str) -> Command {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args([
+        name,
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ]);
+    c
+}
+
+/// Runs a [`child_test`] command; its stdout and stderr, after failing
+/// with them unless the child ran its one test and it passed.
+pub fn child_output(mut cmd: Command, name: &str) -> String {
+    let out = cmd.output().expect("run the child test");
+    let text = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "child {name} failed:\n{text}");
+    assert!(
+        text.contains("1 passed"),
+        "child {name} did not run:\n{text}"
+    );
+    text
+}
+
 /// This test binary's test `name`, run alone as uid and gid 65534 (nobody,
 /// no groups) through setpriv: how the isolation tests play another user.
 /// Callers check [`cannot_switch_user`] first.
