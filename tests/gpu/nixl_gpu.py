@@ -215,13 +215,27 @@ def initiator(args, info, ask):
     return 0 if ok else 1
 
 
+def json_reply(stream):
+    """The next JSON line a peer wrote, passing on the lines before it:
+    the real NIXL logs to stdout ("2026-12-05 ... NIXL INFO ...")."""
+    while True:
+        line = stream.readline()
+        if not line:
+            return line
+        try:
+            json.loads(line)
+            return line
+        except ValueError:
+            sys.stderr.write(f"(peer) {line}")
+
+
 def run(args):
     me = [sys.executable, os.path.abspath(__file__)]
     common = ["--impl", args.impl, "--sizes", args.sizes, "--seconds", str(args.seconds), "--label", args.label]
     env = dict(os.environ, NIXL_GPU_WANT_NOTIFS=str(2 * len(sizes(args.sizes))))
     tgt = subprocess.Popen(me + ["target"] + common, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
-        line = tgt.stdout.readline()
+        line = json_reply(tgt.stdout)
         if not line:
             print(f"FAIL {args.label}: the target did not start")
             return 1
@@ -230,7 +244,7 @@ def run(args):
         def ask(cmd):
             tgt.stdin.write(cmd + "\n")
             tgt.stdin.flush()
-            return json.loads(tgt.stdout.readline())
+            return json.loads(json_reply(tgt.stdout))
 
         rc = initiator(args, info, ask)
         tgt.stdin.write("quit\n")

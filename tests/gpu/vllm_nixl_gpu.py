@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from nixl_gpu import json_reply
+
 PEER = Path(__file__).resolve().parents[2] / "python" / "tests" / "clients" / "vllm_nixl_peer.py"
 
 
@@ -45,7 +47,7 @@ def main():
     decode = None
     ok = True
     try:
-        line = prefill.stdout.readline()
+        line = json_reply(prefill.stdout)
         if not line:
             print(f"FAIL {label}: prefill did not start\n{prefill.communicate(timeout=60)[1][-6000:]}")
             return 1
@@ -57,12 +59,12 @@ def main():
             for p in (prefill, decode):
                 p.stdin.write(json.dumps({"req": req}) + "\n")
                 p.stdin.flush()
-            line = decode.stdout.readline()
+            line = json_reply(decode.stdout)
             if not line:
                 print(f"FAIL {label}: decode stopped at {req}\n{decode.communicate(timeout=60)[1][-6000:]}")
                 return 1
             d = json.loads(line)
-            sent = json.loads(prefill.stdout.readline() or "{}")
+            sent = json.loads(json_reply(prefill.stdout) or "{}")
             good = (d["done"] == [req] and not d["failed"] and d["failed_transfers"] == 0 and all(d["ok"])
                     and d["untouched_zero"] and sent.get("sent") == [req])
             ok &= good
@@ -85,7 +87,7 @@ def main():
                     p.wait(timeout=60)
                 except Exception:  # noqa: BLE001 (cleanup)
                     p.kill()
-                err = p.stderr.read() if p.stderr else ""
+                err = p.stderr.read() if p.stderr and not p.stderr.closed else ""
                 if p.returncode not in (0, None) or not ok:
                     sys.stderr.write(err[-4000:])
 

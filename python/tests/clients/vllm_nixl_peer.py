@@ -274,7 +274,9 @@ def connector_worker(engine_id):
 
     parallel_state._TP = SimpleNamespace(rank_in_group=0, world_size=1)
     if type(current_platform).__name__ == "UnspecifiedPlatform":
-        current_platform.device_type = "cpu"
+        # The platform a launched vLLM would resolve: CUDA for caches on a
+        # GPU (vLLM is not installed as a package, so it finds none).
+        current_platform.device_type = "cuda" if DEVICE else "cpu"
         current_platform.discover_numa_topology = lambda: []
         current_platform.get_nixl_memory_type = lambda: None
     bw.get_current_attn_backends = lambda vllm_config, layer_names=None: [_Backend]
