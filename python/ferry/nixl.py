@@ -789,13 +789,16 @@ def _group(llay: np.ndarray, lblk: np.ndarray, rlay: np.ndarray, rblk: np.ndarra
     per group, the blocks of each as int64 arrays (order within kept)."""
     if len(llay) == 0:
         return []
-    pairs = np.stack([llay, rlay], axis=1)
-    uniq, inv = np.unique(pairs, axis=0, return_inverse=True)
-    inv = inv.ravel()
-    if len(uniq) == 1:
-        return [(int(uniq[0, 0]), np.ascontiguousarray(lblk), int(uniq[0, 1]), np.ascontiguousarray(rblk))]
-    order = np.argsort(inv, kind="stable")
-    cuts = np.flatnonzero(np.diff(inv[order])) + 1
+    # Most postings are one pair of layouts: no sort at all. Otherwise one
+    # int64 key a pair from the dense ranks of each side, not
+    # np.unique(axis=0), which sorts rows as records (8 ms for 16,384).
+    if llay.min() == llay.max() and rlay.min() == rlay.max():
+        return [(int(llay[0]), np.ascontiguousarray(lblk), int(rlay[0]), np.ascontiguousarray(rblk))]
+    lrank = np.unique(llay, return_inverse=True)[1].ravel()
+    rrank = np.unique(rlay, return_inverse=True)[1].ravel()
+    key = lrank * (int(rrank.max()) + 1) + rrank
+    order = np.argsort(key, kind="stable")
+    cuts = np.flatnonzero(np.diff(key[order])) + 1
     return [
         (int(llay[g[0]]), np.ascontiguousarray(lblk[g]), int(rlay[g[0]]), np.ascontiguousarray(rblk[g]))
         for g in np.split(order, cuts)

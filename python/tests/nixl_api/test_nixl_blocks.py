@@ -119,3 +119,18 @@ def test_lists_that_are_not_layouts_move_as_addresses(pair):
     assert bytes(dst[:BLOCK]) == bytes(src[3 * BLOCK:])
     with pytest.raises(nixl.nixlInvalidParamError):
         initiator.make_prepped_xfer("WRITE", lh, [2], rh, [0])  # lengths differ
+
+
+def test_blocks_group_by_pair_of_layouts_in_order():
+    """_group: one request a (local, remote) layout pair, in the pairs'
+    order, each keeping its blocks' order; large layout ids do not collide."""
+    big = 1 << 40
+    llay = np.array([7, big, 7, 7, big, 3], dtype=np.int64)
+    rlay = np.array([1, 1, 2, 1, 1, big], dtype=np.int64)
+    lblk = np.arange(6, dtype=np.int64)
+    rblk = lblk + 100
+    got = [(a, list(b), c, list(d)) for a, b, c, d in nixl._group(llay, lblk, rlay, rblk)]
+    assert got == [(3, [5], big, [105]), (7, [0, 3], 1, [100, 103]), (7, [2], 2, [102]), (big, [1, 4], 1, [101, 104])]
+    one = nixl._group(np.full(4, 9, np.int64), lblk[:4], np.full(4, 8, np.int64), rblk[:4])
+    assert [(a, list(b), c, list(d)) for a, b, c, d in one] == [(9, [0, 1, 2, 3], 8, [100, 101, 102, 103])]
+    assert nixl._group(llay[:0], lblk[:0], rlay[:0], rblk[:0]) == []
