@@ -7,7 +7,7 @@
 //! call alone, and the same run's contiguous copy of the batch's bytes as
 //! the limit (device to device with `--device`, memcpy for host memory).
 
-use crate::limits::{device_to_device, memcpy_run, WORKING_SET};
+use crate::limits::{device_to_device, memcpy_run, scattered_memcpy, WORKING_SET};
 use crate::util::{fill_pattern, human_size, percentile, Buffer};
 use ferry_core::{BlockLayout, BlockTransfer, Engine, EngineConfig, LayoutId, Location, Op};
 use ferry_core::{Request, SegmentId};
@@ -384,6 +384,9 @@ struct KvReport {
     /// measured right after the timed batches.
     limit_kind: &'static str,
     limit_gb_per_s: f64,
+    /// Host memory: one thread copying the batch's blocks between shuffled
+    /// places of two buffers (no transport), GB/s.
+    scattered_memcpy_gb_per_s: Option<f64>,
     /// gb_per_s / limit_gb_per_s.
     ratio: f64,
     verified: bool,
@@ -543,6 +546,13 @@ pub fn initiator(args: KvArgs) -> Result<(), String> {
             gb_per_s: memcpy_run(batch_bytes as usize, limit_s, 1)?,
         },
     };
+    // Host memory: the same blocks copied scattered by one thread, the
+    // memory system's own cost of this block size (compare its ratio
+    // across block sizes with the transport's).
+    let scattered = match args.device {
+        Some(_) => None,
+        None => Some(scattered_memcpy(s as usize, &sample(n, n, 3), limit_s)?),
+    };
     let gb_per_s = bytes as f64 / elapsed / 1e9;
     let submit = Percentiles::of(submit);
     let blocks_per_s = (n * latency.len() as u64) as f64 / elapsed;
@@ -570,6 +580,7 @@ pub fn initiator(args: KvArgs) -> Result<(), String> {
         submit_max_us: submit.max,
         limit_kind: limit.kind,
         limit_gb_per_s: limit.gb_per_s,
+        scattered_memcpy_gb_per_s: scattered,
         ratio: if limit.gb_per_s > 0.0 {
             gb_per_s / limit.gb_per_s
         } else {

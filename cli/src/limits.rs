@@ -55,6 +55,30 @@ pub(crate) fn memcpy_run(block: usize, duration: f64, threads: usize) -> Result<
     Ok(bytes.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64() / 1e9)
 }
 
+/// GB/s of one thread copying `total` bytes as `block`-sized blocks from
+/// shuffled places of one buffer to shuffled places of another (`order`
+/// gives both: block i goes from `order[i]` to `order[len - 1 - i]`), for
+/// `duration`: what this machine's memory allows a scattered copy of that
+/// block size, TLB misses and all, with no transport in the way.
+pub(crate) fn scattered_memcpy(block: usize, order: &[u64], duration: f64) -> Result<f64, String> {
+    let total = block * order.len();
+    let src = Buffer::new(total)?;
+    let mut dst = Buffer::new(total)?;
+    let (from, to) = (src.as_slice(), dst.as_mut_slice());
+    let n = order.len();
+    let started = Instant::now();
+    let mut bytes = 0u64;
+    while bytes == 0 || started.elapsed().as_secs_f64() < duration {
+        for (i, &s) in order.iter().enumerate() {
+            let (s, d) = (s as usize * block, order[n - 1 - i] as usize * block);
+            to[d..d + block].copy_from_slice(&from[s..s + block]);
+        }
+        bytes += total as u64;
+    }
+    std::hint::black_box(&to[0]);
+    Ok(bytes as f64 / started.elapsed().as_secs_f64() / 1e9)
+}
+
 /// Copies of `size` bytes between two buffers of `device`, through its
 /// plugin (cuMemcpyAsync device to device), in GB/s of bytes copied.
 pub(crate) fn device_to_device(
