@@ -7,8 +7,8 @@
 
 use crate::config::EngineConfig;
 use crate::device::Device;
-use crate::gpudirect::Policy;
-use crate::topology::Topology;
+use crate::gpudirect::{self, GpuFacts, HostFacts, Policy};
+use crate::topology::{Gpu as TopoGpu, Topology};
 use ferry_loader::escape::for_terminal as esc;
 use ferry_loader::{
     Isolation, PluginKind, PluginReport, PluginSet, PluginState, ProbeSetup, SearchEntry,
@@ -433,40 +433,8 @@ impl InfoReport {
         topology: Option<&Topology>,
         policy: Policy,
     ) -> InfoReport {
-        use crate::gpudirect::{self, GpuFacts, HostFacts};
         let host = HostFacts::from_plugins(set);
-        let method = |memory: &str, fact: &Result<String, String>| MethodReport {
-            memory: memory.to_string(),
-            available: fact.is_ok(),
-            detail: fact.clone().unwrap_or_else(|why| why),
-        };
-        self.gpu_direct = Some(GpuDirectReport {
-            policy: policy.as_str().to_string(),
-            policy_warning: None,
-            peermem: host.peermem.clone().ok(),
-            libibverbs: host.dmabuf.clone().unwrap_or_else(|why| why),
-            methods: vec![
-                method("cuda-dmabuf", &host.dmabuf),
-                method("cuda-peermem", &host.peermem),
-            ],
-            transport: match &host.no_transport {
-                None => set
-                    .enabled(PluginKind::Transport)
-                    .filter_map(|p| {
-                        let direct = p.report.capabilities.mem_bits & gpudirect::DIRECT;
-                        (direct != 0).then(|| {
-                            format!(
-                                "{} ({})",
-                                p.report.name,
-                                ferry_plugins_abi::caps::mem_kind_names(direct).join(", ")
-                            )
-                        })
-                    })
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                Some(why) => format!("none: {why}"),
-            },
-        });
+        self.gpu_direct = Some(gpu_direct_report(set, &host, policy));
         let devices: Vec<std::sync::Arc<Device>> = set
             .enabled(PluginKind::Device)
             .filter_map(|p| match Device::init(p) {
@@ -480,80 +448,6 @@ impl InfoReport {
                 }
             })
             .collect();
-        let nearest = |loc: &str| -> Vec<NicRank> {
-            let Some(t) = topology else { return Vec::new() };
-            t.preferred_nics(loc)
-                .unwrap_or_default()
-                .iter()
-                .take(4)
-                .map(|r| NicRank {
-                    name: r.name.clone(),
-                    kind: t.nic(&r.name).map_or("?", |n| n.kind.as_str()).to_string(),
-                    class: r.class.as_str().to_string(),
-                })
-                .collect()
-        };
-        let decide = |facts: &GpuFacts, loc: &str| -> Registration {
-            let pair = topology.and_then(|t| gpudirect::direct_nic(t, loc));
-            // The method this GPU gets once a transport can register GPU
-            // memory (an RDMA NIC); what applies today goes in the note.
-            let able = HostFacts {
-                no_transport: None,
-                ..host.clone()
-            };
-            let d = gpudirect::decide(policy, facts, &able, pair.as_ref());
-            let today = gpudirect::decide(policy, facts, &host, pair.as_ref());
-            let reason = match d.method {
-                gpudirect::Method::DmaBuf => format!(
-                    "the GPU supports DMA-BUF (attribute 124), the driver exports it \
-                     (cuMemGetHandleForAddressRange), and {}",
-                    host.dmabuf.as_deref().unwrap_or_else(|why| why)
-                ),
-                gpudirect::Method::PeerMem => format!(
-                    "the GPU supports GPUDirect RDMA (attribute 116), and {}",
-                    host.peermem.as_deref().unwrap_or_else(|why| why)
-                ),
-                gpudirect::Method::Staged => {
-                    "every transport can move it through pinned host memory".to_string()
-                }
-            };
-            let note = if d.method == gpudirect::Method::Staged {
-                None
-            } else if today.method == gpudirect::Method::Staged {
-                let why = host.no_transport.clone().unwrap_or_else(|| {
-                    today
-                        .skipped
-                        .first()
-                        .map_or_else(String::new, |(_, w)| w.clone())
-                });
-                Some(format!(
-                    "staged through pinned host memory until a transport can register GPU \
-                     memory ({why})"
-                ))
-            } else if pair.is_none() {
-                Some(
-                    "no RDMA NIC on this host yet: until one is present, transfers of this \
-                     GPU's memory are staged through pinned host memory"
-                        .to_string(),
-                )
-            } else {
-                None
-            };
-            Registration {
-                method: d.method.as_str().to_string(),
-                in_use: today.method.as_str().to_string(),
-                reason,
-                note,
-                skipped: d
-                    .skipped
-                    .iter()
-                    .map(|(m, why)| Skipped {
-                        method: m.as_str().to_string(),
-                        reason: why.clone(),
-                    })
-                    .collect(),
-            }
-        };
         if !devices.is_empty() {
             let placeholder = Topology::empty();
             let t = topology.unwrap_or(&placeholder);
@@ -562,57 +456,182 @@ impl InfoReport {
                     .topology_name
                     .clone()
                     .unwrap_or_else(|| g.location.to_string());
-                let numa = topology
-                    .and_then(|t| t.gpu(&topo_name))
-                    .and_then(|tg| tg.numa);
-                let nics = nearest(&topo_name);
                 let facts = GpuFacts {
                     gpu_direct_rdma: g.info.gpu_direct_rdma,
                     dmabuf: g.info.dmabuf,
                     dmabuf_export: g.info.dmabuf_export,
                 };
-                let registration = decide(&facts, &topo_name);
                 self.gpus.push(GpuReport {
                     name: g.location.to_string(),
                     model: Some(g.info.name.clone()),
                     pci: Some(g.info.pci_bus_id.clone()),
-                    numa,
+                    numa: topology
+                        .and_then(|t| t.gpu(&topo_name))
+                        .and_then(|tg| tg.numa),
                     uuid: Some(g.info.uuid.clone()).filter(|u| !u.is_empty()),
                     source: format!("{} driver", devices[g.plugin].name),
                     gpu_direct_rdma: g.info.gpu_direct_rdma,
                     dmabuf: g.info.dmabuf,
-                    nearest_nics: nics,
-                    registration,
+                    nearest_nics: nearest_nics(topology, &topo_name),
+                    registration: registration(policy, &facts, &host, topology, &topo_name),
                 });
             }
         } else if let Some(t) = topology {
             for tg in t.gpus() {
-                let nics = nearest(&tg.name);
-                self.gpus.push(GpuReport {
-                    name: tg.name.clone(),
-                    model: None,
-                    pci: tg.pci.map(|p| p.to_string()),
-                    numa: tg.numa,
-                    uuid: None,
-                    source: "sysfs (no GPU driver loaded: ordinals in PCI bus order)".into(),
-                    gpu_direct_rdma: None,
-                    dmabuf: None,
-                    nearest_nics: nics,
-                    registration: Registration {
-                        method: gpudirect::Method::Staged.as_str().to_string(),
-                        in_use: gpudirect::Method::Staged.as_str().to_string(),
-                        reason: "every transport can move it through pinned host memory".into(),
-                        note: None,
-                        skipped: vec![Skipped {
-                            method: "GPUDirect".into(),
-                            reason: "no GPU driver plugin is enabled (see the cuda plugin's reason above)"
-                                .into(),
-                        }],
-                    },
-                });
+                self.gpus.push(sysfs_gpu(t, tg));
             }
         }
         self
+    }
+}
+
+/// The host's GPU-direct facts as info shows them: the policy, each
+/// method's availability, and which transports register GPU memory.
+fn gpu_direct_report(set: &PluginSet, host: &HostFacts, policy: Policy) -> GpuDirectReport {
+    let method = |memory: &str, fact: &Result<String, String>| MethodReport {
+        memory: memory.to_string(),
+        available: fact.is_ok(),
+        detail: fact.clone().unwrap_or_else(|why| why),
+    };
+    GpuDirectReport {
+        policy: policy.as_str().to_string(),
+        policy_warning: None,
+        peermem: host.peermem.clone().ok(),
+        libibverbs: host.dmabuf.clone().unwrap_or_else(|why| why),
+        methods: vec![
+            method("cuda-dmabuf", &host.dmabuf),
+            method("cuda-peermem", &host.peermem),
+        ],
+        transport: match &host.no_transport {
+            None => set
+                .enabled(PluginKind::Transport)
+                .filter_map(|p| {
+                    let direct = p.report.capabilities.mem_bits & gpudirect::DIRECT;
+                    (direct != 0).then(|| {
+                        format!(
+                            "{} ({})",
+                            p.report.name,
+                            ferry_plugins_abi::caps::mem_kind_names(direct).join(", ")
+                        )
+                    })
+                })
+                .collect::<Vec<_>>()
+                .join(", "),
+            Some(why) => format!("none: {why}"),
+        },
+    }
+}
+
+/// The four NICs nearest `loc` in the topology, best first.
+fn nearest_nics(topology: Option<&Topology>, loc: &str) -> Vec<NicRank> {
+    let Some(t) = topology else {
+        return Vec::new();
+    };
+    t.preferred_nics(loc)
+        .unwrap_or_default()
+        .iter()
+        .take(4)
+        .map(|r| NicRank {
+            name: r.name.clone(),
+            kind: t.nic(&r.name).map_or("?", |n| n.kind.as_str()).to_string(),
+            class: r.class.as_str().to_string(),
+        })
+        .collect()
+}
+
+/// The GPU-direct decision for the GPU at `loc`: the method it gets once
+/// a transport can register GPU memory (an RDMA NIC), the one in use
+/// today, and, when they differ, a note saying why.
+fn registration(
+    policy: Policy,
+    facts: &GpuFacts,
+    host: &HostFacts,
+    topology: Option<&Topology>,
+    loc: &str,
+) -> Registration {
+    let pair = topology.and_then(|t| gpudirect::direct_nic(t, loc));
+    let able = HostFacts {
+        no_transport: None,
+        ..host.clone()
+    };
+    let d = gpudirect::decide(policy, facts, &able, pair.as_ref());
+    let today = gpudirect::decide(policy, facts, host, pair.as_ref());
+    let reason = match d.method {
+        gpudirect::Method::DmaBuf => format!(
+            "the GPU supports DMA-BUF (attribute 124), the driver exports it \
+             (cuMemGetHandleForAddressRange), and {}",
+            host.dmabuf.as_deref().unwrap_or_else(|why| why)
+        ),
+        gpudirect::Method::PeerMem => format!(
+            "the GPU supports GPUDirect RDMA (attribute 116), and {}",
+            host.peermem.as_deref().unwrap_or_else(|why| why)
+        ),
+        gpudirect::Method::Staged => {
+            "every transport can move it through pinned host memory".to_string()
+        }
+    };
+    let note = if d.method == gpudirect::Method::Staged {
+        None
+    } else if today.method == gpudirect::Method::Staged {
+        let why = host.no_transport.clone().unwrap_or_else(|| {
+            today
+                .skipped
+                .first()
+                .map_or_else(String::new, |(_, w)| w.clone())
+        });
+        Some(format!(
+            "staged through pinned host memory until a transport can register GPU \
+             memory ({why})"
+        ))
+    } else if pair.is_none() {
+        Some(
+            "no RDMA NIC on this host yet: until one is present, transfers of this \
+             GPU's memory are staged through pinned host memory"
+                .to_string(),
+        )
+    } else {
+        None
+    };
+    Registration {
+        method: d.method.as_str().to_string(),
+        in_use: today.method.as_str().to_string(),
+        reason,
+        note,
+        skipped: d
+            .skipped
+            .iter()
+            .map(|(m, why)| Skipped {
+                method: m.as_str().to_string(),
+                reason: why.clone(),
+            })
+            .collect(),
+    }
+}
+
+/// A GPU known from sysfs alone (no driver plugin): staged, and why.
+fn sysfs_gpu(t: &Topology, tg: &TopoGpu) -> GpuReport {
+    let staged = gpudirect::Method::Staged.as_str().to_string();
+    GpuReport {
+        name: tg.name.clone(),
+        model: None,
+        pci: tg.pci.map(|p| p.to_string()),
+        numa: tg.numa,
+        uuid: None,
+        source: "sysfs (no GPU driver loaded: ordinals in PCI bus order)".into(),
+        gpu_direct_rdma: None,
+        dmabuf: None,
+        nearest_nics: nearest_nics(Some(t), &tg.name),
+        registration: Registration {
+            method: staged.clone(),
+            in_use: staged,
+            reason: "every transport can move it through pinned host memory".into(),
+            note: None,
+            skipped: vec![Skipped {
+                method: "GPUDirect".into(),
+                reason: "no GPU driver plugin is enabled (see the cuda plugin's reason above)"
+                    .into(),
+            }],
+        },
     }
 }
 

@@ -185,17 +185,7 @@ impl GpuDirect {
                 continue;
             }
             let exported = if *method == Method::DmaBuf {
-                let why = match device.export_dmabuf(spec.addr, spec.len) {
-                    Ok((fd, offset)) if fd >= 0 => {
-                        use std::os::fd::FromRawFd;
-                        // SAFETY: the device plugin hands us a fresh fd we own.
-                        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
-                        Ok((fd, offset))
-                    }
-                    Ok(_) => Err("the device plugin exported no fd".to_string()),
-                    Err(e) => Err(e.message),
-                };
-                match why {
+                match export_dmabuf(device, spec) {
                     Ok(pair) => Some(pair),
                     Err(why) => {
                         first_try = false;
@@ -225,23 +215,7 @@ impl GpuDirect {
             // holds its own reference to the buffer.
             match t.register(&attempt) {
                 Ok((handle, key)) => {
-                    let newly = self
-                        .logged
-                        .lock()
-                        .insert((spec.location.to_string(), i, *method));
-                    if newly {
-                        log::info!(
-                            "{}: {} memory is registered by {} (trial registration succeeded{})",
-                            t.name,
-                            spec.location,
-                            method.as_str(),
-                            if first_try {
-                                String::new()
-                            } else {
-                                "; better methods failed, see above".to_string()
-                            }
-                        );
-                    }
+                    self.log_registered(i, t, spec.location, *method, first_try);
                     return Some(TransportRegistration {
                         transport: i,
                         handle,
@@ -268,6 +242,23 @@ impl GpuDirect {
         None
     }
 
+    /// Says once per device, transport and method that trial registration
+    /// succeeded, and whether better methods failed first.
+    fn log_registered(&self, i: usize, t: &Transport, location: &str, method: Method, first: bool) {
+        if self.logged.lock().insert((location.to_string(), i, method)) {
+            log::info!(
+                "{}: {location} memory is registered by {} (trial registration succeeded{})",
+                t.name,
+                method.as_str(),
+                if first {
+                    ""
+                } else {
+                    "; better methods failed, see above"
+                }
+            );
+        }
+    }
+
     /// The direct registration methods the GPU-direct decision allows for
     /// device memory at `location`, best first.
     fn methods(&self, location: &str) -> Vec<Method> {
@@ -285,5 +276,24 @@ impl GpuDirect {
             Method::PeerMem => vec![Method::PeerMem],
             Method::Staged => Vec::new(),
         }
+    }
+}
+
+/// Exports `spec`'s device memory as a DMA-BUF fd (owned here) and its
+/// offset in it, or why not.
+fn export_dmabuf(
+    device: &Device,
+    spec: &RegionSpec<'_>,
+) -> std::result::Result<(std::os::fd::OwnedFd, u64), String> {
+    match device.export_dmabuf(spec.addr, spec.len) {
+        Ok((fd, offset)) if fd >= 0 => {
+            use std::os::fd::FromRawFd;
+            // SAFETY: the device plugin hands us a fresh fd that nothing
+            // else owns (its export contract); OwnedFd closes it once.
+            let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+            Ok((fd, offset))
+        }
+        Ok(_) => Err("the device plugin exported no fd".to_string()),
+        Err(e) => Err(e.message),
     }
 }

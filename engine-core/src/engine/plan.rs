@@ -121,6 +121,18 @@ impl SegTable {
 /// What a route depends on: segment, remote buffer, local buffer, hint.
 type RouteMemo<'r> = (SegmentId, usize, *const LocalBuffer, Option<&'r str>);
 
+/// The previous request's route: what it depended on, transport, remote key.
+type LastRoute<'r> = (RouteMemo<'r>, usize, Arc<[u8]>);
+
+/// Where one request goes: its segment, the view and buffer its remote
+/// range lies in, and whether that buffer is device memory.
+struct Target<'p> {
+    seg: &'p RemoteSegment,
+    view: &'p Arc<RemoteView>,
+    remote: usize,
+    remote_on_device: bool,
+}
+
 /// Plans requests over an engine's state (or a test's).
 pub(crate) struct Planner<'a, T> {
     pub(crate) transports: &'a Transports<T>,
@@ -191,7 +203,7 @@ impl<T: Candidate> Planner<'_, T> {
     ) -> Result<Plan> {
         let mut routed: SmallVec<[Pending; 1]> = SmallVec::with_capacity(requests.len());
         let mut segs = SegTable::default();
-        let mut last_route: Option<(RouteMemo, usize, Arc<[u8]>)> = None;
+        let mut last_route: Option<LastRoute<'_>> = None;
         let mut last_local: Option<Arc<LocalBuffer>> = None;
         let mut staged: Vec<(usize, StagedItem)> = Vec::new();
         let mut empty: Vec<usize> = Vec::new();
@@ -202,58 +214,9 @@ impl<T: Candidate> Planner<'_, T> {
                 empty.push(i);
                 continue;
             }
-            // Requests of a batch mostly come from one buffer: the one the
-            // previous request was found in, when it holds this one too
-            // (dispatch checks again that it is still registered).
-            let local = match &last_local {
-                Some(b)
-                    if b.visibility != Visibility::Unregistered
-                        && r.local_addr >= b.addr
-                        && r.local_addr
-                            .checked_add(r.length)
-                            .is_some_and(|e| e <= b.end()) =>
-                {
-                    b.clone()
-                }
-                _ => {
-                    let b = self.local_buffer(i, r.local_addr, r.length)?;
-                    last_local = Some(b.clone());
-                    b
-                }
-            };
-            let entry = segs.get_or_insert(r.segment, || {
-                let seg = self.segments.get(r.segment)?;
-                // After a failed connection, look again once: a restarted
-                // peer's requests then fail (or succeed) on its current
-                // memory, not on the old process's. A peer still
-                // unreachable keeps the old view.
-                let refreshed = seg.stale.swap(false, Ordering::Relaxed);
-                let view = match refreshed.then(|| self.peers.refresh(&seg)) {
-                    Some(Ok(v)) => v,
-                    _ => seg.view.read().clone(),
-                };
-                Ok((seg, view, refreshed))
-            })?;
-            let mut view = slots.unwrap_or(&entry.1).clone();
-            let mut remote = view.find(r.remote_addr, r.length);
-            if remote.is_none() && !entry.2 && slots.is_none() {
-                // The peer may have registered memory since we last looked.
-                entry.2 = true;
-                if let Ok(v) = self.peers.refresh(&entry.0) {
-                    entry.1 = v;
-                    view = entry.1.clone();
-                    remote = view.find(r.remote_addr, r.length);
-                }
-            }
-            let Some(remote) = remote else {
-                return Err(remote_out_of_bounds(
-                    i,
-                    &entry.0,
-                    r.remote_addr,
-                    r.length,
-                    entry.1.buffers.len(),
-                ));
-            };
+            let local = self.local_of(&mut last_local, i, r)?;
+            let entry = segs.get_or_insert(r.segment, || self.open_segment(r.segment))?;
+            let (view, remote) = self.remote_of(entry, slots, i, r)?;
             let hint = r.transport.as_deref();
             // Device memory on either side that no transport moves directly
             // goes through staging.
@@ -274,80 +237,29 @@ impl<T: Candidate> Planner<'_, T> {
                     // Only the peer has device memory: it stages for us.
                     log::debug!("request {i}: the peer's device memory is staged at the peer");
                 }
-                staged.push((
-                    i,
-                    StagedItem {
-                        group: 0,
-                        op: r.op,
-                        local,
-                        local_addr: r.local_addr,
-                        segment: entry.0.clone(),
-                        remote_addr: r.remote_addr,
-                        remote_on_device,
-                        length: r.length,
-                    },
-                ));
+                let item = StagedItem {
+                    group: 0,
+                    op: r.op,
+                    local,
+                    local_addr: r.local_addr,
+                    segment: entry.0.clone(),
+                    remote_addr: r.remote_addr,
+                    remote_on_device,
+                    length: r.length,
+                };
+                staged.push((i, item));
                 continue;
             }
-            // Small host requests: the route chosen for the same kind in an
-            // earlier submission (see route_memo.rs).
-            let small =
-                r.length < BANDWIDTH_MIN_BYTES && local.device.is_none() && !remote_on_device;
-            let kind = Kind {
+            let at = Target {
+                seg: &entry.0,
                 view: &view,
                 remote,
-                local: &local,
-                bytes: r.length,
-                hint,
+                remote_on_device,
             };
-            let remembered = || small.then(|| entry.0.routes.get(&kind)).flatten();
-            let known = match &last_route {
-                Some((k, t, key)) if *k == memo_key => Some((*t, key.clone())),
-                _ => remembered().inspect(|(t, key)| {
-                    last_route = Some((memo_key, *t, key.clone()));
-                }),
-            };
-            let (transport, remote_key) = match known {
-                Some(known) => known,
-                None => {
-                    let transport = self
-                        .select(&local, &entry.0, &view, remote, r.length, hint, false)
-                        .map_err(|e| Error::new(e.code, format!("request {i}: {}", e.message)))?
-                        .transport;
-                    let name = self.transports[transport].name();
-                    if self.transports.first_use(r.segment, transport) {
-                        if let Ok(c) =
-                            self.select(&local, &entry.0, &view, remote, r.length, hint, true)
-                        {
-                            log::info!("segment {}: using {name} ({})", entry.0.name, c.reason);
-                        }
-                    }
-                    let remote_key = view.buffers[remote]
-                        .keys
-                        .get(name)
-                        .cloned()
-                        .unwrap_or_else(|| Arc::from(&[][..]));
-                    if small {
-                        entry.0.routes.put(&kind, transport, &remote_key);
-                    }
-                    last_route = Some((memo_key, transport, remote_key.clone()));
-                    (transport, remote_key)
-                }
-            };
-            // Coalesce with the previous request when both sides are
-            // contiguous in the same buffers.
+            let (transport, remote_key) =
+                self.route_of(&mut last_route, memo_key, &at, &local, i, r)?;
             if let Some(prev) = routed.last_mut() {
-                if prev.segment.id == r.segment
-                    && prev.transport == transport
-                    && prev.op == r.op
-                    && Arc::ptr_eq(&prev.local, &local)
-                    && prev.local_addr + prev.length == r.local_addr
-                    && prev.remote_addr + prev.length == r.remote_addr
-                    && prev.remote_key == remote_key
-                    && view
-                        .find(prev.remote_addr, prev.length + r.length)
-                        .is_some()
-                {
+                if prev.continued_by(r, transport, &local, &remote_key, &view) {
                     prev.length += r.length;
                     prev.count += 1;
                     continue;
@@ -374,405 +286,156 @@ impl<T: Candidate> Planner<'_, T> {
             retry: slots.is_none(),
         })
     }
+
+    /// Request `i`'s local buffer. Requests of a batch mostly come from one
+    /// buffer: the one the previous request was found in, when it holds
+    /// this one too (dispatch checks again that it is still registered).
+    fn local_of(
+        &self,
+        last: &mut Option<Arc<LocalBuffer>>,
+        i: usize,
+        r: &Request,
+    ) -> Result<Arc<LocalBuffer>> {
+        if let Some(b) = last.as_ref().filter(|b| {
+            b.visibility != Visibility::Unregistered
+                && r.local_addr >= b.addr
+                && r.local_addr
+                    .checked_add(r.length)
+                    .is_some_and(|e| e <= b.end())
+        }) {
+            return Ok(b.clone());
+        }
+        let b = self.local_buffer(i, r.local_addr, r.length)?;
+        *last = Some(b.clone());
+        Ok(b)
+    }
+
+    /// A segment as this plan first sees it. After a failed connection it
+    /// is looked up again once: a restarted peer's requests then fail (or
+    /// succeed) on its current memory, not on the old process's. A peer
+    /// still unreachable keeps the old view.
+    fn open_segment(&self, id: SegmentId) -> Result<SegState> {
+        let seg = self.segments.get(id)?;
+        let refreshed = seg.stale.swap(false, Ordering::Relaxed);
+        let view = match refreshed.then(|| self.peers.refresh(&seg)) {
+            Some(Ok(v)) => v,
+            _ => seg.view.read().clone(),
+        };
+        Ok((seg, view, refreshed))
+    }
+
+    /// The view request `i`'s remote range is found in (the lent `slots`,
+    /// or the segment's), and the buffer holding it. A range not found is
+    /// looked for once more after re-reading the segment: the peer may have
+    /// registered memory since.
+    fn remote_of(
+        &self,
+        entry: &mut SegState,
+        slots: Option<&Arc<RemoteView>>,
+        i: usize,
+        r: &Request,
+    ) -> Result<(Arc<RemoteView>, usize)> {
+        let mut view = slots.unwrap_or(&entry.1).clone();
+        let mut remote = view.find(r.remote_addr, r.length);
+        if remote.is_none() && !entry.2 && slots.is_none() {
+            entry.2 = true;
+            if let Ok(v) = self.peers.refresh(&entry.0) {
+                entry.1 = v;
+                view = entry.1.clone();
+                remote = view.find(r.remote_addr, r.length);
+            }
+        }
+        match remote {
+            Some(remote) => Ok((view, remote)),
+            None => Err(remote_out_of_bounds(
+                i,
+                &entry.0,
+                r.remote_addr,
+                r.length,
+                entry.1.buffers.len(),
+            )),
+        }
+    }
+
+    /// The transport and remote key for request `i`: the previous request's
+    /// when it ran between the same buffers, the one remembered for small
+    /// host requests of its kind (route_memo.rs), else selection's, logged
+    /// the first time this segment uses that transport.
+    fn route_of<'r>(
+        &self,
+        last: &mut Option<LastRoute<'r>>,
+        memo_key: RouteMemo<'r>,
+        at: &Target<'_>,
+        local: &Arc<LocalBuffer>,
+        i: usize,
+        r: &'r Request,
+    ) -> Result<(usize, Arc<[u8]>)> {
+        if let Some((k, t, key)) = last.as_ref() {
+            if *k == memo_key {
+                return Ok((*t, key.clone()));
+            }
+        }
+        let hint = r.transport.as_deref();
+        let small =
+            r.length < BANDWIDTH_MIN_BYTES && local.device.is_none() && !at.remote_on_device;
+        let kind = Kind {
+            view: at.view,
+            remote: at.remote,
+            local,
+            bytes: r.length,
+            hint,
+        };
+        if let Some((t, key)) = small.then(|| at.seg.routes.get(&kind)).flatten() {
+            *last = Some((memo_key, t, key.clone()));
+            return Ok((t, key));
+        }
+        let transport = self
+            .select(local, at.seg, at.view, at.remote, r.length, hint, false)
+            .map_err(|e| Error::new(e.code, format!("request {i}: {}", e.message)))?
+            .transport;
+        let name = self.transports[transport].name();
+        if self.transports.first_use(r.segment, transport) {
+            if let Ok(c) = self.select(local, at.seg, at.view, at.remote, r.length, hint, true) {
+                log::info!("segment {}: using {name} ({})", at.seg.name, c.reason);
+            }
+        }
+        let remote_key = at.view.buffers[at.remote]
+            .keys
+            .get(name)
+            .cloned()
+            .unwrap_or_else(|| Arc::from(&[][..]));
+        if small {
+            at.seg.routes.put(&kind, transport, &remote_key);
+        }
+        *last = Some((memo_key, transport, remote_key.clone()));
+        Ok((transport, remote_key))
+    }
+}
+
+impl Pending {
+    /// Whether `r`, routed to `transport`, continues this group: the same
+    /// segment, transport, op, buffers and key, contiguous on both sides,
+    /// and still inside one remote buffer when joined.
+    fn continued_by(
+        &self,
+        r: &Request,
+        transport: usize,
+        local: &Arc<LocalBuffer>,
+        remote_key: &Arc<[u8]>,
+        view: &RemoteView,
+    ) -> bool {
+        self.segment.id == r.segment
+            && self.transport == transport
+            && self.op == r.op
+            && Arc::ptr_eq(&self.local, local)
+            && self.local_addr + self.length == r.local_addr
+            && self.remote_addr + self.length == r.remote_addr
+            && self.remote_key == *remote_key
+            && view
+                .find(self.remote_addr, self.length + r.length)
+                .is_some()
+    }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::super::request::Scope;
-    use super::super::select::fakes::*;
-    use super::*;
-    use crate::descriptor::SegmentDescriptor;
-    use crate::memory::Visibility;
-    use parking_lot::Mutex;
-
-    const LOCAL: u64 = 0x10_0000;
-    const REMOTE: u64 = 0x1000;
-
-    /// Peers answered from tables: what a refresh reads, who declines.
-    #[derive(Default)]
-    struct FakePeers {
-        /// The descriptor a refresh reads (none: the peer is unreachable).
-        reread: Mutex<Option<SegmentDescriptor>>,
-        refreshes: Mutex<usize>,
-        declined: Vec<usize>,
-        asked: Mutex<usize>,
-    }
-
-    impl Peers for FakePeers {
-        fn unregistered_local(&self, i: usize, addr: u64, len: u64) -> Result<Arc<LocalBuffer>> {
-            match addr {
-                // Below LOCAL: memory tcp (transport 0) moves unregistered.
-                a if a < LOCAL => Ok(unregistered_host_buffer(addr, len, &[0])),
-                _ => Err(Error::new(
-                    ErrorCode::OutOfBounds,
-                    format!("request {i}: not registered"),
-                )),
-            }
-        }
-        fn refresh(&self, seg: &RemoteSegment) -> Result<Arc<RemoteView>> {
-            *self.refreshes.lock() += 1;
-            match self.reread.lock().clone() {
-                Some(d) => Ok(seg.replace_view(d)),
-                None => Err(Error::new(ErrorCode::Connection, "unreachable")),
-            }
-        }
-        fn accepts(
-            &self,
-            _seg: &RemoteSegment,
-            transport: usize,
-            _local_mem: Option<u64>,
-            _key: &[u8],
-        ) -> std::result::Result<(), String> {
-            *self.asked.lock() += 1;
-            match self.declined.contains(&transport) {
-                true => Err("declined".into()),
-                false => Ok(()),
-            }
-        }
-    }
-
-    /// An engine's state without an engine: fake transports, registered
-    /// local memory, and segment 1 (a same-host peer) open.
-    struct World {
-        transports: Transports<FakeTransport>,
-        memory: MemoryRegistry,
-        segments: Segments,
-        peers: FakePeers,
-    }
-
-    impl World {
-        fn new(transports: Vec<FakeTransport>, peer: SegmentDescriptor) -> World {
-            let segments = Segments::new(Default::default());
-            segments.insert(segment(1, Scope::SameHost, peer));
-            World {
-                transports: Transports::new(transports, Vec::new(), Vec::new()),
-                memory: MemoryRegistry::default(),
-                segments,
-                peers: FakePeers::default(),
-            }
-        }
-
-        fn planner(&self) -> Planner<'_, FakeTransport> {
-            Planner {
-                transports: &self.transports,
-                memory: &self.memory,
-                segments: &self.segments,
-                peers: &self.peers,
-                has_devices: true,
-            }
-        }
-
-        fn plan(&self, requests: &[Request]) -> Result<Plan> {
-            self.planner().plan(requests, None)
-        }
-    }
-
-    /// tcp and shm at both ends; the peer has two adjacent host buffers of
-    /// 64 KiB; 1 MiB of local host memory is registered with both.
-    fn world() -> World {
-        let both: &[&str] = &["tcp", "shm"];
-        let peer = descriptor(
-            "e1",
-            both,
-            &[
-                (REMOTE, 64 << 10, "cpu:0", both),
-                (REMOTE + (64 << 10), 64 << 10, "cpu:0", both),
-            ],
-        );
-        let w = World::new(
-            vec![fake("tcp", HOST, ANY_HOST), fake("shm", HOST, SAME_HOST)],
-            peer,
-        );
-        w.memory.insert(host_buffer(LOCAL, 1 << 20, &[0, 1]));
-        w
-    }
-
-    fn write(local: u64, remote: u64, len: u64) -> Request {
-        Request::new(Op::Write, LOCAL + local, 1, REMOTE + remote, len)
-    }
-
-    fn shape(plan: &Plan) -> Vec<(usize, usize, u64, u64, usize)> {
-        plan.routed
-            .iter()
-            .map(|p| {
-                (
-                    p.first,
-                    p.count,
-                    p.local_addr - LOCAL,
-                    p.length,
-                    p.transport,
-                )
-            })
-            .collect()
-    }
-
-    #[test]
-    fn adjacent_requests_become_one() {
-        let w = world();
-        let plan = w
-            .plan(&[
-                write(0, 0, 4096),
-                write(4096, 4096, 4096),
-                write(8192, 8192, 4096),
-                write(65536, 16384, 4096),
-            ])
-            .unwrap();
-        assert_eq!(plan.requests, 4);
-        assert!(plan.staged.is_empty());
-        // Both to shm (the same-host transport).
-        assert_eq!(
-            shape(&plan),
-            vec![(0, 3, 0, 12288, 1), (3, 1, 65536, 4096, 1)]
-        );
-        assert_eq!(&plan.routed[0].remote_key[..], b"shm@0x1000");
-    }
-
-    #[test]
-    fn requests_are_not_joined_across_an_op_a_buffer_or_a_transport() {
-        let w = world();
-        let read = Request::new(Op::Read, LOCAL + 4096, 1, REMOTE + 4096, 4096);
-        let plan = w.plan(&[write(0, 0, 4096), read]).unwrap();
-        assert_eq!(plan.routed.len(), 2);
-        // Contiguous on both sides, but in two remote buffers.
-        let edge = (64 << 10) - 4096;
-        let plan = w
-            .plan(&[write(0, edge, 4096), write(4096, edge + 4096, 4096)])
-            .unwrap();
-        assert_eq!(plan.routed.len(), 2);
-        assert_ne!(plan.routed[0].remote_key, plan.routed[1].remote_key);
-        let mut by_tcp = write(4096, 4096, 4096);
-        by_tcp.transport = Some("tcp".into());
-        let plan = w.plan(&[write(0, 0, 4096), by_tcp]).unwrap();
-        assert_eq!(
-            shape(&plan),
-            vec![(0, 1, 0, 4096, 1), (1, 1, 4096, 4096, 0)]
-        );
-    }
-
-    #[test]
-    fn zero_length_requests_move_nothing_and_check_nothing() {
-        let w = world();
-        let mut nowhere = write(0, 0, 0);
-        nowhere.segment = 7;
-        nowhere.local_addr = 1;
-        let plan = w
-            .plan(&[write(0, 0, 0), write(0, 0, 4096), nowhere])
-            .unwrap();
-        assert_eq!(plan.empty, vec![0, 2]);
-        assert_eq!(shape(&plan), vec![(1, 1, 0, 4096, 1)]);
-    }
-
-    #[test]
-    fn unregistered_local_memory_goes_to_a_transport_that_needs_no_registration() {
-        let w = world();
-        // shm ranks first between same-host peers, but needs registration
-        // in this table: tcp takes it.
-        let r = Request::new(Op::Write, 0x8000, 1, REMOTE, 4096);
-        let plan = w.plan(&[r]).unwrap();
-        assert_eq!(plan.routed.len(), 1);
-        assert_eq!(plan.routed[0].transport, 0);
-        // Straddling the end of a registered buffer is still an error.
-        let e = w.plan(&[write((1 << 20) - 4096, 0, 8192)]).err().unwrap();
-        assert!(e.message.contains("runs past its end"), "{}", e.message);
-        // Only tcp's "registration" stands for it: with tcp asked to
-        // decline, selection says shm needs the memory registered.
-        let mut w = world();
-        w.peers.declined = vec![0];
-        let e = w.plan(&[r_at(0x8000)]).err().unwrap();
-        assert!(
-            e.message.contains("shm needs local memory registered"),
-            "{}",
-            e.message
-        );
-    }
-
-    /// Host memory registered nowhere; `transports` take it as it is.
-    fn unregistered_host_buffer(addr: u64, len: u64, transports: &[usize]) -> Arc<LocalBuffer> {
-        Arc::new(LocalBuffer {
-            addr,
-            len,
-            location: crate::location::Location::Cpu(0),
-            mem_kind: HOST,
-            device: None,
-            visibility: Visibility::Unregistered,
-            registrations: transports
-                .iter()
-                .map(|&transport| crate::memory::TransportRegistration {
-                    transport,
-                    handle: 0,
-                    key: Vec::new(),
-                    mem_kind: HOST,
-                })
-                .collect(),
-            inflight: Default::default(),
-        })
-    }
-
-    fn r_at(addr: u64) -> Request {
-        Request::new(Op::Write, addr, 1, REMOTE, 4096)
-    }
-
-    #[test]
-    fn one_bad_request_fails_the_whole_plan() {
-        let w = world();
-        let e = w.plan(&[write((1 << 20) - 4096, 0, 8192)]).err().unwrap();
-        assert_eq!(e.code, ErrorCode::OutOfBounds);
-        assert!(
-            e.message.starts_with("request 0: local range"),
-            "{}",
-            e.message
-        );
-        let mut elsewhere = write(0, 0, 4096);
-        elsewhere.segment = 7;
-        assert_eq!(
-            w.plan(&[elsewhere]).err().unwrap().code,
-            ErrorCode::NotFound
-        );
-        let mut by_rdma = write(0, 0, 4096);
-        by_rdma.transport = Some("rdma".into());
-        let e = w.plan(&[by_rdma]).err().unwrap();
-        assert_eq!(e.code, ErrorCode::Unsupported);
-        assert!(
-            e.message.starts_with("request 0: transport rdma"),
-            "{}",
-            e.message
-        );
-    }
-
-    #[test]
-    fn a_range_outside_the_peers_buffers_is_looked_up_again_once() {
-        let w = world();
-        let beyond = write(0, 128 << 10, 4096);
-        let e = w.plan(&[beyond.clone(), beyond.clone()]).err().unwrap();
-        assert_eq!(e.code, ErrorCode::OutOfBounds);
-        assert!(e.message.contains("it has 2 buffers"), "{}", e.message);
-        assert_eq!(*w.peers.refreshes.lock(), 1);
-        // The peer registered more memory meanwhile.
-        let all: &[&str] = &["tcp", "shm"];
-        *w.peers.reread.lock() = Some(descriptor("e1", all, &[(REMOTE, 256 << 10, "cpu:0", all)]));
-        let plan = w.plan(&[beyond.clone(), write(4096, (128 << 10) + 4096, 4096)]);
-        assert_eq!(shape(&plan.unwrap()), vec![(0, 2, 0, 8192, 1)]);
-        assert_eq!(*w.peers.refreshes.lock(), 2);
-    }
-
-    #[test]
-    fn a_segment_whose_connection_failed_is_read_again_first() {
-        let w = world();
-        let seg = w.segments.get(1).unwrap();
-        seg.stale.store(true, Ordering::Relaxed);
-        // Unreachable still: the old view serves.
-        assert_eq!(w.plan(&[write(0, 0, 4096)]).unwrap().routed.len(), 1);
-        assert_eq!(*w.peers.refreshes.lock(), 1);
-        assert!(!seg.stale.load(Ordering::Relaxed));
-        // Restarted without the buffer: the request fails on the new view,
-        // not on the old process's memory.
-        seg.stale.store(true, Ordering::Relaxed);
-        *w.peers.reread.lock() = Some(descriptor("e2", &["tcp", "shm"], &[]));
-        let e = w.plan(&[write(0, 0, 4096)]).err().unwrap();
-        assert_eq!(e.code, ErrorCode::OutOfBounds);
-        assert_eq!(*w.peers.refreshes.lock(), 2);
-    }
-
-    #[test]
-    fn device_memory_no_transport_moves_directly_is_staged() {
-        let gpu = &["tcp", "shm"];
-        let peer = descriptor(
-            "e1",
-            gpu,
-            &[
-                (REMOTE, 64 << 10, "cpu:0", gpu),
-                (0x100_0000, 1 << 20, "cuda:0", &[]),
-            ],
-        );
-        let w = World::new(
-            vec![fake("tcp", HOST, ANY_HOST), fake("shm", HOST, SAME_HOST)],
-            peer,
-        );
-        w.memory.insert(host_buffer(LOCAL, 1 << 20, &[0, 1]));
-        w.memory.insert(device_buffer(0x800_0000, 1 << 20, &[]));
-        let plan = w
-            .plan(&[
-                // Local device memory to a host buffer.
-                Request::new(Op::Write, 0x800_0000, 1, REMOTE, 4096),
-                // Local host memory to the peer's device memory.
-                Request::new(Op::Read, LOCAL, 1, 0x100_0000, 8192),
-                // Host to host: routed as usual.
-                write(8192, 8192, 4096),
-            ])
-            .unwrap();
-        assert_eq!(shape(&plan), vec![(2, 1, 8192, 4096, 1)]);
-        let staged: Vec<(usize, bool, u64)> = plan
-            .staged
-            .iter()
-            .map(|(i, it)| (*i, it.remote_on_device, it.length))
-            .collect();
-        assert_eq!(staged, vec![(0, false, 4096), (1, true, 8192)]);
-    }
-
-    #[test]
-    fn a_run_of_requests_between_the_same_buffers_is_routed_once() {
-        let w = world();
-        let run: Vec<Request> = (0..8).map(|k| write(k * 8192, k * 8192, 4096)).collect();
-        let plan = w.plan(&run).unwrap();
-        assert_eq!(plan.routed.len(), 8);
-        // One selection (one question to the peer), and one more to put the
-        // first use of the route into words for the log.
-        assert_eq!(*w.peers.asked.lock(), 2);
-        // Later submissions of the same kind reuse it (one use each) until
-        // its uses run out; then selection runs again.
-        for _ in 0..super::super::route_memo::REUSES {
-            w.plan(&run).unwrap();
-        }
-        assert_eq!(*w.peers.asked.lock(), 2);
-        w.plan(&run).unwrap();
-        assert_eq!(*w.peers.asked.lock(), 3);
-        // Another length is another kind; a large request is selected
-        // every time.
-        w.plan(&[write(0, 0, 2048)]).unwrap();
-        assert_eq!(*w.peers.asked.lock(), 4);
-        let both: &[&str] = &["tcp", "shm"];
-        let big = World::new(
-            vec![fake("tcp", HOST, ANY_HOST), fake("shm", HOST, SAME_HOST)],
-            descriptor("e1", both, &[(REMOTE, 1 << 20, "cpu:0", both)]),
-        );
-        big.memory.insert(host_buffer(LOCAL, 1 << 20, &[0, 1]));
-        let large = [Request::new(Op::Write, LOCAL, 1, REMOTE, 256 << 10)];
-        big.plan(&large).unwrap();
-        let first = *big.peers.asked.lock();
-        for n in 1..=3 {
-            big.plan(&large).unwrap();
-            assert_eq!(*big.peers.asked.lock(), first + n);
-        }
-    }
-
-    #[test]
-    fn a_declined_transport_is_passed_over() {
-        let mut w = world();
-        w.peers.declined = vec![1];
-        let plan = w.plan(&[write(0, 0, 4096)]).unwrap();
-        assert_eq!(shape(&plan), vec![(0, 1, 0, 4096, 0)]);
-        assert_eq!(&plan.routed[0].remote_key[..], b"tcp@0x1000");
-    }
-
-    #[test]
-    fn staging_slots_replace_the_peers_buffers() {
-        let w = world();
-        let slots = Arc::new(RemoteView::new(descriptor(
-            "e1",
-            &["tcp", "shm"],
-            &[(0x5000_0000, 1 << 20, "cpu:0", &["tcp"])],
-        )));
-        let leg = Request::new(Op::Write, LOCAL, 1, 0x5000_0000, 4096);
-        let plan = w.planner().plan(&[leg], Some(&slots)).unwrap();
-        assert_eq!(shape(&plan), vec![(0, 1, 0, 4096, 0)]);
-        assert_eq!(&plan.routed[0].remote_key[..], b"tcp@0x50000000");
-        // Outside the slots: no second look at the peer's descriptor.
-        let e = w
-            .planner()
-            .plan(&[write(0, 0, 4096)], Some(&slots))
-            .err()
-            .unwrap();
-        assert_eq!(e.code, ErrorCode::OutOfBounds);
-        assert_eq!(*w.peers.refreshes.lock(), 0);
-    }
-}
+mod tests;

@@ -17,7 +17,7 @@ use super::cost::{self, Estimate, Figures, Link};
 use super::measure::{Measured, Meter, BANDWIDTH_MIN_BYTES, MIN_SAMPLES};
 use super::request::{Scope, SegmentId};
 use super::segments::{RemoteSegment, RemoteView};
-use crate::error::{Error, ErrorCode, Result};
+use crate::error::{Error, Result};
 use crate::id_map::{IdMap, IdSet};
 use crate::memory::{LocalBuffer, Visibility};
 use crate::topology::Topology;
@@ -290,24 +290,7 @@ impl<T: Candidate> Transports<T> {
             if hint.is_some_and(|h| h != name) {
                 continue;
             }
-            let refusal = if local.visibility == Visibility::Unregistered
-                && local.registration(i).is_none()
-            {
-                Some(Refusal::NeedsRegistration)
-            } else if local.device.is_some() && local.registration(i).is_none() {
-                Some(Refusal::NotDirect)
-            } else if local.device.is_none() && t.mem_kinds() & local.mem_kind == 0 {
-                Some(Refusal::CannotMove)
-            } else if !crate::transport::scope_served(t.scopes(), seg.scope.raw()) {
-                Some(Refusal::CannotReach)
-            } else if !view.endpoints.contains_key(name) {
-                Some(Refusal::NotAtPeer)
-            } else if !remote_buf.keys.contains_key(name) {
-                Some(Refusal::NoKey)
-            } else {
-                None
-            };
-            match refusal {
+            match self.refusal(i, want) {
                 Some(r) => rejected.push((i, r)),
                 None => candidates.push(self.score(i, local, seg.id, seg.scope, bytes)),
             }
@@ -361,6 +344,55 @@ impl<T: Candidate> Transports<T> {
                 scored: Some(won),
             });
         }
+        let reason = self.explain(want, &won, basis, &candidates, &explained);
+        Ok(Choice {
+            transport: won.transport,
+            reason,
+            scored: Some(won),
+        })
+    }
+
+    /// Why transport `i` cannot serve this request at all, or None.
+    fn refusal(&self, i: usize, want: &Want<'_>) -> Option<Refusal> {
+        let (t, local) = (&self.list[i], want.local);
+        let name = t.name();
+        if local.visibility == Visibility::Unregistered && local.registration(i).is_none() {
+            Some(Refusal::NeedsRegistration)
+        } else if local.device.is_some() && local.registration(i).is_none() {
+            Some(Refusal::NotDirect)
+        } else if local.device.is_none() && t.mem_kinds() & local.mem_kind == 0 {
+            Some(Refusal::CannotMove)
+        } else if !crate::transport::scope_served(t.scopes(), want.segment.scope.raw()) {
+            Some(Refusal::CannotReach)
+        } else if !want.view.endpoints.contains_key(name) {
+            Some(Refusal::NotAtPeer)
+        } else if !want.view.buffers[want.remote].keys.contains_key(name) {
+            Some(Refusal::NoKey)
+        } else {
+            None
+        }
+    }
+
+    /// The choice in words: the route, its estimate, why it won, how the
+    /// local memory is registered, the others and why the rest cannot serve.
+    fn explain(
+        &self,
+        want: &Want<'_>,
+        won: &Scored,
+        basis: Basis,
+        candidates: &[Scored],
+        explained: &dyn Fn() -> Vec<String>,
+    ) -> String {
+        let Want {
+            local,
+            segment: seg,
+            view,
+            remote,
+            bytes,
+            ..
+        } = *want;
+        let remote_buf = &view.buffers[remote];
+        let t = &self.list[won.transport];
         let mut reason = format!(
             "{} memory to {} memory on {}: {} {}; {}",
             local.location,
@@ -368,7 +400,7 @@ impl<T: Candidate> Transports<T> {
             seg.scope.as_str(),
             t.name(),
             reach(t.scopes()),
-            self.describe(&won, bytes)
+            self.describe(won, bytes)
         );
         match basis {
             Basis::Fastest => {}
@@ -407,14 +439,11 @@ impl<T: Candidate> Transports<T> {
         if !others.is_empty() {
             reason.push_str(&format!("; preferred over {}", others.join(", ")));
         }
-        if !rejected.is_empty() {
-            reason.push_str(&format!("; not usable: {}", explained().join("; ")));
+        let not_usable = explained();
+        if !not_usable.is_empty() {
+            reason.push_str(&format!("; not usable: {}", not_usable.join("; ")));
         }
-        Ok(Choice {
-            transport: won.transport,
-            reason,
-            scored: Some(won),
-        })
+        reason
     }
 
     /// Transport `i`'s estimate for this memory and size, corrected by what
@@ -674,77 +703,6 @@ fn reach(scopes: u32) -> &'static str {
     }
 }
 
-/// Why a transport cannot serve a request.
-enum Refusal {
-    NeedsRegistration,
-    NotDirect,
-    CannotMove,
-    CannotReach,
-    NotAtPeer,
-    NoKey,
-    /// The peer's plugin said no, and why.
-    Declined(String),
-}
-
-impl Refusal {
-    /// In words, for transport `name`, local buffer `local`, segment `seg`
-    /// and the peer's buffer at `remote`.
-    fn explain(&self, name: &str, local: &LocalBuffer, seg: &RemoteSegment, remote: u64) -> String {
-        match self {
-            Refusal::NeedsRegistration => format!(
-                "{name} needs local memory registered (register [{:#x}, {:#x}) with \
-                 register_memory first)",
-                local.addr,
-                local.end()
-            ),
-            Refusal::NotDirect => format!(
-                "{name} did not register this {} memory directly",
-                local.location
-            ),
-            Refusal::CannotMove => format!("{name} cannot move {} memory", local.location),
-            Refusal::CannotReach => format!("{name} cannot reach a peer on {}", seg.scope.as_str()),
-            Refusal::NotAtPeer => format!("{name} does not run at the peer"),
-            Refusal::NoKey => format!("{name} did not register the peer's buffer at {remote:#x}"),
-            Refusal::Declined(why) => format!("{name} declined: {why}"),
-        }
-    }
-}
-
-fn nothing_serves(
-    local: &LocalBuffer,
-    seg: &RemoteSegment,
-    hint: Option<&str>,
-    rejected: &[String],
-) -> Error {
-    let what = match hint {
-        Some(h) => format!("transport {h} was requested but cannot serve this request"),
-        None => format!(
-            "no transport can move {} memory to {} ({})",
-            local.location,
-            seg.name,
-            seg.scope.as_str()
-        ),
-    };
-    let code = if hint.is_some() {
-        ErrorCode::Unsupported
-    } else {
-        ErrorCode::Unavailable
-    };
-    Error::new(
-        code,
-        format!(
-            "{what}: {}",
-            if rejected.is_empty() {
-                "this engine has no transport plugin that can move data (`ferry info` \
-                 shows why each plugin is disabled; FERRY_PLUGIN_PATH adds directories)"
-                    .to_string()
-            } else {
-                rejected.join("; ")
-            }
-        ),
-    )
-}
-
 /// Whether transport `transport` (named `name`) serves this segment's
 /// buffer with `key`: `ask` puts the question to the peer's plugin once
 /// (`None`: the peer could not be asked, which is not a refusal and is not
@@ -779,6 +737,9 @@ pub(crate) fn acceptance(
 
 /// Fake transports and the plain data selection reads, for unit tests
 /// here and in planning: no plugin, no socket.
+mod refusal;
+use refusal::{nothing_serves, Refusal};
+
 #[cfg(test)]
 pub(crate) mod fakes;
 

@@ -1,6 +1,7 @@
 use super::super::request::Scope;
 use super::fakes::*;
 use super::*;
+use crate::error::ErrorCode;
 use std::cell::Cell;
 
 const ALL: &[&str] = &["tcp", "shm", "rdma"];
