@@ -787,7 +787,7 @@ fn child_gpu_dmabuf() {
     e.register_memory(gpu2, rlen, None).unwrap();
     assert_eq!(
         e.registrations(gpu).unwrap(),
-        vec![("rdma".to_string(), sys::FERRY_MEM_CUDA_DMABUF)]
+        vec![("rdma".to_string(), "cuda-dmabuf".to_string())]
     );
     let host = pattern(rlen as usize, 11);
     // SAFETY: host is a live Vec of rlen bytes; gpu is device memory.

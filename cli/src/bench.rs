@@ -693,18 +693,13 @@ pub fn rdma_check(device: Location) -> Result<(), String> {
         .registrations(dev)
         .map_err(|e| e.to_string())?
         .iter()
-        .map(|(t, kind)| {
-            format!(
-                "{t} as {}",
-                ferry_plugins_abi::caps::mem_kind_names(*kind).join(", ")
-            )
-        })
+        .map(|(t, kind)| format!("{t} as {kind}"))
         .collect();
     let dmabuf = engine
         .registrations(dev)
         .map_err(|e| e.to_string())?
         .iter()
-        .any(|(t, k)| t == "rdma" && *k == ferry_plugins_abi::sys::FERRY_MEM_CUDA_DMABUF);
+        .any(|(_, kind)| kind == "cuda-dmabuf");
     println!(
         "registered {} of {device} memory at {dev:#x}: {}",
         human_size(len),

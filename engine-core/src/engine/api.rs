@@ -153,9 +153,10 @@ impl Engine {
     }
 
     /// How the buffer registered at `addr` is registered: each transport's
-    /// name with the `FERRY_MEM_*` bit it registered it as (for device
-    /// memory, DMA-BUF or nvidia-peermem; none at all means staged).
-    pub fn registrations(&self, addr: u64) -> Result<Vec<(String, u64)>> {
+    /// name with the kind of memory it registered it as, as `ferry info`
+    /// names kinds ("host", "cuda-dmabuf", "cuda-peermem", "cuda-ipc"; for
+    /// device memory, none at all means staged).
+    pub fn registrations(&self, addr: u64) -> Result<Vec<(String, String)>> {
         let b = self.shared.memory.find(addr, 1).ok_or_else(|| {
             Error::new(
                 ErrorCode::NotFound,
@@ -164,7 +165,12 @@ impl Engine {
         })?;
         Ok(b.registrations
             .iter()
-            .map(|r| (self.shared.transports[r.transport].name.clone(), r.mem_kind))
+            .map(|r| {
+                (
+                    self.shared.transports[r.transport].name.clone(),
+                    ferry_plugins_abi::caps::mem_kind_names(r.mem_kind).join(", "),
+                )
+            })
             .collect())
     }
 
