@@ -6,8 +6,8 @@
 //! the rdma transport enabled on the verbs emulator, where the methods are
 //! the direct ones. The engine side is tests/src/bin/ferry-host-model.rs.
 
-use ferry_core::topology::fixture::NAMES;
 use ferry_tests::{build_verbs_emulator, built, fake_gpu_dir, ferry_bin, repo_root, write_fixture};
+use ferry_topology_fixtures::NAMES;
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::Path;

@@ -16,8 +16,9 @@ mod util;
 mod workbench;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use ferry_core::topology::{fixture, Topology};
+use ferry_core::topology::Topology;
 use ferry_core::{Location, Op};
+use ferry_topology_fixtures as fixture;
 use std::path::PathBuf;
 use std::process::ExitCode;
 

@@ -491,7 +491,7 @@ mod tests {
         assert_eq!(Policy::parse("DMABUF").unwrap(), Policy::DmaBuf);
     }
 
-    fn topology(machine: crate::topology::fixture::SysfsBuilder) -> (tempfile::TempDir, Topology) {
+    fn topology(machine: ferry_topology_fixtures::SysfsBuilder) -> (tempfile::TempDir, Topology) {
         let dir = tempfile::tempdir().unwrap();
         machine.write(dir.path()).unwrap();
         let t = Topology::discover(&crate::topology::TopologyConfig::for_sysfs_root(dir.path()))
@@ -501,7 +501,7 @@ mod tests {
 
     #[test]
     fn the_direct_nic_is_the_nearest_usable_rdma_one_of_the_whole_ranking() {
-        use crate::topology::fixture::*;
+        use ferry_topology_fixtures::*;
         // cuda:0's own switch holds mlx5_0, whose port is down: the direct
         // NIC is the next usable RDMA NIC, wherever it ranks.
         let (_d, t) = topology(named("port-down").unwrap());

@@ -3,8 +3,8 @@
 
 use std::path::Path;
 
-use ferry_core::topology::fixture;
 use ferry_core::topology::{NicKind, PathClass, Topology, TopologyConfig};
+use ferry_topology_fixtures as fixture;
 
 fn discover_named(name: &str) -> (tempfile::TempDir, Topology) {
     let dir = tempfile::tempdir().expect("tempdir");

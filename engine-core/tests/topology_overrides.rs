@@ -2,8 +2,8 @@
 
 use std::path::Path;
 
-use ferry_core::topology::fixture::{self, PciIds};
 use ferry_core::topology::{NicKind, PathClass, Topology, TopologyConfig, TopologyError};
+use ferry_topology_fixtures::{self as fixture, PciIds};
 
 fn write_named(name: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("tempdir");

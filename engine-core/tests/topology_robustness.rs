@@ -6,10 +6,11 @@ use std::fs;
 use std::os::unix::fs::symlink;
 use std::path::Path;
 
-use ferry_core::topology::fixture::{
-    self, PciIds, SysfsBuilder, EDR_100, ETHERNET, HDR_200, INFINIBAND, PORT_ACTIVE, PORT_DOWN,
-};
 use ferry_core::topology::{NicKind, PathClass, Topology, TopologyConfig, TopologyError};
+use ferry_topology_fixtures::{
+    self as fixture, PciIds, SysfsBuilder, EDR_100, ETHERNET, HDR_200, INFINIBAND, PORT_ACTIVE,
+    PORT_DOWN,
+};
 
 fn discover(root: &Path) -> Topology {
     Topology::discover(&TopologyConfig::for_sysfs_root(root)).expect("discovery succeeds")

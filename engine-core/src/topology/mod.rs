@@ -52,7 +52,6 @@ mod class;
 mod config;
 mod discover;
 mod error;
-pub mod fixture;
 mod model;
 mod nic_discovery;
 mod nic_filter;

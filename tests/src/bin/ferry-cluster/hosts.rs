@@ -3,8 +3,8 @@
 //! fixture (one emulated NIC per RDMA device the tree shows, with GUIDs and
 //! LIDs unique in the run, so hosts are told apart on the fabric).
 
-use ferry_core::topology::fixture::{self, SysfsBuilder};
 use ferry_core::topology::{PathClass, Topology, TopologyConfig};
+use ferry_topology_fixtures::{self as fixture, SysfsBuilder};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
