@@ -28,3 +28,9 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {}
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl From<ferry_metadata::Error> for Error {
+    fn from(e: ferry_metadata::Error) -> Error {
+        Error::new(e.code, e.message)
+    }
+}

@@ -2,8 +2,8 @@
 //! near it, offers plugins their host services, selects a transport for each
 //! request and moves bytes through it.
 //!
-//! Layering: plugins-abi < loader < engine-core < capi / cli. Nothing here
-//! calls upward.
+//! Layering: plugins-abi < loader, topology, metadata < engine-core <
+//! capi / cli / python. Nothing here calls upward.
 //!
 //! ```no_run
 //! use ferry_core::{Engine, EngineConfig, Op, Request};
@@ -39,11 +39,9 @@ pub mod identity;
 pub mod info;
 pub mod location;
 pub mod memory;
-pub mod metadata;
 pub mod metrics;
 pub mod notify;
 mod shared_memory;
-pub mod topology;
 pub mod transport;
 pub mod user_token;
 
@@ -55,6 +53,8 @@ pub use engine::{
 };
 pub use error::{Error, ErrorCode, Result};
 pub use ferry_loader as loader;
+pub use ferry_metadata as metadata;
+pub use ferry_topology as topology;
 pub use host::load_plugins;
 pub use location::Location;
 pub use notify::{Notification, Notify};

@@ -294,7 +294,9 @@ fn connect_metadata(
             }
             Ok(None)
         }
-        m => crate::metadata::EtcdStore::connect(m, config.connect_timeout).map(Some),
+        m => crate::metadata::EtcdStore::connect(m, config.connect_timeout)
+            .map(Some)
+            .map_err(Into::into),
     }
 }
 

@@ -3,7 +3,7 @@
 //! strings). Every reply is checked before use: etcd is a peer on the
 //! network like any other.
 
-use super::errors::CallError;
+use super::failure::CallError;
 use super::pool::{int, Pool};
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine as _;

@@ -24,7 +24,7 @@
 //!   per call; auth.rs).
 
 use super::auth::{self, Credentials};
-use super::errors::{CallError, Failure};
+use super::failure::{CallError, Failure};
 use super::tls::{self, Tls};
 use parking_lot::Mutex;
 use serde_json::Value;

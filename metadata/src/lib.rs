@@ -23,13 +23,15 @@
 //! | tls.rs | etcds://: CA, client certificate and key; why a handshake failed |
 //! | auth.rs | etcd users: password file, token, refusals in an operator's words |
 //! | gateway.rs | etcd's operations as gateway JSON, replies checked |
-//! | errors.rs | why a call failed, in an operator's words |
+//! | failure.rs | why a call to the members failed, in an operator's words |
 //! | keeper.rs | this engine's registration: lease, writes, read-back |
 //! | store.rs | the handle engines and tools use: look-ups, listing, publishing |
+//! | error.rs | the error every call returns: a shared code and a message |
 
 mod auth;
 mod config;
-mod errors;
+mod error;
+mod failure;
 mod gateway;
 mod keeper;
 mod pool;
@@ -37,4 +39,5 @@ mod store;
 mod tls;
 
 pub use config::{EtcdAccess, MetadataConfig, DEFAULT_PREFIX, DEFAULT_TTL_S};
+pub use error::{Error, ErrorCode, Result};
 pub use store::EtcdStore;

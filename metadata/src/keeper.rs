@@ -21,7 +21,7 @@
 //! A process that never publishes (it only looks segments up) starts no
 //! thread.
 
-use super::errors::CallError;
+use super::failure::CallError;
 use super::gateway;
 use super::pool::Pool;
 use crate::error::{Error, ErrorCode, Result};

@@ -7,7 +7,7 @@
 //! `rocm:N` per AMD GPU.
 //!
 //! ```no_run
-//! use ferry_core::topology::{Topology, TopologyConfig};
+//! use ferry_topology::{Topology, TopologyConfig};
 //! let topology = Topology::discover(&TopologyConfig::from_env())?;
 //! for warning in topology.warnings() {
 //!     eprintln!("topology: {warning}");
@@ -15,7 +15,7 @@
 //! if let Some(best) = topology.preferred_nics("cuda:0").and_then(|list| list.first()) {
 //!     println!("cuda:0 -> {} ({})", best.name, best.class);
 //! }
-//! # Ok::<(), ferry_core::topology::TopologyError>(())
+//! # Ok::<(), ferry_topology::TopologyError>(())
 //! ```
 //!
 //! # Decisions
