@@ -10,6 +10,7 @@
 use super::initiator::StagingLease;
 use super::protocol::{CopyListRequest, ListPiece, MAX_LIST_PIECES};
 use super::slots::{slot_geometry, LocalSlot, Piece, SlotPool, Space};
+use super::steps::{self, Leg, Legs, Part, Replies, Tally};
 use crate::batch::{Batch, BatchId};
 use crate::device::Stream;
 use crate::engine::plan::StagedItem;
@@ -26,20 +27,7 @@ use std::time::Instant;
 
 /// Most chunks of one job in flight (small requests share slots).
 const MAX_INFLIGHT: usize = 64;
-/// Where each request starts in a packed run: aligned for the copy
-/// kernel's wide loads and stores.
-const PACK_ALIGN: u64 = 256;
-
-/// One whole small request in a packed run: `len` bytes of item `item`,
-/// at `at` in the run.
-#[derive(Clone, Copy, Debug)]
-struct Part {
-    item: usize,
-    len: u64,
-    at: u64,
-}
-
-/// Where a chunk is on its way.
+/// What a chunk's current leg is doing.
 enum Phase {
     /// A copy between device memory and the local slot is queued.
     Copying,
@@ -65,6 +53,9 @@ struct Chunk {
     /// Room in the peer's slots, in the job's session.
     remote_slot: Option<Piece>,
     stream: Option<(usize, u32, Stream)>,
+    /// Its legs (steps::legs), and how many have started.
+    legs: Legs,
+    started: usize,
     phase: Phase,
 }
 
@@ -79,14 +70,12 @@ impl Shared {
         let chunk = self.staging.chunk;
         let mut job = Job {
             items: &items,
-            errors: (0..items.len()).map(|_| None).collect(),
-            remaining: items.iter().map(|i| i.length.div_ceil(chunk)).collect(),
+            tally: Tally::new(items.iter().map(|i| i.length.div_ceil(chunk))),
             said_alone: false,
             batch: &batch,
             leases: HashMap::new(),
             free_remote: HashMap::new(),
-            awaiting: HashMap::new(),
-            replies: HashMap::new(),
+            replies: Replies::new(),
             alone: HashSet::new(),
             no_session: HashMap::new(),
             requeue: Vec::new(),
@@ -94,7 +83,7 @@ impl Shared {
         let mut pending = items
             .iter()
             .enumerate()
-            .flat_map(|(i, it)| (0..it.length.div_ceil(chunk)).map(move |k| (i, k * chunk)))
+            .flat_map(|(i, it)| steps::chunk_offsets(it.length, chunk).map(move |off| (i, off)))
             .collect::<VecDeque<_>>();
         let mut inflight: VecDeque<Chunk> = VecDeque::new();
         let mut idle_since: Option<Instant> = None;
@@ -103,7 +92,7 @@ impl Shared {
                 Ok(p) => Some(p),
                 Err(e) => {
                     for i in 0..items.len() {
-                        for _ in 0..job.remaining[i] {
+                        for _ in 0..job.tally.remaining(i) {
                             job.finish(i, Err(e.clone()));
                         }
                     }
@@ -119,7 +108,7 @@ impl Shared {
                 let Some(&(i, off)) = pending.front() else {
                     break;
                 };
-                if job.errors[i].is_some() {
+                if job.tally.failed(i) {
                     pending.pop_front();
                     job.finish(i, Ok(()));
                     continue;
@@ -183,52 +172,38 @@ impl Shared {
     /// The requests at the front of `pending` that go as one packed run:
     /// two or more whole small device-to-device requests to one peer that
     /// takes lists, from one local device, in one direction, that fit a
-    /// chunk together. Empty when the front request goes alone.
+    /// chunk together (steps::pack). Empty when the front request goes
+    /// alone.
     fn pack(&self, job: &mut Job<'_>, pending: &VecDeque<(usize, u64)>) -> Result<Vec<Part>> {
         let chunk = self.staging.chunk;
+        let items = job.items;
         let packable = |job: &Job<'_>, i: usize, off: u64| {
-            let it = &job.items[i];
+            let it = &items[i];
             off == 0
                 && it.length < chunk
                 && it.local.device.is_some()
                 && it.remote_on_device
-                && job.errors[i].is_none()
+                && !job.tally.failed(i)
                 && !job.alone.contains(&i)
         };
         let Some(&(first, off)) = pending.front() else {
             return Ok(Vec::new());
         };
-        if !packable(job, first, off) {
+        if !packable(job, first, off) || !job.lease(self, &items[first].segment)?.copy_list() {
             return Ok(Vec::new());
         }
-        let lead = &job.items[first];
-        if !job.lease(self, &lead.segment)?.copy_list() {
-            return Ok(Vec::new());
-        }
-        let same = |it: &StagedItem| {
-            it.segment.id == lead.segment.id
-                && it.op == lead.op
-                && it.local.device == lead.local.device
-                && it.local.location == lead.local.location
-        };
-        let mut parts = Vec::new();
-        let mut end = 0u64;
-        for &(i, off) in pending.iter().take(MAX_LIST_PIECES) {
-            if !packable(job, i, off) || !same(&job.items[i]) {
-                break;
-            }
-            let at = end.next_multiple_of(PACK_ALIGN);
-            let len = job.items[i].length;
-            if at + len > chunk {
-                break;
-            }
-            parts.push(Part { item: i, len, at });
-            end = at + len;
-        }
-        if parts.len() < 2 {
-            parts.clear();
-        }
-        Ok(parts)
+        Ok(steps::pack(
+            pending.iter().copied(),
+            chunk,
+            MAX_LIST_PIECES,
+            |i, off| {
+                let it = &items[i];
+                packable(job, i, off).then(|| {
+                    let key = (it.segment.id, it.op, it.local.device, it.local.location);
+                    (key, it.length)
+                })
+            },
+        ))
     }
 
     /// Starts one chunk: takes its slots and queues its first step. None
@@ -270,44 +245,59 @@ impl Shared {
             len,
             parts,
             alone: false,
+            legs: steps::legs(it.op, local_slot.is_some(), remote_slot.is_some()),
+            started: 0,
             local_slot,
             remote_slot,
             stream: None,
             phase: Phase::Done,
         };
-        let started = (|| -> Result<()> {
-            match it.op {
-                Op::Write => match &c.local_slot {
-                    Some(s) => {
-                        let mut stream = self.stream_for(&it.local)?;
-                        let queued = if c.parts.is_empty() {
-                            stream.2.copy(s.addr, it.local_addr + off, len)
-                        } else {
-                            stream.2.copy_list(&job.local_copies(&c, s.addr, true))
-                        };
-                        c.stream = Some(stream);
-                        queued?;
-                        c.phase = Phase::Copying;
-                    }
-                    None => c.phase = Phase::Moving(self.start_move(job, &c)?),
-                },
-                Op::Read => match c.remote_slot {
-                    Some(_) => {
-                        job.send_copy(&c, false)?;
-                        c.phase = Phase::Remote;
-                    }
-                    None => c.phase = Phase::Moving(self.start_move(job, &c)?),
-                },
-            }
-            Ok(())
-        })();
-        match started {
+        match self.start_leg(job, &mut c) {
             Ok(()) => Ok(Some(c)),
             Err(e) => {
                 self.release_chunk(job, c);
                 Err(e)
             }
         }
+    }
+
+    /// Starts the chunk's next leg; Done after its last.
+    fn start_leg(self: &Arc<Self>, job: &mut Job<'_>, c: &mut Chunk) -> Result<()> {
+        let Some(&leg) = c.legs.get(c.started) else {
+            c.phase = Phase::Done;
+            return Ok(());
+        };
+        c.started += 1;
+        let it = &job.items[c.item];
+        let outward = it.op == Op::Write;
+        c.phase = match leg {
+            Leg::LocalCopy => {
+                let slot = c.local_slot.as_ref().map(|s| s.addr).ok_or_else(|| {
+                    Error::new(ErrorCode::Internal, "a staged chunk without a local slot")
+                })?;
+                let mut stream = self.stream_for(&it.local)?;
+                let queued = if c.parts.is_empty() {
+                    let device = it.local_addr + c.off;
+                    let (dst, src) = if outward {
+                        (slot, device)
+                    } else {
+                        (device, slot)
+                    };
+                    stream.2.copy(dst, src, c.len)
+                } else {
+                    stream.2.copy_list(&job.local_copies(c, slot, outward))
+                };
+                c.stream = Some(stream);
+                queued?;
+                Phase::Copying
+            }
+            Leg::Host => Phase::Moving(self.start_move(job, c)?),
+            Leg::PeerCopy => {
+                job.send_copy(c, outward)?;
+                Phase::Remote
+            }
+        };
+        Ok(())
     }
 
     fn stream_for(&self, buffer: &LocalBuffer) -> Result<(usize, u32, Stream)> {
@@ -366,7 +356,6 @@ impl Shared {
     /// Moves a chunk one phase on. Without `block`, only when that needs no
     /// waiting. Returns whether it moved.
     fn advance(self: &Arc<Self>, job: &mut Job<'_>, c: &mut Chunk, block: bool) -> bool {
-        let it = &job.items[c.item];
         let step = (|| -> Result<bool> {
             match c.phase {
                 Phase::Copying => {
@@ -377,11 +366,6 @@ impl Shared {
                     if let Some(s) = c.stream.take() {
                         self.give_stream(s);
                     }
-                    c.phase = match it.op {
-                        Op::Write => Phase::Moving(self.start_move(job, c)?),
-                        Op::Read => Phase::Done,
-                    };
-                    Ok(true)
                 }
                 Phase::Moving(id) => {
                     let b = self.batches.get(id)?;
@@ -406,25 +390,6 @@ impl Shared {
                     if let Some((_, e)) = status.first_error {
                         return Err(e);
                     }
-                    match (it.op, c.remote_slot, &c.local_slot) {
-                        (Op::Write, Some(_), _) => {
-                            job.send_copy(c, true)?;
-                            c.phase = Phase::Remote;
-                        }
-                        (Op::Read, _, Some(s)) => {
-                            let mut stream = self.stream_for(&it.local)?;
-                            let queued = if c.parts.is_empty() {
-                                stream.2.copy(it.local_addr + c.off, s.addr, c.len)
-                            } else {
-                                stream.2.copy_list(&job.local_copies(c, s.addr, false))
-                            };
-                            c.stream = Some(stream);
-                            queued?;
-                            c.phase = Phase::Copying;
-                        }
-                        _ => {}
-                    }
-                    Ok(true)
                 }
                 Phase::Remote => {
                     let Some(r) = job.reply_for(c, block) else {
@@ -440,7 +405,7 @@ impl Shared {
                                 log::info!(
                                     "{}: the peer refused a packed staging run ({e}); its {} \
                                      requests are sent again one by one",
-                                    it.segment.name,
+                                    job.items[c.item].segment.name,
                                     c.parts.len()
                                 );
                             }
@@ -449,19 +414,17 @@ impl Shared {
                         }
                     }
                     r?;
-                    if it.op == Op::Read {
-                        c.phase = Phase::Moving(self.start_move(job, c)?);
-                    }
-                    Ok(true)
                 }
-                Phase::Done => Ok(false),
+                Phase::Done => return Ok(false),
             }
+            self.start_leg(job, c)?;
+            Ok(true)
         })();
         match step {
             Ok(moved) => moved,
             Err(e) => {
                 for i in c.items() {
-                    job.errors[i].get_or_insert(e.clone());
+                    job.tally.fail(i, e.clone());
                 }
                 c.phase = Phase::Done;
                 true
@@ -502,16 +465,14 @@ impl Shared {
 /// The state of one staging job (one thread).
 struct Job<'a> {
     items: &'a [StagedItem],
-    errors: Vec<Option<Error>>,
-    remaining: Vec<u64>,
+    /// Per request, chunks left and its first error.
+    tally: Tally,
     batch: &'a Batch,
     /// The session used with each peer, for the whole job.
     leases: HashMap<SegmentId, StagingLease>,
     free_remote: HashMap<SegmentId, Space>,
-    /// Per peer, the chunks whose copy requests await replies, oldest first.
-    awaiting: HashMap<SegmentId, VecDeque<(usize, u64)>>,
-    /// Replies read for chunks that were not being looked at.
-    replies: HashMap<(usize, u64), Result<()>>,
+    /// The peers' replies to copy requests, matched to chunks.
+    replies: Replies<(usize, u64)>,
     /// Requests that go alone, never packed (their packed run was refused).
     alone: HashSet<usize>,
     /// Peers this job could not open a staging session with, and why.
@@ -574,12 +535,7 @@ impl Job<'_> {
     }
 
     fn finish(&mut self, i: usize, r: Result<()>) {
-        if let Err(e) = r {
-            self.errors[i].get_or_insert(e);
-        }
-        self.remaining[i] -= 1;
-        if self.remaining[i] == 0 {
-            let result = self.errors[i].take().map_or(Ok(()), Err);
+        if let Some(result) = self.tally.finish(i, r) {
             self.batch.complete_group(self.items[i].group, result);
         }
     }
@@ -614,10 +570,7 @@ impl Job<'_> {
                 pieces,
             })?;
         }
-        self.awaiting
-            .entry(seg)
-            .or_default()
-            .push_back((c.item, c.off));
+        self.replies.sent(seg, (c.item, c.off));
         Ok(())
     }
 
@@ -627,7 +580,7 @@ impl Job<'_> {
         let key = (c.item, c.off);
         let seg = self.items[c.item].segment.id;
         loop {
-            if let Some(r) = self.replies.remove(&key) {
+            if let Some(r) = self.replies.take(key) {
                 return Some(r);
             }
             let Some(lease) = self.leases.get_mut(&seg) else {
@@ -636,24 +589,19 @@ impl Job<'_> {
                     "a staged chunk lost its session",
                 )));
             };
-            if !block && !lease.reply_ready() {
-                return None;
-            }
-            let queue = self.awaiting.entry(seg).or_default();
-            let Some(front) = queue.pop_front() else {
+            if !self.replies.awaiting(seg) {
                 return Some(Err(Error::new(
                     ErrorCode::Internal,
                     "a staged chunk awaits a reply to nothing",
                 )));
-            };
-            let r = lease.recv_copy();
-            if let (Err(e), true) = (&r, lease.broken) {
-                // The connection is out of step: every later reply is lost.
-                for k in queue.drain(..) {
-                    self.replies.insert(k, Err(e.clone()));
-                }
             }
-            self.replies.insert(front, r);
+            if !block && !lease.reply_ready() {
+                return None;
+            }
+            let r = lease.recv_copy();
+            if let Err(e) = self.replies.read(seg, r, lease.broken) {
+                return Some(Err(e));
+            }
         }
     }
 }

@@ -18,6 +18,7 @@ mod job;
 mod protocol;
 mod slots;
 mod state;
+mod steps;
 mod target;
 
 pub use protocol::{
