@@ -26,7 +26,8 @@ pub enum PointerKind {
 pub struct Device {
     /// The plugin's name ("cuda"), for messages.
     pub name: String,
-    library: Arc<LoadedLibrary>,
+    /// Keeps the plugin loaded while `table` and `instance` are in use.
+    _library: Arc<LoadedLibrary>,
     table: *const sys::ferry_device_plugin_v1_t,
     instance: *mut c_void,
     /// Whether copying a list one by one was logged (once).
@@ -161,7 +162,7 @@ impl Device {
         Ok(Some(Device {
             name,
             table: table as *const sys::ferry_device_plugin_v1_t,
-            library,
+            _library: library,
             instance,
             said_one_by_one: AtomicBool::new(false),
         }))
@@ -170,10 +171,6 @@ impl Device {
     fn table(&self) -> &sys::ferry_device_plugin_v1_t {
         // SAFETY: static data of `library`, which self keeps loaded.
         unsafe { &*self.table }
-    }
-
-    pub fn library(&self) -> &Arc<LoadedLibrary> {
-        &self.library
     }
 
     pub fn device_count(&self) -> Result<u32> {
