@@ -419,7 +419,7 @@ pub struct MethodReport {
     /// `cuda-dmabuf` or `cuda-peermem`.
     pub memory: String,
     pub available: bool,
-    /// "<transport>: how", or why not.
+    /// "`<transport>`: how", or why not.
     pub detail: String,
 }
 

@@ -1,5 +1,5 @@
 //! Where a buffer lives (`cpu:N`, `cuda:N`, `rocm:N`, the topology's
-//! [`MemoryLocation`]) and how host memory's NUMA node is found.
+//! [`crate::topology::MemoryLocation`]) and how host memory's NUMA node is found.
 
 use crate::error::{Error, ErrorCode, Result};
 pub use crate::topology::MemoryLocation as Location;

@@ -15,7 +15,7 @@ pub struct EtcdStore {
     pool: Arc<Pool>,
     keeper: Keeper,
     shown: String,
-    /// "<prefix>/segments/"
+    /// "`<prefix>/segments/`"
     key_prefix: String,
     /// The deadline of every call.
     timeout: Duration,
