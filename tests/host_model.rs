@@ -4,7 +4,9 @@
 //! driver supports DMA-BUF, only GPUDirect RDMA, or neither, under each
 //! FERRY_GPU_DIRECT policy; and on the DGX-class fixture once more with
 //! the rdma transport enabled on the verbs emulator, where the methods are
-//! the direct ones. The engine side is tests/src/bin/ferry-host-model.rs.
+//! the direct ones. `ferry info` knows the GPUs from the plugins' probes
+//! and starts no plugin itself. The engine side is
+//! tests/src/bin/ferry-host-model.rs.
 
 use ferry_tests::{build_verbs_emulator, built, fake_gpu_dir, ferry_bin, repo_root, write_fixture};
 use ferry_topology_fixtures::NAMES;
@@ -204,4 +206,36 @@ fn with_an_rdma_transport_both_name_the_direct_method() {
             );
         }
     }
+}
+
+#[test]
+fn info_describes_gpus_from_the_probe_without_starting_a_plugin() {
+    let plugins = fake_gpu_dir();
+    let dir = tempfile::tempdir().unwrap();
+    write_fixture("dgx-h100", dir.path());
+    let mark = dir.path().join("init-called");
+    let e = env(&[
+        ("FERRY_SYSFS_ROOT", &dir.path().display().to_string()),
+        ("FERRY_PLUGIN_PATH", &plugins.path().display().to_string()),
+        ("FERRY_FAKEGPU_DEVICES", "sysfs"),
+        ("FERRY_FAKEGPU_INIT_MARK", &mark.display().to_string()),
+    ]);
+    let info = json_of(&ferry_bin(), &["info", "--json"], &e);
+    let gpus = info["gpus"].as_array().unwrap();
+    assert_eq!(gpus.len(), 8, "{info:#}");
+    for g in gpus {
+        assert_eq!(g["source"], "cuda driver", "{g:#}");
+        assert_eq!(g["model"], "Fake GPU", "{g:#}");
+        assert!(
+            g["uuid"].as_str().unwrap().starts_with("GPU-fake-"),
+            "{g:#}"
+        );
+    }
+    assert!(
+        !mark.exists(),
+        "ferry info started the device plugin: its GPUs must come from the probe"
+    );
+    // The engine does start it: the mark is how this test can tell.
+    json_of(&built("ferry-host-model"), &[], &e);
+    assert!(mark.exists(), "the engine did not start the device plugin");
 }

@@ -6,7 +6,7 @@ use crate::error::{Error, ErrorCode, Result};
 use ferry_loader::{LoadedLibrary, Plugin};
 use ferry_plugins_abi::has_field;
 use ferry_plugins_abi::sys;
-use std::ffi::{c_char, c_void, CStr};
+use std::ffi::{c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -52,23 +52,6 @@ pub struct Stream {
 // SAFETY: a stream handle is only passed back to its plugin, which accepts
 // calls from any thread; one stream is used by one thread at a time (&mut).
 unsafe impl Send for Stream {}
-
-fn fixed(raw: &[c_char]) -> String {
-    let bytes: Vec<u8> = raw
-        .iter()
-        .take_while(|c| **c != 0)
-        .map(|c| *c as u8)
-        .collect();
-    String::from_utf8_lossy(&bytes).into_owned()
-}
-
-fn tri(v: i32) -> Option<bool> {
-    match v {
-        0 => Some(false),
-        1 => Some(true),
-        _ => None,
-    }
-}
 
 struct ErrBuf([u8; 1024]);
 
@@ -192,16 +175,9 @@ impl Device {
             // SAFETY: valid instance and out-pointers.
             unsafe { f(self.instance, ord, &mut out, &mut err) }
         })?;
-        Ok(DeviceInfo {
-            ordinal,
-            name: fixed(&out.name),
-            pci_bus_id: fixed(&out.pci_bus_id).to_ascii_lowercase(),
-            uuid: fixed(&out.uuid),
-            total_memory: out.total_memory,
-            gpu_direct_rdma: tri(out.gpu_direct_rdma),
-            dmabuf: tri(out.dmabuf),
-            dmabuf_export: out.dmabuf_export == 1,
-        })
+        out.ordinal = ord;
+        DeviceInfo::from_raw(&out)
+            .ok_or_else(|| Error::new(ErrorCode::Internal, "device_info: a negative ordinal"))
     }
 
     /// Classifies `addr`; also returns the allocation holding it, when known.

@@ -6,7 +6,6 @@
 //! The JSON shape is documented in docs/info-json.md; keep the two in step.
 
 use crate::config::EngineConfig;
-use crate::device::Device;
 use crate::gpudirect::{self, GpuFacts, HostFacts, Policy};
 use crate::topology::{Gpu as TopoGpu, Topology};
 use ferry_loader::escape::for_terminal as esc;
@@ -424,9 +423,9 @@ pub struct MethodReport {
 }
 
 impl InfoReport {
-    /// Adds the GPUs: from enabled device plugins (the driver's numbering),
-    /// else from sysfs alone; each with its nearest NICs and the GPU-direct
-    /// decision.
+    /// Adds the GPUs: as the enabled device plugins' probes described them
+    /// (the driver's numbering; no plugin is started), else from sysfs
+    /// alone; each with its nearest NICs and the GPU-direct decision.
     pub fn with_gpus(
         mut self,
         set: &PluginSet,
@@ -435,23 +434,13 @@ impl InfoReport {
     ) -> InfoReport {
         let host = HostFacts::from_plugins(set);
         self.gpu_direct = Some(gpu_direct_report(set, &host, policy));
-        let devices: Vec<std::sync::Arc<Device>> = set
-            .enabled(PluginKind::Device)
-            .filter_map(|p| match Device::init(p) {
-                Ok(d) => d.map(std::sync::Arc::new),
-                Err(e) => {
-                    self.warnings.push(format!(
-                        "device plugin {} failed to start: {e}",
-                        p.report.name
-                    ));
-                    None
-                }
-            })
-            .collect();
-        if !devices.is_empty() {
-            let placeholder = Topology::empty();
-            let t = topology.unwrap_or(&placeholder);
-            for g in crate::engine::discover_gpus(&devices, t) {
+        let placeholder = Topology::empty();
+        let t = topology.unwrap_or(&placeholder);
+        let mut described = false;
+        for (plugin, p) in set.enabled(PluginKind::Device).enumerate() {
+            for info in p.report.devices.iter().filter_map(|d| d.gpu.clone()) {
+                described = true;
+                let g = crate::engine::place_gpu(plugin, info, t);
                 let topo_name = g
                     .topology_name
                     .clone()
@@ -469,16 +458,19 @@ impl InfoReport {
                         .and_then(|t| t.gpu(&topo_name))
                         .and_then(|tg| tg.numa),
                     uuid: Some(g.info.uuid.clone()).filter(|u| !u.is_empty()),
-                    source: format!("{} driver", devices[g.plugin].name),
+                    source: format!("{} driver", p.report.name),
                     gpu_direct_rdma: g.info.gpu_direct_rdma,
                     dmabuf: g.info.dmabuf,
                     nearest_nics: nearest_nics(topology, &topo_name),
                     registration: registration(policy, &facts, &host, topology, &topo_name),
                 });
             }
-        } else if let Some(t) = topology {
-            for tg in t.gpus() {
-                self.gpus.push(sysfs_gpu(t, tg));
+        }
+        if !described {
+            if let Some(t) = topology {
+                for tg in t.gpus() {
+                    self.gpus.push(sysfs_gpu(t, tg));
+                }
             }
         }
         self

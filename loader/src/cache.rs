@@ -28,7 +28,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
-const FORMAT: &str = "ferry-plugin-probes/1";
+/// Raised when what a probe report holds changes (2: a GPU's facts), so
+/// older entries are probed again rather than read without them.
+const FORMAT: &str = "ferry-plugin-probes/2";
 const FILE_NAME: &str = "plugin-probes.json";
 /// Entries kept (newest first); a host has a handful of plugins, times the
 /// configurations it runs them under.

@@ -231,6 +231,18 @@ unsafe extern "C" fn sink_add_device(ctx: *mut c_void, device: *const sys::ferry
             mem_kinds: d.mem_kinds,
             bandwidth_mbps: (declared && d.bandwidth_mbps > 0).then_some(d.bandwidth_mbps),
             latency_ns: (declared && d.latency_ns > 0).then_some(d.latency_ns),
+            gpu: if ferry_plugins_abi::has_field!(d, sys::ferry_probe_device_t, gpu) {
+                // SAFETY: the same device record (ABI 1.6, covered by its
+                // struct_size): `gpu` is null or points to a device info
+                // that lives for this callback.
+                unsafe { d.gpu.as_ref() }
+                    .filter(|g| {
+                        g.struct_size as usize >= std::mem::size_of::<sys::ferry_device_info_t>()
+                    })
+                    .and_then(ferry_plugins_abi::sdk::DeviceInfo::from_raw)
+            } else {
+                None
+            },
         };
         let mut f = f.lock().unwrap_or_else(|e| e.into_inner());
         if f.devices.len() < MAX_PROBE_ITEMS {

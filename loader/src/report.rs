@@ -93,6 +93,10 @@ pub struct DeviceReport {
     /// A small request's completion time, ns, as declared (ABI 1.2).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub latency_ns: Option<u32>,
+    /// A device plugin's GPU as device_info would describe it (ABI 1.6);
+    /// `ferry info` shows it in its GPU section.
+    #[serde(skip)]
+    pub gpu: Option<ferry_plugins_abi::sdk::DeviceInfo>,
 }
 
 /// A capability the host lacks, with the plugin's reason.
@@ -181,6 +185,9 @@ pub struct ProbedDevice {
     pub bandwidth_mbps: Option<u64>,
     #[serde(default)]
     pub latency_ns: Option<u32>,
+    /// A device plugin's GPU, as device_info would describe it (ABI 1.6).
+    #[serde(default)]
+    pub gpu: Option<ferry_plugins_abi::sdk::DeviceInfo>,
 }
 
 /// What loading and probing one plugin file produced.
@@ -265,6 +272,11 @@ impl Outcome {
             for s in [&d.pci, &d.detail].into_iter().flatten() {
                 short("device field", s)?;
             }
+            if let Some(g) = &d.gpu {
+                for s in [&g.name, &g.pci_bus_id, &g.uuid] {
+                    short("GPU field", s)?;
+                }
+            }
         }
         for m in &self.missing {
             short("capability", &m.capability)?;
@@ -311,6 +323,7 @@ impl Outcome {
                 mem_bits: d.mem_kinds,
                 bandwidth_mbps: d.bandwidth_mbps,
                 latency_ns: d.latency_ns,
+                gpu: d.gpu.clone(),
             })
             .collect()
     }

@@ -10,7 +10,7 @@ use std::ffi::c_char;
 use std::ffi::c_void;
 
 pub const FERRY_PLUGIN_ABI_MAJOR: u16 = 1;
-pub const FERRY_PLUGIN_ABI_MINOR: u16 = 5;
+pub const FERRY_PLUGIN_ABI_MINOR: u16 = 6;
 
 pub type ferry_status_t = i32;
 
@@ -171,6 +171,8 @@ pub struct ferry_probe_device_t {
     pub bandwidth_mbps: u64,
     pub latency_ns: u32,
     pub reserved: u32,
+    // ABI 1.6
+    pub gpu: *const ferry_device_info_t,
 }
 
 #[repr(C)]

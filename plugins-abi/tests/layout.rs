@@ -67,7 +67,8 @@ fn rust_layouts() -> Vec<Layout> {
                 mem_kinds,
                 bandwidth_mbps,
                 latency_ns,
-                reserved
+                reserved,
+                gpu
             ]
         ),
         layout!(

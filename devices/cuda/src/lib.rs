@@ -132,6 +132,7 @@ impl ferry_plugins_abi::sdk::DevicePlugin for CudaPlugin {
                 numa_node: numa_node(&facts.info.pci_bus_id),
                 detail: Some(&detail(facts, version)),
                 mem_kinds: kinds,
+                gpu: Some(&facts.info),
                 ..Default::default()
             });
         }

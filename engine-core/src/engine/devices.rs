@@ -2,7 +2,7 @@
 //! placed in the topology by PCI bus id; what memory an address is; and
 //! device and pinned memory handed out for tools and tests.
 
-use crate::device::{Device, PointerKind};
+use crate::device::{Device, DeviceInfo, PointerKind};
 use crate::error::{Error, ErrorCode, Result};
 use crate::location::{host_location, Location};
 use crate::topology::{GpuVendor, PciAddress, Topology};
@@ -250,9 +250,30 @@ impl Devices {
     }
 }
 
-/// Every device the device plugins report, placed in the topology by PCI
-/// bus id (the driver's numbering replaces the topology's PCI-order guess).
-pub(crate) fn discover_gpus(devices: &[Arc<Device>], topology: &Topology) -> Vec<Gpu> {
+/// A device as its plugin describes it, placed in the topology by PCI bus
+/// id: named by the PCI vendor the topology read (cuda:N, rocm:N) with the
+/// driver's ordinal, which replaces the topology's PCI-order guess; a
+/// device outside the PCI tree keeps the driver's ordinal under cuda.
+pub(crate) fn place_gpu(plugin: usize, info: DeviceInfo, topology: &Topology) -> Gpu {
+    let placed = info
+        .pci_bus_id
+        .parse::<PciAddress>()
+        .ok()
+        .and_then(|pci| topology.gpu_by_pci(&pci));
+    let location = match placed.map(|g| g.vendor) {
+        Some(GpuVendor::Amd) => Location::Rocm(info.ordinal),
+        _ => Location::Cuda(info.ordinal),
+    };
+    Gpu {
+        plugin,
+        topology_name: placed.map(|g| g.name.clone()),
+        info,
+        location,
+    }
+}
+
+/// Every device the started device plugins report, placed ([`place_gpu`]).
+fn discover_gpus(devices: &[Arc<Device>], topology: &Topology) -> Vec<Gpu> {
     let mut gpus = Vec::new();
     for (plugin, d) in devices.iter().enumerate() {
         let count = match d.device_count() {
@@ -270,36 +291,20 @@ pub(crate) fn discover_gpus(devices: &[Arc<Device>], topology: &Topology) -> Vec
                     continue;
                 }
             };
-            let placed = info
-                .pci_bus_id
-                .parse::<PciAddress>()
-                .ok()
-                .and_then(|pci| topology.gpu_by_pci(&pci));
-            let topology_name = placed.map(|g| g.name.clone());
-            // Named by the PCI vendor the topology read (cuda:N, rocm:N),
-            // not by the plugin's name; a device outside the PCI tree keeps
-            // the driver's ordinal under cuda.
-            let location = match placed.map(|g| g.vendor) {
-                Some(GpuVendor::Amd) => Location::Rocm(ordinal),
-                _ => Location::Cuda(ordinal),
-            };
+            let gpu = place_gpu(plugin, info, topology);
             log::info!(
-                "{location} is {} at PCI {}{}",
-                info.name,
-                info.pci_bus_id,
-                match &topology_name {
-                    Some(t) if *t != location.to_string() =>
+                "{} is {} at PCI {}{}",
+                gpu.location,
+                gpu.info.name,
+                gpu.info.pci_bus_id,
+                match &gpu.topology_name {
+                    Some(t) if *t != gpu.location.to_string() =>
                         format!(" (the topology's {t}: the driver's numbering wins)"),
                     Some(_) => String::new(),
                     None => " (not found in the sysfs PCI tree)".to_string(),
                 }
             );
-            gpus.push(Gpu {
-                plugin,
-                info,
-                location,
-                topology_name,
-            });
+            gpus.push(gpu);
         }
     }
     gpus

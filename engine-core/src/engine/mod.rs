@@ -61,7 +61,7 @@ mod submit;
 pub use crate::host::PeerControls;
 pub use api::Engine;
 pub use blocks::BlockTransfer;
-pub(crate) use devices::discover_gpus;
+pub(crate) use devices::place_gpu;
 pub use devices::Gpu;
 pub use layouts::{BlockLayout, LayoutId};
 pub use node::list_segments;

@@ -85,7 +85,7 @@ extern "C" {
 #endif
 
 #define FERRY_PLUGIN_ABI_MAJOR 1
-#define FERRY_PLUGIN_ABI_MINOR 5
+#define FERRY_PLUGIN_ABI_MINOR 6
 
 /* ------------------------------------------------------------------------ */
 /* Status codes (shared with the public C API in ferry.h)                    */
@@ -326,6 +326,8 @@ typedef struct ferry_host_services {
 /* Probe: what a plugin could do on this host                                */
 /* ------------------------------------------------------------------------ */
 
+struct ferry_device_info; /* below, with the device plugins */
+
 /* A device a plugin would use, reported from probe. Strings are copied by
  * the host before add_device returns. */
 typedef struct ferry_probe_device {
@@ -344,6 +346,13 @@ typedef struct ferry_probe_device {
                               * assumes a conservative figure for the plugin's scope */
     uint32_t latency_ns;     /* a small request's completion time, in ns; 0: unknown */
     uint32_t reserved;       /* 0 */
+    /* --- ABI 1.6 (the host reads it only when struct_size covers it) --- */
+    const struct ferry_device_info *gpu; /* device plugins: this device as device_info
+                                          * describes it (the same facts), so that
+                                          * `ferry info` knows each GPU and its GPU-direct
+                                          * method without starting the plugin; NULL
+                                          * for anything else. Copied before add_device
+                                          * returns. */
 } ferry_probe_device_t;
 
 /* Where probe reports its findings. The host copies every string. */

@@ -2,10 +2,11 @@
 //! the trampolines that the export macro puts in the C table.
 
 use super::boundary::{boundary, catch, PluginError, PluginResult};
+use super::device_info::DeviceInfo;
 use super::host::{Host, ProbeReport};
 use crate::status::ErrorCode;
 use crate::sys;
-use std::ffi::{c_char, c_void, CStr};
+use std::ffi::{c_void, CStr};
 
 /// A device plugin written in Rust.
 pub trait DevicePlugin: 'static {
@@ -27,23 +28,6 @@ pub trait DevicePlugin: 'static {
             "this plugin has no device interface",
         ))
     }
-}
-
-/// One device, as [`DeviceInstance::device_info`] describes it.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct DeviceInfo {
-    pub ordinal: u32,
-    pub name: String,
-    /// "0000:18:00.0".
-    pub pci_bus_id: String,
-    pub uuid: String,
-    pub total_memory: u64,
-    /// GPU_DIRECT_RDMA_SUPPORTED; `None` when the driver cannot say.
-    pub gpu_direct_rdma: Option<bool>,
-    /// DMA_BUF_SUPPORTED; `None` when the driver cannot say.
-    pub dmabuf: Option<bool>,
-    /// Whether the driver can export a DMA-BUF fd at all.
-    pub dmabuf_export: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -169,24 +153,6 @@ unsafe fn stream<'a, P: DevicePlugin>(stream: *mut c_void) -> PluginResult<&'a S
     unsafe { stream.cast::<StreamOf<P>>().cast_const().as_ref() }.ok_or_else(|| invalid("stream"))
 }
 
-fn fill_fixed(dst: &mut [c_char], src: &str) {
-    let n = src.len().min(dst.len().saturating_sub(1));
-    for (d, s) in dst.iter_mut().zip(&src.as_bytes()[..n]) {
-        *d = *s as c_char;
-    }
-    if let Some(end) = dst.get_mut(n) {
-        *end = 0;
-    }
-}
-
-fn tri(v: Option<bool>) -> i32 {
-    match v {
-        Some(true) => 1,
-        Some(false) => 0,
-        None => -1,
-    }
-}
-
 /// # Safety
 /// Called by the host through the table with the contract of plugin.h.
 pub unsafe extern "C" fn device_probe_trampoline<P: DevicePlugin>(
@@ -274,15 +240,7 @@ pub unsafe extern "C" fn device_info_trampoline<P: DevicePlugin>(
             }
             let ordinal = u32::try_from(ordinal)
                 .map_err(|_| PluginError::new(ErrorCode::InvalidArgument, "negative ordinal"))?;
-            let d = instance::<P>(inst)?.device_info(ordinal)?;
-            out.ordinal = d.ordinal as i32;
-            fill_fixed(&mut out.name, &d.name);
-            fill_fixed(&mut out.pci_bus_id, &d.pci_bus_id);
-            fill_fixed(&mut out.uuid, &d.uuid);
-            out.total_memory = d.total_memory;
-            out.gpu_direct_rdma = tri(d.gpu_direct_rdma);
-            out.dmabuf = tri(d.dmabuf);
-            out.dmabuf_export = i32::from(d.dmabuf_export);
+            instance::<P>(inst)?.device_info(ordinal)?.write_raw(out);
             Ok(())
         })
     }

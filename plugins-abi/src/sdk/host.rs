@@ -3,6 +3,7 @@
 //! as the topology reports them, and the probe report a plugin fills.
 
 use super::boundary::{to_cstring_lossy, PluginError, PluginResult};
+use super::device_info::DeviceInfo;
 use crate::status::ErrorCode;
 use crate::sys;
 use std::ffi::{c_char, CStr, CString};
@@ -367,6 +368,9 @@ pub struct ProbeDevice<'s> {
     pub bandwidth_mbps: u64,
     /// A small request's completion time, in ns; 0: unknown.
     pub latency_ns: u32,
+    /// A device plugin's device: what `device_info` would say of it (ABI
+    /// 1.6), so that `ferry info` knows it without starting the plugin.
+    pub gpu: Option<&'s DeviceInfo>,
 }
 
 /// Safe view of the probe sink: where a probe reports what it found.
@@ -397,6 +401,7 @@ impl<'a> ProbeReport<'a> {
         let name = to_cstring_lossy(device.name);
         let pci = device.pci_bus_id.map(to_cstring_lossy);
         let detail = device.detail.map(to_cstring_lossy);
+        let gpu = device.gpu.map(DeviceInfo::to_raw);
         let raw = sys::ferry_probe_device_t {
             struct_size: std::mem::size_of::<sys::ferry_probe_device_t>() as u32,
             numa_node: device
@@ -410,6 +415,7 @@ impl<'a> ProbeReport<'a> {
             bandwidth_mbps: device.bandwidth_mbps,
             latency_ns: device.latency_ns,
             reserved: 0,
+            gpu: gpu.as_ref().map_or(std::ptr::null(), |g| g as *const _),
         };
         // SAFETY: every pointer in raw refers to a CString that lives until
         // after the call; the host copies what it keeps.

@@ -192,6 +192,7 @@ impl TransportPlugin for RdmaTransport {
                 mem_kinds: kinds,
                 bandwidth_mbps,
                 latency_ns,
+                ..Default::default()
             });
             if port.is_none() {
                 down.push(name.clone());

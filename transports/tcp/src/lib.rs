@@ -94,6 +94,7 @@ impl ferry_plugins_abi::sdk::TransportPlugin for TcpTransport {
                 mem_kinds: sys::FERRY_MEM_HOST,
                 bandwidth_mbps,
                 latency_ns,
+                ..Default::default()
             });
         }
         if !interfaces.iter().any(|i| !i.loopback) {

@@ -68,6 +68,7 @@ pub(crate) fn declaring(
             mem_bits: mem_kinds,
             bandwidth_mbps: Some(mbps),
             latency_ns: Some(latency_ns),
+            gpu: None,
         }],
         ..fake(name, mem_kinds, scopes)
     }

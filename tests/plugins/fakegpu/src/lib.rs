@@ -29,6 +29,20 @@ use std::sync::Mutex;
 
 pub struct FakeGpu;
 
+/// What device_info and probe say of fake GPU `ordinal`.
+fn info(ordinal: u32) -> DeviceInfo {
+    DeviceInfo {
+        ordinal,
+        name: "Fake GPU".into(),
+        pci_bus_id: pci(ordinal),
+        uuid: format!("GPU-fake-{ordinal}"),
+        total_memory: 1 << 34,
+        gpu_direct_rdma: Some(attribute("FERRY_FAKEGPU_GDR")),
+        dmabuf: Some(attribute("FERRY_FAKEGPU_DMABUF")),
+        dmabuf_export: attribute("FERRY_FAKEGPU_DMABUF"),
+    }
+}
+
 /// A device attribute the environment may switch off (default on).
 fn attribute(var: &str) -> bool {
     std::env::var(var).map_or(true, |v| v != "0")
@@ -110,11 +124,13 @@ impl DevicePlugin for FakeGpu {
         for i in 0..devices() {
             let name = format!("cuda:{i}");
             let p = pci(i);
+            let gpu = info(i);
             report.add_device(&ProbeDevice {
                 name: &name,
                 pci_bus_id: Some(&p),
                 detail: Some("fake GPU for tests"),
                 mem_kinds: sys::FERRY_MEM_CUDA_STAGED,
+                gpu: Some(&gpu),
                 ..Default::default()
             });
         }
@@ -122,6 +138,10 @@ impl DevicePlugin for FakeGpu {
     }
 
     fn init(_host: Host<'static>) -> PluginResult<Instance> {
+        // For tests that check who starts the plugin (`ferry info` must not).
+        if let Ok(mark) = std::env::var("FERRY_FAKEGPU_INIT_MARK") {
+            let _ = std::fs::write(mark, b"started");
+        }
         Ok(Instance::default())
     }
 }
@@ -181,16 +201,7 @@ impl DeviceInstance for Instance {
         if ordinal >= devices() {
             return Err(PluginError::new(ErrorCode::NotFound, "no such fake GPU"));
         }
-        Ok(DeviceInfo {
-            ordinal,
-            name: "Fake GPU".into(),
-            pci_bus_id: pci(ordinal),
-            uuid: format!("GPU-fake-{ordinal}"),
-            total_memory: 1 << 34,
-            gpu_direct_rdma: Some(attribute("FERRY_FAKEGPU_GDR")),
-            dmabuf: Some(attribute("FERRY_FAKEGPU_DMABUF")),
-            dmabuf_export: attribute("FERRY_FAKEGPU_DMABUF"),
-        })
+        Ok(info(ordinal))
     }
 
     fn query_pointer(&self, addr: u64) -> PluginResult<PointerInfo> {
