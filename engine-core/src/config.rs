@@ -17,11 +17,11 @@
 
 use crate::error::{Error, ErrorCode, Result};
 use crate::gpudirect::Policy;
-use crate::metadata::MetadataConfig;
-use crate::topology::{TopologyConfig, ENV_CUDA_VISIBLE_DEVICES};
 use ferry_loader::{CacheChoice, HelperChoice, LoaderConfig, NameFilter};
+use ferry_metadata::MetadataConfig;
 use ferry_plugins_abi::sdk::admission;
 use ferry_plugins_abi::sdk::auth::Token;
+use ferry_topology::{TopologyConfig, ENV_CUDA_VISIBLE_DEVICES};
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -423,7 +423,7 @@ impl EngineConfig {
                     *prefix = p;
                     *ttl_s = t;
                     // The scheme comes with the new store; files and user stay.
-                    *access = crate::metadata::EtcdAccess {
+                    *access = ferry_metadata::EtcdAccess {
                         tls: access.tls,
                         ..a
                     };
@@ -558,7 +558,7 @@ impl EngineConfig {
             "nics" => self.topology.nic_filter = Some(v.to_string()).filter(|v| !v.is_empty()),
             "sysfs_root" => {
                 self.topology.sysfs_root = if v.is_empty() {
-                    PathBuf::from(crate::topology::DEFAULT_SYSFS_ROOT)
+                    PathBuf::from(ferry_topology::DEFAULT_SYSFS_ROOT)
                 } else {
                     PathBuf::from(v)
                 }

@@ -17,7 +17,8 @@
 //! why the better methods were not used. The trial registration that is the
 //! final word belongs to the RDMA transport.
 
-use crate::topology::{NicKind, PathClass, Topology};
+use ferry_loader::PluginReport;
+use ferry_topology::{NicKind, PathClass, Topology};
 
 /// FERRY_GPU_DIRECT, the `gpu_direct` setting of EngineConfig.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,63 +99,58 @@ pub const DIRECT: u64 =
     ferry_plugins_abi::sys::FERRY_MEM_CUDA_DMABUF | ferry_plugins_abi::sys::FERRY_MEM_CUDA_PEERMEM;
 
 impl HostFacts {
-    /// What the transports of `set` reported: for each method, an
+    /// What the transports of `reports` reported: for each method, an
     /// available report of an enabled transport first, else the first
     /// reason it is not (enabled transports first), else that none reports it.
-    pub fn from_plugins(set: &ferry_loader::PluginSet) -> HostFacts {
+    pub fn from_reports(reports: &[&PluginReport]) -> HostFacts {
         HostFacts {
             dmabuf: method_fact(
-                set,
+                reports,
                 ferry_plugins_abi::sys::FERRY_MEM_CUDA_DMABUF,
                 "DMA-BUF",
             ),
             peermem: method_fact(
-                set,
+                reports,
                 ferry_plugins_abi::sys::FERRY_MEM_CUDA_PEERMEM,
                 "nvidia-peermem",
             ),
-            no_transport: no_direct_transport(set),
+            no_transport: no_direct_transport(reports),
         }
     }
 }
 
 /// Transports that are not shadowed, enabled ones first.
-fn transports(set: &ferry_loader::PluginSet) -> Vec<&ferry_loader::Plugin> {
+fn transports<'a>(reports: &[&'a PluginReport]) -> Vec<&'a PluginReport> {
     use ferry_loader::{PluginKind, PluginState};
-    let mut t: Vec<_> = set
-        .plugins
+    let mut t: Vec<&PluginReport> = reports
         .iter()
-        .filter(|p| p.report.kind == PluginKind::Transport)
-        .filter(|p| p.report.state != PluginState::Shadowed)
+        .copied()
+        .filter(|r| r.kind == PluginKind::Transport)
+        .filter(|r| r.state != PluginState::Shadowed)
         .collect();
-    t.sort_by_key(|p| p.report.state != PluginState::Enabled);
+    t.sort_by_key(|r| r.state != PluginState::Enabled);
     t
 }
 
-fn method_fact(set: &ferry_loader::PluginSet, bit: u64, name: &str) -> Result<String, String> {
+fn method_fact(reports: &[&PluginReport], bit: u64, name: &str) -> Result<String, String> {
     use ferry_loader::PluginState;
-    let reports: Vec<_> = transports(set)
+    let found: Vec<_> = transports(reports)
         .into_iter()
-        .flat_map(|p| {
-            p.report
-                .memory_methods
+        .flat_map(|r| {
+            r.memory_methods
                 .iter()
                 .filter(move |m| m.kind == bit)
-                .map(move |m| (p, m))
+                .map(move |m| (r, m))
         })
         .collect();
-    if let Some((p, m)) = reports
+    if let Some((r, m)) = found
         .iter()
-        .find(|(p, m)| m.available && p.report.state == PluginState::Enabled)
+        .find(|(r, m)| m.available && r.state == PluginState::Enabled)
     {
-        return Ok(format!("{}: {}", p.report.name, m.detail));
+        return Ok(format!("{}: {}", r.name, m.detail));
     }
-    match reports
-        .iter()
-        .find(|(_, m)| !m.available)
-        .or(reports.first())
-    {
-        Some((p, m)) => Err(format!("{}: {}", p.report.name, m.detail)),
+    match found.iter().find(|(_, m)| !m.available).or(found.first()) {
+        Some((r, m)) => Err(format!("{}: {}", r.name, m.detail)),
         None => Err(format!(
             "no transport plugin reports registering GPU memory by {name}"
         )),
@@ -163,12 +159,13 @@ fn method_fact(set: &ferry_loader::PluginSet, bit: u64, name: &str) -> Result<St
 
 /// Why none of these plugins registers GPU memory directly, or `None` when
 /// an enabled transport offers DMA-BUF or nvidia-peermem registration.
-pub fn no_direct_transport(set: &ferry_loader::PluginSet) -> Option<String> {
+fn no_direct_transport(reports: &[&PluginReport]) -> Option<String> {
     use ferry_loader::PluginState;
-    let transports = transports(set);
-    if transports.iter().any(|p| {
-        p.report.state == PluginState::Enabled && p.report.capabilities.mem_bits & DIRECT != 0
-    }) {
+    let transports = transports(reports);
+    if transports
+        .iter()
+        .any(|r| r.state == PluginState::Enabled && r.capabilities.mem_bits & DIRECT != 0)
+    {
         return None;
     }
     // The transport that would have moved GPU memory directly: one that
@@ -176,23 +173,19 @@ pub fn no_direct_transport(set: &ferry_loader::PluginSet) -> Option<String> {
     // ones first.
     let would = transports
         .iter()
-        .find(|p| p.report.memory_methods.iter().any(|m| m.kind & DIRECT != 0));
+        .find(|r| r.memory_methods.iter().any(|m| m.kind & DIRECT != 0));
     Some(match would {
-        Some(p) if p.report.state == PluginState::Enabled => format!(
+        Some(r) if r.state == PluginState::Enabled => format!(
             "the {} transport registers no GPU memory here ({})",
-            p.report.name,
-            p.report
-                .memory_methods
+            r.name,
+            r.memory_methods
                 .iter()
                 .filter(|m| m.kind & DIRECT != 0 && !m.available)
                 .map(|m| format!("{}: {}", m.memory, m.detail))
                 .collect::<Vec<_>>()
                 .join("; ")
         ),
-        Some(p) => format!(
-            "the {} transport is disabled: {}",
-            p.report.name, p.report.reason
-        ),
+        Some(r) => format!("the {} transport is disabled: {}", r.name, r.reason),
         None => {
             "no transport plugin that registers GPU memory (an RDMA one) is installed".to_string()
         }
@@ -494,7 +487,7 @@ mod tests {
     fn topology(machine: ferry_topology_fixtures::SysfsBuilder) -> (tempfile::TempDir, Topology) {
         let dir = tempfile::tempdir().unwrap();
         machine.write(dir.path()).unwrap();
-        let t = Topology::discover(&crate::topology::TopologyConfig::for_sysfs_root(dir.path()))
+        let t = Topology::discover(&ferry_topology::TopologyConfig::for_sysfs_root(dir.path()))
             .unwrap();
         (dir, t)
     }

@@ -2,10 +2,10 @@
 //! implemented over the engine's configuration and discovered topology.
 
 use crate::counters::PluginCounters;
-use crate::topology::{LinkState, NicKind, Topology};
 use ferry_loader::{config_env_var, HostServices};
 use ferry_plugins_abi::sdk::Nic;
 use ferry_plugins_abi::{sys, ErrorCode};
+use ferry_topology::{LinkState, NicKind, Topology};
 use parking_lot::RwLock;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -92,7 +92,7 @@ impl CoreHost {
 }
 
 /// A topology NIC in the ABI's terms, with its class from some location.
-pub fn abi_nic(nic: &crate::topology::Nic, path_class: u32) -> Nic {
+pub fn abi_nic(nic: &ferry_topology::Nic, path_class: u32) -> Nic {
     let link_layer = match nic.link_layer.as_deref() {
         Some(l) if l.eq_ignore_ascii_case("infiniband") => sys::FERRY_LINK_INFINIBAND,
         Some(l) if l.eq_ignore_ascii_case("ethernet") => sys::FERRY_LINK_ETHERNET,

@@ -6,12 +6,13 @@
 //! The JSON shape is documented in docs/info-json.md; keep the two in step.
 
 use crate::config::EngineConfig;
-use crate::gpudirect::{self, GpuFacts, HostFacts, Policy};
-use crate::topology::{Gpu as TopoGpu, Topology};
+use crate::gpudirect::{self, HostFacts, Policy};
+use crate::host_plan::{HostPlan, PlannedGpu};
 use ferry_loader::escape::for_terminal as esc;
 use ferry_loader::{
     Isolation, PluginKind, PluginReport, PluginSet, PluginState, ProbeSetup, SearchEntry,
 };
+use ferry_topology::{Gpu as TopoGpu, Topology};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -423,50 +424,38 @@ pub struct MethodReport {
 }
 
 impl InfoReport {
-    /// Adds the GPUs: as the enabled device plugins' probes described them
-    /// (the driver's numbering; no plugin is started), else from sysfs
-    /// alone; each with its nearest NICs and the GPU-direct decision.
+    /// Adds the GPUs of the start-up plan (host_plan.rs): as the enabled
+    /// device plugins' probes described them (the driver's numbering; no
+    /// plugin is started), else from sysfs alone; each with its nearest
+    /// NICs and the GPU-direct decision the engine will take.
     pub fn with_gpus(
         mut self,
         set: &PluginSet,
         topology: Option<&Topology>,
         policy: Policy,
     ) -> InfoReport {
-        let host = HostFacts::from_plugins(set);
-        self.gpu_direct = Some(gpu_direct_report(set, &host, policy));
         let placeholder = Topology::empty();
-        let t = topology.unwrap_or(&placeholder);
-        let mut described = false;
-        for (plugin, p) in set.enabled(PluginKind::Device).enumerate() {
-            for info in p.report.devices.iter().filter_map(|d| d.gpu.clone()) {
-                described = true;
-                let g = crate::engine::place_gpu(plugin, info, t);
-                let topo_name = g
-                    .topology_name
-                    .clone()
-                    .unwrap_or_else(|| g.location.to_string());
-                let facts = GpuFacts {
-                    gpu_direct_rdma: g.info.gpu_direct_rdma,
-                    dmabuf: g.info.dmabuf,
-                    dmabuf_export: g.info.dmabuf_export,
-                };
-                self.gpus.push(GpuReport {
-                    name: g.location.to_string(),
-                    model: Some(g.info.name.clone()),
-                    pci: Some(g.info.pci_bus_id.clone()),
-                    numa: topology
-                        .and_then(|t| t.gpu(&topo_name))
-                        .and_then(|tg| tg.numa),
-                    uuid: Some(g.info.uuid.clone()).filter(|u| !u.is_empty()),
-                    source: format!("{} driver", p.report.name),
-                    gpu_direct_rdma: g.info.gpu_direct_rdma,
-                    dmabuf: g.info.dmabuf,
-                    nearest_nics: nearest_nics(topology, &topo_name),
-                    registration: registration(policy, &facts, &host, topology, &topo_name),
-                });
-            }
+        let reports: Vec<&PluginReport> = set.plugins.iter().map(|p| &p.report).collect();
+        let plan = HostPlan::new(&reports, topology.unwrap_or(&placeholder), policy);
+        self.gpu_direct = Some(gpu_direct_report(set, &plan.host, policy));
+        for p in &plan.gpus {
+            let g = &p.gpu;
+            self.gpus.push(GpuReport {
+                name: g.location.to_string(),
+                model: Some(g.info.name.clone()),
+                pci: Some(g.info.pci_bus_id.clone()),
+                numa: topology
+                    .and_then(|t| t.gpu(&p.topology_name))
+                    .and_then(|tg| tg.numa),
+                uuid: Some(g.info.uuid.clone()).filter(|u| !u.is_empty()),
+                source: format!("{} driver", p.plugin),
+                gpu_direct_rdma: g.info.gpu_direct_rdma,
+                dmabuf: g.info.dmabuf,
+                nearest_nics: nearest_nics(topology, &p.topology_name),
+                registration: registration(p, &plan.host),
+            });
         }
-        if !described {
+        if plan.gpus.is_empty() {
             if let Some(t) = topology {
                 for tg in t.gpus() {
                     self.gpus.push(sysfs_gpu(t, tg));
@@ -531,23 +520,13 @@ fn nearest_nics(topology: Option<&Topology>, loc: &str) -> Vec<NicRank> {
         .collect()
 }
 
-/// The GPU-direct decision for the GPU at `loc`: the method it gets once
-/// a transport can register GPU memory (an RDMA NIC), the one in use
-/// today, and, when they differ, a note saying why.
-fn registration(
-    policy: Policy,
-    facts: &GpuFacts,
-    host: &HostFacts,
-    topology: Option<&Topology>,
-    loc: &str,
-) -> Registration {
-    let pair = topology.and_then(|t| gpudirect::direct_nic(t, loc));
-    let able = HostFacts {
-        no_transport: None,
-        ..host.clone()
-    };
-    let d = gpudirect::decide(policy, facts, &able, pair.as_ref());
-    let today = gpudirect::decide(policy, facts, host, pair.as_ref());
+/// A planned GPU's GPU-direct decision: the method it gets once a
+/// transport can register GPU memory (an RDMA NIC), the one in use today,
+/// and, when they differ, a note saying why.
+fn registration(p: &PlannedGpu, host: &HostFacts) -> Registration {
+    let d = &p.with_direct_transport;
+    let today = &p.decision;
+    let pair = p.nic.as_ref();
     let reason = match d.method {
         gpudirect::Method::DmaBuf => format!(
             "the GPU supports DMA-BUF (attribute 124), the driver exports it \

@@ -1,8 +1,8 @@
 //! Where a buffer lives (`cpu:N`, `cuda:N`, `rocm:N`, the topology's
-//! [`crate::topology::MemoryLocation`]) and how host memory's NUMA node is found.
+//! [`ferry_topology::MemoryLocation`]) and how host memory's NUMA node is found.
 
 use crate::error::{Error, ErrorCode, Result};
-pub use crate::topology::MemoryLocation as Location;
+pub use ferry_topology::MemoryLocation as Location;
 
 /// Parses `cpu:N`, `cuda:N` or `rocm:N` into a [`Location`].
 pub fn parse_location(text: &str) -> Result<Location> {

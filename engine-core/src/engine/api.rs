@@ -2,7 +2,6 @@
 //! the engine that does it.
 
 use super::blocks::BlockTransfer;
-use super::devices::Gpu;
 use super::layouts::{BlockLayout, LayoutId};
 use super::node::list_segments;
 use super::plan::Peers;
@@ -13,10 +12,11 @@ use crate::config::EngineConfig;
 use crate::control_server::ControlServer;
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{Error, ErrorCode, Result};
+use crate::gpu::Gpu;
 use crate::location::Location;
 use crate::notify::{Notification, Notify};
-use crate::topology::Topology;
 use ferry_loader::PluginSet;
+use ferry_topology::Topology;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;

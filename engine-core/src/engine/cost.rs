@@ -13,9 +13,9 @@
 //! Plugins that declare nothing (ABI 1.0 and 1.1) get conservative figures
 //! by the widest scope they reach. Nothing here reads a transport's name.
 
-use crate::topology::{MemoryLocation, PathClass, Topology};
 use ferry_loader::DeviceReport;
 use ferry_plugins_abi::sys;
+use ferry_topology::{MemoryLocation, PathClass, Topology};
 
 /// Bandwidth and latency of a path or a device.
 #[derive(Clone, Copy, Debug, PartialEq)]

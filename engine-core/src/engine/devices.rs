@@ -2,27 +2,15 @@
 //! placed in the topology by PCI bus id; what memory an address is; and
 //! device and pinned memory handed out for tools and tests.
 
-use crate::device::{Device, DeviceInfo, PointerKind};
+use crate::device::{Device, PointerKind};
 use crate::error::{Error, ErrorCode, Result};
+use crate::gpu::{place_gpu, Gpu};
 use crate::location::{host_location, Location};
-use crate::topology::{GpuVendor, PciAddress, Topology};
 use ferry_plugins_abi::sys;
+use ferry_topology::Topology;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
-
-/// A device as the engine knows it: its plugin's description and where the
-/// topology places it.
-#[derive(Clone, Debug)]
-pub struct Gpu {
-    /// Index into the engine's device plugins.
-    pub plugin: usize,
-    pub info: crate::device::DeviceInfo,
-    /// "cuda:N" as the driver numbers it.
-    pub location: Location,
-    /// The topology's name for the same PCI function (its PCI-order guess).
-    pub topology_name: Option<String>,
-}
 
 /// The device plugins that started, their devices, and the device memory
 /// handed out through them.
@@ -247,28 +235,6 @@ impl Devices {
         // SAFETY: host memory on both sides, valid per the caller's contract.
         unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
         Ok(())
-    }
-}
-
-/// A device as its plugin describes it, placed in the topology by PCI bus
-/// id: named by the PCI vendor the topology read (cuda:N, rocm:N) with the
-/// driver's ordinal, which replaces the topology's PCI-order guess; a
-/// device outside the PCI tree keeps the driver's ordinal under cuda.
-pub(crate) fn place_gpu(plugin: usize, info: DeviceInfo, topology: &Topology) -> Gpu {
-    let placed = info
-        .pci_bus_id
-        .parse::<PciAddress>()
-        .ok()
-        .and_then(|pci| topology.gpu_by_pci(&pci));
-    let location = match placed.map(|g| g.vendor) {
-        Some(GpuVendor::Amd) => Location::Rocm(info.ordinal),
-        _ => Location::Cuda(info.ordinal),
-    };
-    Gpu {
-        plugin,
-        topology_name: placed.map(|g| g.name.clone()),
-        info,
-        location,
     }
 }
 

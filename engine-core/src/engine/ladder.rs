@@ -5,13 +5,14 @@
 //! step when it fails. Before the NICs, transports that share device
 //! memory with same-host peers themselves (cuda-ipc) register it.
 
-use super::devices::Gpu;
 use crate::device::Device;
-use crate::gpudirect::{decide, direct_nic, Decision, GpuFacts, HostFacts, Method, Policy};
+use crate::gpu::Gpu;
+use crate::gpudirect::{decide, direct_nic, Decision, HostFacts, Method, Policy};
+use crate::host_plan::{facts, HostPlan};
 use crate::memory::TransportRegistration;
-use crate::topology::Topology;
 use crate::transport::{RegionSpec, Transport};
 use ferry_plugins_abi::sys;
+use ferry_topology::Topology;
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 
@@ -31,32 +32,39 @@ pub(crate) struct GpuDirect {
 }
 
 impl GpuDirect {
-    /// How each GPU's memory would be registered for RDMA (docs/gpu.md's tiers,
-    /// judged against the GPU's closest RDMA NIC), logged once per GPU.
-    pub(crate) fn decide(
-        gpus: &[Gpu],
-        topology: &Topology,
-        policy: Policy,
-        host: HostFacts,
-    ) -> GpuDirect {
+    /// How each started GPU's memory is registered for RDMA (docs/gpu.md's
+    /// tiers, judged against the GPU's direct NIC): the start-up plan's
+    /// decision, which `ferry info` shows too; decided here only for a GPU
+    /// the probe did not describe the same way (a plugin older than ABI
+    /// 1.6). Logged once per GPU.
+    pub(crate) fn from_plan(plan: &HostPlan, gpus: &[Gpu], topology: &Topology) -> GpuDirect {
         let mut out = HashMap::new();
         for g in gpus {
             let location = g.location.to_string();
-            let topo_name = g.topology_name.clone().unwrap_or_else(|| location.clone());
-            let pair = direct_nic(topology, &topo_name);
-            let facts = GpuFacts {
-                gpu_direct_rdma: g.info.gpu_direct_rdma,
-                dmabuf: g.info.dmabuf,
-                dmabuf_export: g.info.dmabuf_export,
+            let driver = facts(g);
+            let d = match plan.gpu(&location) {
+                Some(p) if facts(&p.gpu) == driver => p.decision.clone(),
+                planned => {
+                    log::info!(
+                        "{location}: {}; deciding from what the started driver says",
+                        if planned.is_some() {
+                            "the driver now describes it differently from its probe"
+                        } else {
+                            "its plugin's probe did not describe it"
+                        }
+                    );
+                    let topo_name = g.topology_name.clone().unwrap_or_else(|| location.clone());
+                    let pair = direct_nic(topology, &topo_name);
+                    decide(plan.policy, &driver, &plan.host, pair.as_ref())
+                }
             };
-            let d = decide(policy, &facts, &host, pair.as_ref());
             log::info!("{location} memory for RDMA: {}", d.explain());
             out.insert(location, d);
         }
         GpuDirect {
             decisions: out,
-            host,
-            policy,
+            host: plan.host.clone(),
+            policy: plan.policy,
             failures: Mutex::new(Vec::new()),
             logged: Mutex::new(HashSet::new()),
             ipc_logged: Mutex::new(HashSet::new()),

@@ -58,11 +58,10 @@ mod staging;
 mod startup;
 mod submit;
 
+pub use crate::gpu::Gpu;
 pub use crate::host::PeerControls;
 pub use api::Engine;
 pub use blocks::BlockTransfer;
-pub(crate) use devices::place_gpu;
-pub use devices::Gpu;
 pub use layouts::{BlockLayout, LayoutId};
 pub use node::list_segments;
 pub use request::{Op, Request, Route, RouteEstimate, RouteNic, Scope, SegmentId};

@@ -7,7 +7,7 @@ use crate::control;
 use crate::descriptor::SegmentDescriptor;
 use crate::error::{Error, ErrorCode, Result};
 use crate::identity::Identity;
-use crate::metadata::EtcdStore;
+use ferry_metadata::EtcdStore;
 use std::sync::Arc;
 
 pub(crate) struct Node {

@@ -1,8 +1,8 @@
 //! What an application asks of the engine (requests, operations) and what
 //! it is told back about a route (where the peer is, which transport, why).
 
-use crate::topology::PathClass;
 use ferry_plugins_abi::sys;
+use ferry_topology::PathClass;
 use std::net::IpAddr;
 
 /// Identifies an open remote segment within one engine.

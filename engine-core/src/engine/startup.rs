@@ -20,13 +20,13 @@ use crate::control_server::{ControlHandler, ControlServer};
 use crate::descriptor::SegmentDescriptor;
 use crate::device::Device;
 use crate::error::{Error, ErrorCode, Result};
-use crate::gpudirect::HostFacts;
 use crate::host::{load_plugins, CoreHost, PeerControls};
+use crate::host_plan::HostPlan;
 use crate::identity::Identity;
 use crate::memory::MemoryRegistry;
-use crate::topology::Topology;
 use crate::transport::Transport;
 use ferry_loader::PluginKind;
+use ferry_topology::Topology;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -153,20 +153,23 @@ impl Engine {
         let aliases = host.aliases();
         let plugin_counters = host.plugin_counters().clone();
         let plugins = load_plugins(&config.loader, host);
+        let plan = {
+            let reports: Vec<_> = plugins.plugins.iter().map(|p| &p.report).collect();
+            HostPlan::new(&reports, &topology, config.gpu_direct)
+        };
 
         // Devices first: transports may ask where a device sits.
-        let devices = start_devices(&plugins, &topology);
+        let devices = start_devices(&plugins, &plan, &topology);
         for g in &devices.gpus {
             if let Some(t) = &g.topology_name {
                 aliases.write().insert(g.location.to_string(), t.clone());
             }
         }
         let batches = Arc::new(BatchTable::default());
-        let started = start_transports(&plugins, &name, &bound.ip().to_string(), &batches);
+        let started = start_transports(&plugins, &plan, &name, &bound.ip().to_string(), &batches);
 
         let staging = Staging::new(config.staging_chunk, config.staging_depth);
-        let host = HostFacts::from_plugins(&plugins);
-        let gpu_direct = GpuDirect::decide(&devices.gpus, &topology, config.gpu_direct, host);
+        let gpu_direct = GpuDirect::from_plan(&plan, &devices.gpus, &topology);
         let metrics = crate::metrics::Metrics::new(config.metrics, plugin_counters);
         metrics.set_transport_names(started.transports.iter().map(|t| t.name.clone()).collect());
         let metrics_listen = config.metrics_listen.clone();
@@ -283,9 +286,9 @@ fn control_link(
 fn connect_metadata(
     config: &EngineConfig,
     control_addr: &str,
-) -> Result<Option<Arc<crate::metadata::EtcdStore>>> {
+) -> Result<Option<Arc<ferry_metadata::EtcdStore>>> {
     match &config.metadata {
-        crate::metadata::MetadataConfig::P2p => {
+        ferry_metadata::MetadataConfig::P2p => {
             if let Some(n) = &config.name {
                 log::warn!(
                     "name {n:?} ignored: without a metadata store (FERRY_METADATA) a \
@@ -294,17 +297,32 @@ fn connect_metadata(
             }
             Ok(None)
         }
-        m => crate::metadata::EtcdStore::connect(m, config.connect_timeout)
+        m => ferry_metadata::EtcdStore::connect(m, config.connect_timeout)
             .map(Some)
             .map_err(Into::into),
     }
 }
 
-/// Starts every enabled device plugin; one that fails is left out, with
-/// its reason.
-fn start_devices(plugins: &ferry_loader::PluginSet, topology: &Topology) -> Devices {
+/// The enabled plugins of `kind` the plan names, in its order.
+fn planned<'a>(
+    plugins: &'a ferry_loader::PluginSet,
+    kind: PluginKind,
+    names: &'a [String],
+) -> impl Iterator<Item = &'a ferry_loader::Plugin> {
+    names
+        .iter()
+        .filter_map(move |n| plugins.enabled(kind).find(|p| p.report.name == *n))
+}
+
+/// Starts the plan's device plugins; one that fails is left out, with its
+/// reason.
+fn start_devices(
+    plugins: &ferry_loader::PluginSet,
+    plan: &HostPlan,
+    topology: &Topology,
+) -> Devices {
     let mut devices = Vec::new();
-    for plugin in plugins.enabled(PluginKind::Device) {
+    for plugin in planned(plugins, PluginKind::Device, &plan.devices) {
         match Device::init(plugin) {
             Ok(Some(d)) => devices.push(Arc::new(d)),
             Ok(None) => {}
@@ -322,9 +340,10 @@ struct Started {
     endpoints: Vec<(String, Vec<u8>)>,
 }
 
-/// Starts every enabled transport plugin, each logged once.
+/// Starts the plan's transport plugins, each logged once.
 fn start_transports(
     plugins: &ferry_loader::PluginSet,
+    plan: &HostPlan,
     name: &str,
     listen_host: &str,
     batches: &Arc<BatchTable>,
@@ -334,7 +353,7 @@ fn start_transports(
         failures: Vec::new(),
         endpoints: Vec::new(),
     };
-    for plugin in plugins.enabled(PluginKind::Transport) {
+    for plugin in planned(plugins, PluginKind::Transport, &plan.transports) {
         let started =
             Transport::init(plugin, name, listen_host, batches.clone()).and_then(|t| match t {
                 Some(t) => t.endpoint().map(|e| Some((t, e))),

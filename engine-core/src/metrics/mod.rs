@@ -22,8 +22,8 @@ pub use tally::{BatchTally, GroupTally, Tally};
 
 use crate::counters::PluginCounters;
 use crate::id_map::IdMap;
-use crate::topology::MemoryLocation;
 use ferry_plugins_abi::ErrorCode;
+use ferry_topology::MemoryLocation;
 use parking_lot::{Mutex, RwLock};
 use snapshot::{PluginCounter, RefusalCount, RouteChanges};
 use std::collections::HashMap;

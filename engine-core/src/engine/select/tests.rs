@@ -145,14 +145,14 @@ fn latency_decides_small_transfers_and_bandwidth_large_ones() {
 
 #[test]
 fn the_path_class_to_the_device_costs_bandwidth() {
-    use crate::topology::PathClass;
+    use ferry_topology::PathClass;
     let t = with(vec![
         declaring("near", HOST, ANY_HOST, 200_000, 3_000),
         declaring("far", HOST, ANY_HOST, 300_000, 3_000),
     ]);
     let mut t = t;
-    t.links[0][0].classes = vec![(crate::topology::MemoryLocation::Cpu(0), PathClass::Pix)];
-    t.links[1][0].classes = vec![(crate::topology::MemoryLocation::Cpu(0), PathClass::Sys)];
+    t.links[0][0].classes = vec![(ferry_topology::MemoryLocation::Cpu(0), PathClass::Pix)];
+    t.links[1][0].classes = vec![(ferry_topology::MemoryLocation::Cpu(0), PathClass::Sys)];
     let both = &["near", "far"];
     let d = descriptor("e", both, &[(0x1000, 1 << 24, "cpu:0", both)]);
     let seg = segment(1, Scope::CrossHost, d);
