@@ -110,6 +110,51 @@ fn gpu_to_gpu_writes_and_reads_over_tcp_and_shm_are_staged_and_verified() {
     }
 }
 
+/// A staged request that names a transport has its host legs carried by
+/// that transport, not by the fastest (shm here): `--transport tcp` once
+/// measured shm.
+#[test]
+fn a_staged_request_that_names_a_transport_moves_its_host_legs_over_it() {
+    let plugins = fake_gpu_dir();
+    let target = engine(plugins.path(), "shm,tcp");
+    let initiator = engine(plugins.path(), "shm,tcp");
+    const LEN: u64 = 6 << 20;
+    let remote = target.allocate_device(Location::Cuda(0), LEN).unwrap();
+    target.register_memory(remote, LEN, None).unwrap();
+    let src = initiator.allocate_device(Location::Cuda(0), LEN).unwrap();
+    initiator.register_memory(src, LEN, None).unwrap();
+    let seg = initiator.open_segment(target.segment_name()).unwrap();
+    for (hint, block) in [(None, LEN), (Some("tcp"), LEN), (Some("tcp"), 64 << 10)] {
+        let requests: Vec<Request> = (0..LEN / block)
+            .map(|k| {
+                let mut r =
+                    Request::new(Op::Write, src + k * block, seg, remote + k * block, block);
+                r.transport = hint.map(str::to_string);
+                r
+            })
+            .collect();
+        let before = legs_by_transport(&initiator);
+        initiator.transfer_sync(&requests).unwrap();
+        let after = legs_by_transport(&initiator);
+        let moved = |t: &str| after.get(t).unwrap_or(&0) - before.get(t).unwrap_or(&0);
+        match hint {
+            Some(t) => assert_eq!(moved(t), LEN, "{hint:?}, {block}-byte blocks: {after:?}"),
+            None => assert_eq!(moved("shm") + moved("tcp"), LEN, "{after:?}"),
+        }
+    }
+}
+
+/// Bytes of staging's host legs (flows from staging slots), by transport.
+fn legs_by_transport(e: &Engine) -> std::collections::HashMap<String, u64> {
+    let mut by = std::collections::HashMap::new();
+    for f in e.metrics().flows {
+        if f.memory == "staging_slot" {
+            *by.entry(f.transport.clone()).or_insert(0) += f.bytes;
+        }
+    }
+    by
+}
+
 /// Many threads staging small and large requests to one peer at once: each
 /// job gets its own staging session, small requests share slot space, and
 /// every byte lands where it was sent.

@@ -66,6 +66,8 @@ pub(crate) struct StagedItem {
     pub(crate) remote_addr: u64,
     pub(crate) remote_on_device: bool,
     pub(crate) length: u64,
+    /// The transport the caller asked for: it carries the host legs.
+    pub(crate) transport: Option<Arc<str>>,
 }
 
 /// Every request of a submission, routed.
@@ -206,6 +208,9 @@ impl<T: Candidate> Planner<'_, T> {
         let mut last_route: Option<LastRoute<'_>> = None;
         let mut last_local: Option<Arc<LocalBuffer>> = None;
         let mut staged: Vec<(usize, StagedItem)> = Vec::new();
+        let mut last_staged = None;
+        // The hint of staged requests, shared rather than copied per block.
+        let mut last_hint: Option<Arc<str>> = None;
         let mut empty: Vec<usize> = Vec::new();
         for (i, r) in requests.iter().enumerate() {
             if r.length == 0 {
@@ -227,12 +232,18 @@ impl<T: Candidate> Planner<'_, T> {
             // A run already routed between these buffers needs no staging
             // (asking selection per request cost microseconds per block).
             let routed_before = matches!(&last_route, Some((k, _, _)) if *k == memo_key);
-            if (local.device.is_some() || remote_on_device)
-                && !routed_before
-                && self
-                    .select(&local, &entry.0, &view, remote, r.length, hint, false)
-                    .is_err()
+            // Likewise a run staged between these buffers stays staged:
+            // whether a transport serves depends on the buffers, not on a
+            // request's length (and a failed selection formats its reasons).
+            let staged_before = last_staged == Some(memo_key);
+            if staged_before
+                || (local.device.is_some() || remote_on_device)
+                    && !routed_before
+                    && self
+                        .select(&local, &entry.0, &view, remote, r.length, hint, false)
+                        .is_err()
             {
+                last_staged = Some(memo_key);
                 if !self.has_devices && local.device.is_none() {
                     // Only the peer has device memory: it stages for us.
                     log::debug!("request {i}: the peer's device memory is staged at the peer");
@@ -246,6 +257,10 @@ impl<T: Candidate> Planner<'_, T> {
                     remote_addr: r.remote_addr,
                     remote_on_device,
                     length: r.length,
+                    transport: hint.map(|h| match &last_hint {
+                        Some(a) if **a == *h => a.clone(),
+                        _ => last_hint.insert(Arc::from(h)).clone(),
+                    }),
                 };
                 staged.push((i, item));
                 continue;

@@ -10,7 +10,7 @@
 use super::initiator::StagingLease;
 use super::protocol::{CopyListRequest, ListPiece, MAX_LIST_PIECES};
 use super::slots::{slot_geometry, LocalSlot, Piece, SlotPool, Space};
-use super::steps::{self, Leg, Legs, Part, Replies, Tally};
+use super::steps::{self, Leg, Legs, Part, Replies, Spent, Tally};
 use crate::batch::{Batch, BatchId};
 use crate::device::Stream;
 use crate::engine::plan::StagedItem;
@@ -79,7 +79,9 @@ impl Shared {
             alone: HashSet::new(),
             no_session: HashMap::new(),
             requeue: Vec::new(),
+            spent: Spent::default(),
         };
+        let began = Instant::now();
         let mut pending = items
             .iter()
             .enumerate()
@@ -104,6 +106,7 @@ impl Shared {
         };
         loop {
             // Admit chunks while the window and the slots allow.
+            let admitting = Instant::now();
             while inflight.len() < MAX_INFLIGHT {
                 let Some(&(i, off)) = pending.front() else {
                     break;
@@ -127,6 +130,7 @@ impl Shared {
                     Ok(Some(c)) => {
                         pending.drain(..taken);
                         inflight.push_back(c);
+                        job.spent.chunks += 1;
                     }
                     Ok(None) => break,
                     Err(e) => {
@@ -137,6 +141,7 @@ impl Shared {
                     }
                 }
             }
+            job.spent.admit += admitting.elapsed();
             if inflight.is_empty() {
                 if pending.is_empty() {
                     break;
@@ -158,14 +163,23 @@ impl Shared {
                 idle_since = None;
                 self.advance(&mut job, c, true);
             }
+            let retiring = Instant::now();
             while let Some(pos) = inflight.iter().position(|c| matches!(c.phase, Phase::Done)) {
                 if let Some(c) = inflight.remove(pos) {
                     self.retire(&mut job, c, Ok(()));
                 }
             }
+            job.spent.retire += retiring.elapsed();
             for i in job.requeue.drain(..).rev() {
                 pending.push_front((i, 0));
             }
+        }
+        if log::log_enabled!(log::Level::Debug) {
+            let bytes = items.iter().map(|it| it.length).sum();
+            log::debug!(
+                "{}",
+                job.spent.describe(items.len(), bytes, began.elapsed())
+            );
         }
     }
 
@@ -199,7 +213,13 @@ impl Shared {
             |i, off| {
                 let it = &items[i];
                 packable(job, i, off).then(|| {
-                    let key = (it.segment.id, it.op, it.local.device, it.local.location);
+                    let key = (
+                        it.segment.id,
+                        it.op,
+                        it.local.device,
+                        it.local.location,
+                        it.transport.clone(),
+                    );
                     (key, it.length)
                 })
             },
@@ -330,7 +350,8 @@ impl Shared {
             None => (it.remote_addr + c.off, None),
         };
         let b = self.batches.allocate(1)?;
-        let r = Request::new(it.op, local, it.segment.id, remote, c.len);
+        let mut r = Request::new(it.op, local, it.segment.id, remote, c.len);
+        r.transport = it.transport.as_deref().map(str::to_string);
         // Host memory on both sides: planned and dispatched, never staged.
         let started = self
             .planner()
@@ -361,7 +382,10 @@ impl Shared {
                 Phase::Copying => {
                     // Device copies are fast next to host transfers: wait.
                     if let Some(s) = c.stream.as_mut() {
-                        s.2.sync()?;
+                        let t = Instant::now();
+                        let synced = s.2.sync();
+                        job.spent.device += t.elapsed();
+                        synced?;
                     }
                     if let Some(s) = c.stream.take() {
                         self.give_stream(s);
@@ -370,7 +394,10 @@ impl Shared {
                 Phase::Moving(id) => {
                     let b = self.batches.get(id)?;
                     let status = if block {
-                        self.wait(&b, self.config.timeout * 2)
+                        let t = Instant::now();
+                        let status = self.wait(&b, self.config.timeout * 2);
+                        job.spent.host += t.elapsed();
+                        status
                     } else {
                         b.status()
                     };
@@ -392,7 +419,12 @@ impl Shared {
                     }
                 }
                 Phase::Remote => {
-                    let Some(r) = job.reply_for(c, block) else {
+                    let t = block.then(Instant::now);
+                    let reply = job.reply_for(c, block);
+                    if let Some(t) = t {
+                        job.spent.peer += t.elapsed();
+                    }
+                    let Some(r) = reply else {
                         return Ok(false);
                     };
                     c.phase = Phase::Done;
@@ -480,6 +512,7 @@ struct Job<'a> {
     /// Requests to send again, alone, at the front of the queue.
     requeue: Vec<usize>,
     said_alone: bool,
+    spent: Spent,
 }
 
 impl Chunk {

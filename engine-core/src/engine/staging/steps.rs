@@ -8,6 +8,7 @@ use crate::engine::request::{Op, SegmentId};
 use crate::error::{Error, ErrorCode, Result};
 use smallvec::SmallVec;
 use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
 
 /// Where each request starts in a packed run: aligned for the copy
 /// kernel's wide loads and stores.
@@ -196,6 +197,44 @@ impl<K: std::hash::Hash + Eq + Copy> Replies<K> {
         }
         self.ready.insert(front, r);
         Ok(())
+    }
+}
+
+/// Where a staging job's time went: one debug line at its end, so that an
+/// operator (or a benchmark) sees which leg holds small blocks back.
+#[derive(Debug, Default)]
+pub(super) struct Spent {
+    /// Packing requests into runs and taking slots.
+    pub(super) admit: Duration,
+    /// Waiting for local device copies (gathers and scatters).
+    pub(super) device: Duration,
+    /// Waiting for host legs.
+    pub(super) host: Duration,
+    /// Waiting for the peer's device copies.
+    pub(super) peer: Duration,
+    /// Completing requests and giving slots back.
+    pub(super) retire: Duration,
+    pub(super) chunks: usize,
+}
+
+impl Spent {
+    /// The line: `requests` requests of `bytes` in `total`.
+    pub(super) fn describe(&self, requests: usize, bytes: u64, total: Duration) -> String {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let named = self.admit + self.device + self.host + self.peer + self.retire;
+        format!(
+            "staging job: {requests} requests, {bytes} bytes in {} chunks, {:.2} ms: packing \
+             {:.2} ms, waiting for local device copies {:.2} ms, for host legs {:.2} ms, for \
+             the peer's device copies {:.2} ms, completions {:.2} ms, polling {:.2} ms",
+            self.chunks,
+            ms(total),
+            ms(self.admit),
+            ms(self.device),
+            ms(self.host),
+            ms(self.peer),
+            ms(self.retire),
+            ms(total.saturating_sub(named)),
+        )
     }
 }
 

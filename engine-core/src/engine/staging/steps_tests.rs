@@ -171,3 +171,30 @@ fn a_reply_to_nothing_asked_is_an_error_not_a_panic() {
         ErrorCode::Internal
     );
 }
+
+#[test]
+fn the_time_account_names_every_wait_and_leaves_the_rest_to_polling() {
+    let ms = Duration::from_millis;
+    let spent = Spent {
+        admit: ms(1),
+        device: ms(2),
+        host: ms(3),
+        peer: ms(4),
+        retire: ms(5),
+        chunks: 7,
+    };
+    let line = spent.describe(16384, 1 << 28, ms(20));
+    for part in [
+        "16384 requests, 268435456 bytes in 7 chunks, 20.00 ms",
+        "packing 1.00 ms",
+        "local device copies 2.00 ms",
+        "host legs 3.00 ms",
+        "device copies 4.00 ms",
+        "completions 5.00 ms",
+        "polling 5.00 ms",
+    ] {
+        assert!(line.contains(part), "{part:?} in {line}");
+    }
+    // A clock that ran backwards across a wait leaves no negative rest.
+    assert!(spent.describe(1, 1, ms(10)).ends_with("polling 0.00 ms"));
+}
