@@ -176,7 +176,14 @@ fn scenario_shuffled() {
             lists * 4 <= n as i64,
             "{block}: {lists} list copies for {n} blocks"
         );
-        assert_eq!(emu_calls(0), per_copy, "{block}: blocks copied one by one");
+        // Single copies only to cross PCIe for a list through the GPU's
+        // scratch (the cuda plugin's bounce): a few per list, never one
+        // per block.
+        let copies = emu_calls(0) - per_copy;
+        assert!(
+            copies <= lists && copies * 4 <= n as i64,
+            "{block}: {copies} single copies for {lists} lists of {n} blocks"
+        );
         let landed = read(&target, remote, len);
         for i in 0..n as usize {
             let (l, f) = (

@@ -5,6 +5,7 @@
 # tests/gpu/run.sh; alone:
 #
 #   bash tests/gpu/kv.sh .gpu
+#   KV_PARTS=staged bash tests/gpu/kv.sh .gpu   # ipc, staged, host: a subset
 #
 # Writes kv.md (the table), kv.jsonl, kv-staged-ratios.txt and
 # kv-staging-breakdown.txt (where each staged batch's time went, from the
@@ -15,6 +16,9 @@ P=${1:-.gpu}
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 B=$P/bin/ferry
+# KV_PARTS: which parts run (default all: ipc staged host).
+KV_PARTS=${KV_PARTS:-ipc staged host}
+part() { [[ " $KV_PARTS " == *" $1 "* ]]; }
 field() { sed -n "s/.*\"$1\":\([0-9.eE+-]*\).*/\1/p"; }
 # The staging job's own account of its time, one debug line per batch.
 STAGING_LOG="FERRY_LOG=warn,ferry_core::engine::staging::job=debug"
@@ -74,8 +78,9 @@ kv_row() {
             (d > 0) ? g / d : 0, (g1 > 0) ? sprintf("%.2f", g / g1) : "-", s, l / 1000, t, goal }' >> "$OUT/kv.md"
 }
 declare -A KV_ROWS
-# cuda:0 -> cuda:0 over cuda-ipc: the issue's table.
 kv_seg=$(kv_target dev "FERRY_TRANSPORTS=cuda-ipc,shm,tcp" --device cuda:0 --layout-block 4K,16K,64K,256K,1M)
+if part ipc; then
+# cuda:0 -> cuda:0 over cuda-ipc: the issue's table.
 declare -A kv_goal=([layout/4K]=">= 0.25" [layout/16K]=">= 0.5" [layout/64K]=">= 0.7" [layout/256K]=">= 0.75"
                     [requests/4K]=">= 0.02" [requests/16K]=">= 0.1" [requests/64K]=">= 0.35" [requests/256K]=">= 0.6")
 for api in layout requests; do
@@ -101,6 +106,8 @@ for copy in per-copy batch; do
         kv_row "cuda-ipc, cuda_ipc.copy=$copy" $op layout 16K "ipc-$copy/$op/16K" none "verified = kernel's bytes"
     done
 done
+fi
+if part staged; then
 # Staged tcp and shm, cuda:0 memory on both sides: 16 KiB against 1 MiB
 # blocks of the same transport, op and API, same run. Small blocks are
 # packed into slot runs, gathered and scattered by one list copy each (the
@@ -140,11 +147,9 @@ kv_run "staged-tcp/layout/write/1M/kernel" "FERRY_TRANSPORTS=shm,tcp FERRY_CUDA_
 KV_ROWS[staged-tcp/layout/write/1M/kernel]=$KV_LAST
 kv_row "tcp, staged, initiator FERRY_CUDA_COPY=kernel" write layout 1M "staged-tcp/layout/write/1M/kernel" \
     "staged-tcp/layout/write/1M" "(threshold check, no goal)"
-# Does the copy kernel read pinned host memory as fast as the copy engines
-# do? A target whose lists all go to the kernel (FERRY_CUDA_COPY=kernel),
-# 1 MiB blocks: a write scatters there by the kernel, from its pinned slot;
-# a read gathers there, and the initiator (forced too) scatters by the
-# kernel. Against the default rows above (1 MiB pieces by the engines).
+# The copy kernel's own loads and stores across PCIe (FERRY_CUDA_COPY=kernel
+# on both sides: no bounce through device scratch) against the default
+# rows above (auto: small pieces bounce, 1 MiB pieces go to the engines).
 kernel_seg=$(kv_target kernel "FERRY_TRANSPORTS=shm,tcp FERRY_CUDA_COPY=kernel" --device cuda:0 --layout-block 16K,1M)
 for op in write read; do
     for block in 1M 16K; do
@@ -154,7 +159,7 @@ for op in write read; do
         KV_ROWS[staged-kernel/$op/$block]=$KV_LAST
         breakdown "staged-kernel/$op/$block"
         kv_row "tcp, staged, FERRY_CUDA_COPY=kernel both sides" $op layout $block "staged-kernel/$op/$block" \
-            "staged-tcp/layout/$op/1M" "(kernel vs engines, no goal)"
+            "staged-tcp/layout/$op/1M" "(kernel across PCIe, no goal)"
     done
 done
 # Deeper pipelines: 8 chunks in flight, and 16 MiB chunks.
@@ -176,6 +181,8 @@ done
         echo "  $key: $r $(awk -v r="$r" 'BEGIN { print (r >= 0.8) ? "meets the goal" : "BELOW the goal" }')"
     done
 } | tee "$OUT/kv-staged-ratios.txt"
+fi
+if part host; then
 # Host memory (engine-allocated, shm maps it): 4 KiB and 16 KiB against 1 MiB.
 host_kv_seg=$(kv_target host "FERRY_TRANSPORTS=shm,tcp" --allocate --layout-block 4K,16K,1M)
 for t in shm tcp; do
@@ -190,6 +197,7 @@ for t in shm tcp; do
         done
     done
 done
+fi
 kill $(cat "$tmp_kv/pids") 2>/dev/null
 rm -rf "$tmp_kv"
 cat "$OUT/kv.md"

@@ -16,6 +16,7 @@
 //! answers for any pointer in the process's unified address space. Only if
 //! the driver asks for a current context does it borrow one.
 
+use crate::bounce::Scratch;
 use ferry_cuda_driver::driver::*;
 use ferry_cuda_driver::kernel::Kernel;
 use ferry_cuda_driver::method::CopySetting;
@@ -88,6 +89,9 @@ pub struct CudaStream {
     pub(crate) raw: CUstream,
     pub(crate) ordinal: u32,
     pub(crate) ctx: Arc<PrimaryContext>,
+    /// Device memory for lists that bounce (bounce.rs); held across the
+    /// whole enqueue of one list, so two lists never interleave in it.
+    pub(crate) scratch: Mutex<Scratch>,
 }
 
 // SAFETY: a CUstream is a process-wide handle and the driver accepts work on
@@ -106,6 +110,21 @@ impl Drop for CudaStream {
         let Ok(_current) = self.ctx.enter() else {
             return;
         };
+        let scratch = self
+            .scratch
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(sync) = d.api.cu_stream_synchronize {
+            // SAFETY: raw is this context's live stream (destroyed below);
+            // the context is current.
+            if d.check("cuStreamSynchronize", unsafe { sync(self.raw) })
+                .is_ok()
+            {
+                // SAFETY: the stream is idle, so no queued list uses the
+                // scratch; its context is current.
+                unsafe { scratch.release(d) };
+            }
+        }
         // SAFETY: raw came from cuStreamCreate in this context, which the
         // Arc keeps alive; it is destroyed once, here. Work still queued
         // completes first (the driver defers the release).
@@ -617,6 +636,7 @@ impl DeviceInstance for CudaInstance {
             raw,
             ordinal,
             ctx: Arc::clone(ctx),
+            scratch: Mutex::new(Scratch::default()),
         })
     }
 

@@ -20,6 +20,7 @@
 //! has called it must not use CUDA in a fork()ed child) and only device
 //! queries: it creates no context and allocates nothing.
 
+mod bounce;
 mod instance;
 mod lists;
 #[cfg(test)]

@@ -4,9 +4,12 @@
 //! is memory the kernel reaches (device memory of the stream's GPU, pinned
 //! host memory mapped at its own address), else the driver's batched copy,
 //! else one cuMemcpyAsync per copy; lists of large pieces (512 KiB on
-//! average) go to the copy engines. `cuda.copy` (FERRY_CUDA_COPY) forces
-//! one.
+//! average) go to the copy engines. A kernel list whose one side is pinned
+//! host memory crosses PCIe by the copy engines through device scratch
+//! (bounce.rs). `cuda.copy` (FERRY_CUDA_COPY) forces one method; forced,
+//! the kernel never bounces.
 
+use crate::bounce::{self, Bounce};
 use crate::instance::{CudaInstance, CudaStream};
 use ferry_cuda_driver::batch;
 use ferry_cuda_driver::kernel::{Desc, Kernel};
@@ -40,7 +43,8 @@ pub(crate) fn describe(driver: &ferry_cuda_driver::driver::Driver, copy: CopySet
         }
         CopySetting::Auto if kernel => format!(
             "the copy kernel, one launch per list of small pieces (its PTX is loaded at first \
-             use); lists of 512 KiB+ pieces, and any the kernel cannot reach, by {engines}"
+             use), across PCIe in one copy through device scratch where one side is pinned host \
+             memory; lists of 512 KiB+ pieces, and any the kernel cannot reach, by {engines}"
         ),
         CopySetting::Auto => format!("{engines} (this driver cannot launch the copy kernel)"),
     }
@@ -110,7 +114,10 @@ impl CudaInstance {
         let queued = unsafe {
             match method {
                 Method::Kernel => match self.kernel(stream.ordinal) {
-                    Ok(k) => k.launch(d, stream.raw, &descs),
+                    Ok(k) => match self.bounce_plan(&descs) {
+                        Some(b) => self.bounced(k, stream, &descs, &b),
+                        None => k.launch(d, stream.raw, &descs),
+                    },
                     Err(why) => Err(PluginError::new(ErrorCode::Unavailable, why)),
                 },
                 Method::Batch => batch::copy_batch(d, stream.raw, &descs),
@@ -126,6 +133,74 @@ impl CudaInstance {
             ));
             e
         })
+    }
+
+    /// Whether a kernel list crosses PCIe through scratch (bounce.rs): in
+    /// auto mode only (cuda.copy=kernel keeps the kernel's own loads and
+    /// stores, to compare).
+    fn bounce_plan(&self, descs: &[Desc]) -> Option<Bounce> {
+        if self.copy != CopySetting::Auto {
+            return None;
+        }
+        let host = self.mapped_host();
+        bounce::plan(descs, |addr, len| inside(&host, addr, addr + len))
+    }
+
+    /// Queues a bounced list: the host span into scratch and the kernel
+    /// from there, or the kernel into scratch and the runs out of it.
+    ///
+    /// # Safety
+    /// As `copy_list`'s queued block: the stream's context is current and
+    /// every end was checked.
+    unsafe fn bounced(
+        &self,
+        k: &Kernel,
+        stream: &CudaStream,
+        descs: &[Desc],
+        b: &Bounce,
+    ) -> PluginResult<()> {
+        let d = self.driver;
+        let mut scratch = stream
+            .scratch
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // SAFETY: the stream's context is current (caller); the scratch is
+        // this stream's, held locked until every step is queued.
+        let base = unsafe { scratch.reserve(d, stream.raw, b.span()) }?;
+        let list = b.rebase(descs, base);
+        // SAFETY: the scratch holds span bytes from base; the host span or
+        // runs lie in one mapped pinned allocation each (bounce::plan), the
+        // device ends were checked by kernel_reaches; all on this stream,
+        // in order, so the kernel reads what the copy in brought and the
+        // copies out read what the kernel wrote.
+        unsafe {
+            match b {
+                Bounce::In { start, len } => {
+                    batch::copy_each(
+                        d,
+                        stream.raw,
+                        &[Desc {
+                            src: *start,
+                            dst: base,
+                            len: *len,
+                        }],
+                    )?;
+                    k.launch(d, stream.raw, &list)
+                }
+                Bounce::Out { start, runs, .. } => {
+                    k.launch(d, stream.raw, &list)?;
+                    let out: Vec<Desc> = runs
+                        .iter()
+                        .map(|&(addr, len)| Desc {
+                            src: base + (addr - start),
+                            dst: addr,
+                            len,
+                        })
+                        .collect();
+                    batch::copy_each(d, stream.raw, &out)
+                }
+            }
+        }
     }
 
     fn has_batch(&self) -> bool {
@@ -218,7 +293,12 @@ impl CudaInstance {
             match &loaded {
                 Ok(_) => self.host.info(&format!(
                     "cuda:{ordinal}: staging gathers and scatters small blocks by the copy \
-                     kernel, one launch per list (cuda.copy={})",
+                     kernel, one launch per list{} (cuda.copy={})",
+                    if self.copy == CopySetting::Auto {
+                        ", and crosses PCIe by the copy engines through device scratch"
+                    } else {
+                        ""
+                    },
                     self.copy.name()
                 )),
                 Err(why) => self.host.info(&format!(
@@ -242,20 +322,8 @@ impl CudaInstance {
     /// instance mapped at its own address. A KV pool is one allocation, so
     /// the driver is asked about a list's first block and rarely again.
     fn kernel_reaches(&self, ordinal: u32, descs: &[Desc]) -> bool {
-        let mut host: Vec<(u64, u64)> = Vec::new();
-        for table in [&self.pinned_memory, &self.registered_memory] {
-            let table = table.lock().unwrap_or_else(PoisonError::into_inner);
-            host.extend(
-                table
-                    .iter()
-                    .filter(|(_, a)| a.mapped)
-                    .filter_map(|(&base, a)| Some((base, base.checked_add(a.len)?))),
-            );
-        }
+        let host = self.mapped_host();
         let mut device: Vec<(u64, u64)> = Vec::new();
-        let inside = |ranges: &[(u64, u64)], addr: u64, end: u64| {
-            ranges.iter().rev().any(|&(s, e)| s <= addr && end <= e)
-        };
         descs.iter().all(|c| {
             [c.src, c.dst].into_iter().all(|addr| {
                 let end = addr + c.len; // no wrap: checked by descriptors()
@@ -272,6 +340,29 @@ impl CudaInstance {
             })
         })
     }
+}
+
+impl CudaInstance {
+    /// This instance's pinned host memory mapped for the devices, as
+    /// [start, end) ranges.
+    fn mapped_host(&self) -> Vec<(u64, u64)> {
+        let mut host: Vec<(u64, u64)> = Vec::new();
+        for table in [&self.pinned_memory, &self.registered_memory] {
+            let table = table.lock().unwrap_or_else(PoisonError::into_inner);
+            host.extend(
+                table
+                    .iter()
+                    .filter(|(_, a)| a.mapped)
+                    .filter_map(|(&base, a)| Some((base, base.checked_add(a.len)?))),
+            );
+        }
+        host
+    }
+}
+
+/// Whether [addr, end) lies inside one of `ranges`.
+fn inside(ranges: &[(u64, u64)], addr: u64, end: u64) -> bool {
+    ranges.iter().rev().any(|&(s, e)| s <= addr && end <= e)
 }
 
 #[cfg(test)]

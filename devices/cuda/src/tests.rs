@@ -20,6 +20,8 @@ use std::sync::Mutex;
 
 struct TestHost {
     library: Option<CString>,
+    /// cuda.copy, when set.
+    copy: Option<CString>,
     logs: Mutex<Vec<String>>,
 }
 
@@ -44,7 +46,12 @@ unsafe extern "C" fn host_config(
 ) -> i64 {
     // SAFETY: ctx is the leaked TestHost; key a C string for this call.
     let (host, key) = unsafe { (&*(ctx as *const TestHost), CStr::from_ptr(key)) };
-    let Some(value) = host.library.as_ref().filter(|_| key == c"cuda.library") else {
+    let value = match key {
+        k if k == c"cuda.library" => host.library.as_ref(),
+        k if k == c"cuda.copy" => host.copy.as_ref(),
+        _ => None,
+    };
+    let Some(value) = value else {
         return -1;
     };
     let bytes = value.as_bytes();
@@ -60,8 +67,14 @@ unsafe extern "C" fn host_config(
 /// A services table whose `cuda.library` is `library`. Leaked: an instance
 /// may keep it until fini, and tests are short.
 fn host(library: Option<&Path>) -> &'static sys::ferry_host_services_t {
+    host_copying(library, None)
+}
+
+/// The same, with `cuda.copy` set to `copy`.
+fn host_copying(library: Option<&Path>, copy: Option<&str>) -> &'static sys::ferry_host_services_t {
     let state: &'static TestHost = Box::leak(Box::new(TestHost {
         library: library.map(|p| CString::new(p.to_str().unwrap()).unwrap()),
+        copy: copy.map(|c| CString::new(c).unwrap()),
         logs: Mutex::new(Vec::new()),
     }));
     Box::leak(Box::new(sys::ferry_host_services_t {
@@ -966,4 +979,108 @@ fn lists_gather_and_scatter_in_one_launch_and_fall_back_where_the_kernel_cannot_
     inst.fini();
     assert_eq!(emu.count("ferry_cuda_emu_live_allocations"), 0);
     assert_eq!(emu.count("ferry_cuda_emu_context_violations"), 0);
+}
+
+/// Lists between pinned host memory and device memory cross by the copy
+/// engines through the stream's device scratch: a packed gather is one
+/// launch and one copy out, a scatter one copy in and one launch. A gather
+/// whose destinations leave gaps (more runs than a bounce takes) goes to
+/// the kernel alone and never writes the gaps; cuda.copy=kernel never
+/// bounces.
+#[test]
+fn pinned_lists_bounce_through_device_scratch_and_never_write_between_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = emulator(dir.path(), "bounce", &["FERRY_CUDA_EMU_PROC_ADDRESS"]);
+    let emu = EmuView::open(&path);
+    const BLOCK: u64 = 16 << 10;
+    const N: u64 = 64;
+    const GAP: u64 = 256;
+    for copy in [None, Some("kernel")] {
+        let inst = Instance::init(host_copying(Some(&path), copy));
+        let dev = inst.alloc_device(0, N * BLOCK).unwrap();
+        let back = inst.alloc_device(0, N * BLOCK).unwrap();
+        let pinned = inst.alloc_pinned(N * (BLOCK + GAP));
+        let stream = inst.stream(0);
+        let data: Vec<u8> = (0..N * BLOCK).map(|i| (i * 7 % 253) as u8).collect();
+        inst.copy(stream, dev, data.as_ptr() as u64, N * BLOCK);
+        inst.sync(stream);
+        let perm: Vec<u64> = (0..N).map(|i| (i * 29 + 3) % N).collect();
+        let list = |gap: u64| -> Vec<sys::ferry_device_copy_t> {
+            perm.iter()
+                .enumerate()
+                .map(|(i, &b)| sys::ferry_device_copy_t {
+                    src: dev + b * BLOCK,
+                    dst: pinned + i as u64 * (BLOCK + gap),
+                    len: BLOCK,
+                })
+                .collect()
+        };
+        let bounces = copy.is_none();
+        // Packed: one launch, and one copy out when it bounces.
+        let calls = (emu.calls(0), emu.calls(1));
+        inst.copy_list(stream, &list(0)).unwrap();
+        inst.sync(stream);
+        assert_eq!(
+            (emu.calls(0) - calls.0, emu.calls(1) - calls.1),
+            (i64::from(bounces), 1),
+            "{copy:?}: gather"
+        );
+        // Back, scattered: one copy in when it bounces, one launch.
+        let scatter: Vec<sys::ferry_device_copy_t> = list(0)
+            .iter()
+            .map(|c| sys::ferry_device_copy_t {
+                src: c.dst,
+                dst: back + (c.src - dev),
+                len: BLOCK,
+            })
+            .collect();
+        let calls = (emu.calls(0), emu.calls(1));
+        inst.copy_list(stream, &scatter).unwrap();
+        inst.sync(stream);
+        assert_eq!(
+            (emu.calls(0) - calls.0, emu.calls(1) - calls.1),
+            (i64::from(bounces), 1),
+            "{copy:?}: scatter"
+        );
+        let mut out = vec![0u8; (N * BLOCK) as usize];
+        inst.copy(stream, out.as_mut_ptr() as u64, back, N * BLOCK);
+        inst.sync(stream);
+        assert!(out == data, "{copy:?}: gathered and scattered back intact");
+
+        // With gaps: every gap keeps its bytes, every block lands.
+        // SAFETY: pinned holds N * (BLOCK + GAP) bytes of this instance.
+        let run = unsafe {
+            std::slice::from_raw_parts_mut(pinned as *mut u8, (N * (BLOCK + GAP)) as usize)
+        };
+        run.fill(0xEE);
+        let calls = emu.calls(0);
+        inst.copy_list(stream, &list(GAP)).unwrap();
+        inst.sync(stream);
+        assert_eq!(
+            emu.calls(0),
+            calls,
+            "{copy:?}: 64 runs go to the kernel alone"
+        );
+        for (i, &b) in perm.iter().enumerate() {
+            let at = i * (BLOCK + GAP) as usize;
+            let from = b as usize * BLOCK as usize;
+            assert!(run[at..at + BLOCK as usize] == data[from..from + BLOCK as usize]);
+            let gap = &run[at + BLOCK as usize..at + (BLOCK + GAP) as usize];
+            assert!(
+                gap.iter().all(|&x| x == 0xEE),
+                "{copy:?}: gap {i} untouched"
+            );
+        }
+        inst.destroy(stream);
+        inst.free_pinned(pinned);
+        inst.free_device(dev);
+        inst.free_device(back);
+        inst.fini();
+        assert_eq!(
+            emu.count("ferry_cuda_emu_live_allocations"),
+            0,
+            "scratch freed"
+        );
+        assert_eq!(emu.count("ferry_cuda_emu_context_violations"), 0);
+    }
 }

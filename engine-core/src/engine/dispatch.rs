@@ -192,10 +192,17 @@ impl Shared {
         // the other: either the buffer is still registered here (and its
         // unregister waits for these requests), or nothing is handed to a
         // transport.
+        // Requests of a run share their buffer: each is looked up once.
+        let mut checked: Option<&Arc<LocalBuffer>> = None;
         let (i, addr) = routed
             .iter()
             .map(|p| (p.first, &p.local))
             .chain(staged.iter().map(|(i, it)| (*i, &it.local)))
+            .filter(|(_, local)| {
+                let again = checked.is_some_and(|c| Arc::ptr_eq(c, local));
+                checked = Some(local);
+                !again
+            })
             .find(|(_, local)| {
                 local.visibility != Visibility::Unregistered
                     && !self
