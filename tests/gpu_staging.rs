@@ -129,7 +129,7 @@ fn a_staged_request_that_names_a_transport_moves_its_host_legs_over_it() {
             .map(|k| {
                 let mut r =
                     Request::new(Op::Write, src + k * block, seg, remote + k * block, block);
-                r.transport = hint.map(str::to_string);
+                r.transport = hint.map(Into::into);
                 r
             })
             .collect();

@@ -191,7 +191,7 @@ pub fn initiator(args: InitiatorArgs) -> Result<(), String> {
                 remote.0 + k * args.block_size,
                 args.block_size,
             );
-            r.transport = args.transport.clone();
+            r.transport = args.transport.as_deref().map(Into::into);
             r
         })
         .collect();
@@ -204,7 +204,8 @@ pub fn initiator(args: InitiatorArgs) -> Result<(), String> {
     let started = Instant::now();
     let mut workers = Vec::new();
     for t in 0..args.threads as u64 {
-        let (op, block, hint) = (args.op, args.block_size, args.transport.clone());
+        let hint: Option<Arc<str>> = args.transport.as_deref().map(Into::into);
+        let (op, block) = (args.op, args.block_size);
         let (local_base, remote_base) = (local_addr + t * local_len, remote.0 + t * window);
         let batch_size = args.batch_size as u64;
         // Batch n's addresses, written into the same requests every time:

@@ -122,6 +122,7 @@ struct Bench<'a> {
 
 impl Bench<'_> {
     fn requests(&self, op: Op, local: &[u64], remote: &[u64]) -> Vec<Request> {
+        let hint: Option<std::sync::Arc<str>> = self.transport.map(Into::into);
         local
             .iter()
             .zip(remote)
@@ -133,7 +134,7 @@ impl Bench<'_> {
                     self.remote.addr(r),
                     self.block,
                 );
-                q.transport = self.transport.map(str::to_string);
+                q.transport = hint.clone();
                 q
             })
             .collect()

@@ -198,7 +198,7 @@ impl Bench {
                     let off = (k % slots) * 2 * block;
                     k += 1;
                     Request {
-                        transport: transport.map(str::to_string),
+                        transport: transport.map(Into::into),
                         ..Request::new(
                             op,
                             self.local_addr + off,

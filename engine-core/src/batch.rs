@@ -207,6 +207,12 @@ impl Batch {
         Ok(start)
     }
 
+    /// Room for `n` more groups: a submission that knows how many it adds
+    /// (16,384 staged requests are as many groups) grows the table once.
+    pub(crate) fn reserve_groups(&self, n: usize) {
+        self.state.lock().groups.reserve(n);
+    }
+
     /// Adds a group of `count` requests starting at `start`; returns its token.
     pub(crate) fn add_group(
         &self,

@@ -145,7 +145,8 @@ impl NativeEngine {
                 ),
             ));
         }
-        let transport = transport.filter(|t| !t.is_empty());
+        let transport: Option<std::sync::Arc<str>> =
+            transport.filter(|t| !t.is_empty()).map(Into::into);
         Ok(local
             .into_iter()
             .zip(remote)

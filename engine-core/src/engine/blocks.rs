@@ -118,7 +118,7 @@ impl Shared {
             remote.base + first_remote * remote.stride,
             local.block_size,
         );
-        probe.transport = t.transport.map(str::to_string);
+        probe.transport = t.transport.map(Arc::from);
         let plan = self.planner().plan(std::slice::from_ref(&probe), None)?;
         let whole = plan.routed.first().filter(|p| {
             let view = seg.view.read().clone();

@@ -49,6 +49,7 @@ impl Shared {
             batch.complete_empty(base + i, 1);
         }
         let mut flows = Flows::new();
+        batch.reserve_groups(staged.len());
         for (i, item) in &mut staged {
             let tally = self.tally(
                 &mut flows,

@@ -262,6 +262,10 @@ impl<T: Candidate> Planner<'_, T> {
                         _ => last_hint.insert(Arc::from(h)).clone(),
                     }),
                 };
+                if staged.is_empty() {
+                    // A staged request is mostly the first of many.
+                    staged.reserve(requests.len() - i);
+                }
                 staged.push((i, item));
                 continue;
             }

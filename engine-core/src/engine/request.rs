@@ -4,6 +4,7 @@
 use ferry_plugins_abi::sys;
 use ferry_topology::PathClass;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 /// Identifies an open remote segment within one engine.
 pub type SegmentId = u64;
@@ -34,7 +35,9 @@ pub struct Request {
     pub remote_addr: u64,
     pub length: u64,
     /// Use this transport if it can serve the request (else an error).
-    pub transport: Option<String>,
+    /// Shared: the requests of a batch that name one transport hold one
+    /// string (`Some("tcp".into())`).
+    pub transport: Option<Arc<str>>,
 }
 
 impl Request {

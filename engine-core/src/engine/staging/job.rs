@@ -351,7 +351,7 @@ impl Shared {
         };
         let b = self.batches.allocate(1)?;
         let mut r = Request::new(it.op, local, it.segment.id, remote, c.len);
-        r.transport = it.transport.as_deref().map(str::to_string);
+        r.transport = it.transport.clone();
         // Host memory on both sides: planned and dispatched, never staged.
         let started = self
             .planner()
