@@ -5,6 +5,7 @@
 //! request handed to a transport, which may stand for several adjacent user
 //! requests the engine coalesced.
 
+pub use crate::batch_status::{BatchStatus, NotifyStatus, RequestStatus};
 use crate::error::{Error, ErrorCode, Result};
 use crate::id_map::IdMap;
 use crate::memory::LocalBuffer;
@@ -39,40 +40,6 @@ fn split_token(token: u64) -> (BatchId, usize) {
     )
 }
 
-/// The state of one request.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum RequestStatus {
-    Pending,
-    Completed,
-    Failed(Error),
-}
-
-/// A summary of a batch.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BatchStatus {
-    /// Requests submitted so far.
-    pub total: usize,
-    pub completed: usize,
-    pub failed: usize,
-    pub pending: usize,
-    /// The first request that failed, by index, and why.
-    pub first_error: Option<(usize, Error)>,
-    /// The batch's notification to its peer, if it carries one.
-    pub notify: Option<NotifyStatus>,
-}
-
-impl BatchStatus {
-    /// Every request finished, and the notification (if any) was
-    /// delivered or failed.
-    pub fn is_done(&self) -> bool {
-        self.pending == 0 && self.notify != Some(NotifyStatus::Pending)
-    }
-
-    pub fn succeeded(&self) -> bool {
-        self.is_done() && self.failed == 0 && !matches!(self.notify, Some(NotifyStatus::Failed(_)))
-    }
-}
-
 /// Told when a completion group finishes (the engine's measurements).
 pub(crate) trait GroupObserver: Send + Sync {
     fn finished(&self, ok: bool);
@@ -95,18 +62,6 @@ pub(crate) trait Retry: Send + Sync {
 /// or a revoked registration) as FERRY_ERR_OUT_OF_BOUNDS (plugin.h).
 pub(crate) fn refused_by_peer(e: &Error) -> bool {
     e.code == ErrorCode::OutOfBounds
-}
-
-/// What became of a batch's notification.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum NotifyStatus {
-    /// Requests still in flight, or the message on its way.
-    Pending,
-    /// The peer has it queued for its application.
-    Delivered,
-    /// Not delivered: a request failed (the data did not all land, so the
-    /// message was not sent), the peer was unreachable, or it refused.
-    Failed(Error),
 }
 
 /// A request's state in [`BatchState::states`].

@@ -20,6 +20,7 @@
 //! ```
 
 pub mod batch;
+mod batch_status;
 pub mod config;
 mod config_keys;
 pub mod control;
