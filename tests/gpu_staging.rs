@@ -389,7 +389,8 @@ fn a_hostile_copy_list_is_refused_whole_and_touches_nothing() {
         )
         .unwrap();
     assert_eq!(kind, MsgType::StageDone);
-    // SAFETY: as above.
+    // SAFETY: `now` is still a live Vec of LEN bytes and `dev` the LEN bytes of device memory
+    // allocated above; the list's copies finished (StageDone), so no transfer writes `now`.
     unsafe { target.copy_memory(now.as_mut_ptr() as u64, dev, LEN) }.unwrap();
     assert!(now[8192..12288].iter().all(|&b| b == 0));
     assert!(now[65536..65636].iter().all(|&b| b == 0));

@@ -82,7 +82,9 @@ pub(crate) unsafe fn requests_arg(
     if requests.is_null() {
         return Err(invalid("requests"));
     }
-    // SAFETY: non-null and valid for count elements per the contract.
+    // SAFETY: count > 0 and `requests` is non-null (both checked above); this function's contract
+    // (forwarding ferry.h's "`requests` valid for `count` elements") makes it valid for `count`
+    // requests, and to_requests copies out of the slice before it returns.
     to_requests(unsafe { std::slice::from_raw_parts(requests, count) })
 }
 
@@ -157,7 +159,8 @@ pub unsafe extern "C" fn ferry_batch_status(
         // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
         // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
-        // SAFETY: null or valid per the contract.
+        // SAFETY: a null `out` gives None (refused just after); else ferry.h's ferry_batch_status
+        // makes it a valid ferry_batch_summary to write, borrowed only for this call.
         let out = unsafe { out.as_mut() }.ok_or_else(|| invalid("out"))?;
         fill_status(&e.inner.batch_status(batch)?, Some(out));
         Ok(())
@@ -226,7 +229,8 @@ pub unsafe extern "C" fn ferry_batch_wait(
             Duration::from_millis(timeout_ms as u64)
         };
         let s = e.inner.wait(batch, timeout)?;
-        // SAFETY: null or valid per the contract.
+        // SAFETY: ferry.h (ferry_batch_wait) lets `out` be NULL, which as_mut turns into None and
+        // fill_status skips; otherwise it is a valid ferry_batch_summary, borrowed for this call.
         fill_status(&s, unsafe { out.as_mut() });
         if !s.is_done() {
             return Err(Error::new(

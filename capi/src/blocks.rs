@@ -100,7 +100,9 @@ pub unsafe extern "C" fn ferry_batch_submit_blocks(
         if local_ids.is_null() || remote_ids.is_null() {
             return Err(invalid("local_ids or remote_ids"));
         }
-        // SAFETY: both non-null and valid for count elements per the contract.
+        // SAFETY: count > 0 and both arrays are non-null (checked above); ferry.h
+        // (ferry_batch_submit_blocks) makes each valid for `count` u64s, and the slices are
+        // borrowed only by the BlockTransfer that submit_blocks reads during this call.
         let (local_ids, remote_ids) = unsafe {
             (
                 std::slice::from_raw_parts(local_ids, count),

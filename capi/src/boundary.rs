@@ -85,7 +85,8 @@ pub(crate) unsafe fn copy_text(
     len: *mut usize,
 ) -> Result<(), Error> {
     if !len.is_null() {
-        // SAFETY: valid out-pointer per the contract.
+        // SAFETY: `len` is non-null (checked just above); this function's contract, which its
+        // callers forward from ferry.h ("`len` NULL or valid"), makes a non-null `len` writable.
         unsafe { *len = text.len() };
     }
     if buf.is_null() || cap <= text.len() {

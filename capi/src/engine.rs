@@ -27,7 +27,8 @@ pub unsafe extern "C" fn ferry_engine_new(
         if out.is_null() {
             return Err(invalid("out"));
         }
-        // SAFETY: null or valid per the contract.
+        // SAFETY: ferry.h (ferry_engine_new) makes `config` NULL, giving None and the defaults,
+        // or a live ferry_config from ferry_config_new, not consumed: only cloned in this call.
         let config = match unsafe { config.as_ref() } {
             Some(c) => c.inner.clone(),
             None => EngineConfig::from_env()?,
@@ -93,7 +94,8 @@ pub unsafe extern "C" fn ferry_register_memory(
         let location = if location.is_null() {
             None
         } else {
-            // SAFETY: non-null C string per the contract.
+            // SAFETY: `location` is non-null (checked above) and ferry.h (ferry_register_memory)
+            // makes it a "cpu:N"/"cuda:N" C string, NUL-terminated as str_arg needs.
             Some(ferry_core::location::parse_location(unsafe {
                 str_arg(location, "location")?
             })?)

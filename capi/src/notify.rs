@@ -34,7 +34,9 @@ unsafe fn to_notify(
                 ),
             ));
         }
-        // SAFETY: non-null and valid for msg_len bytes per the contract.
+        // SAFETY: `msg` is non-null and msg_len in 1..=FERRY_NOTIFY_MSG_MAX (checked above); this
+        // function's contract, forwarded from ferry.h ("`msg` valid for `msg_len` bytes"), makes
+        // it readable, and Notify::new copies the bytes before this call returns.
         unsafe { std::slice::from_raw_parts(msg, msg_len) }
     };
     ferry_core::Notify::new(name, msg)
@@ -135,8 +137,8 @@ pub unsafe extern "C" fn ferry_notify_next(
         let len = n.msg.len().min(FERRY_NOTIFY_MSG_MAX);
         filled.msg[..len].copy_from_slice(&n.msg[..len]);
         filled.msg_len = len;
-        // SAFETY: both checked non-null and valid per the contract; the
-        // caller's struct may be uninitialized, so it is written whole.
+        // SAFETY: `out` and `got` are checked non-null above, and ferry.h (ferry_notify_next)
+        // makes them valid to write; `out` may be uninitialized, so write() stores it whole.
         unsafe {
             out.write(filled);
             *got = 1;

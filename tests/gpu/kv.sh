@@ -19,6 +19,10 @@ B=$P/bin/ferry
 # KV_PARTS: which parts run (default all: ipc staged host).
 KV_PARTS=${KV_PARTS:-ipc staged host}
 part() { [[ " $KV_PARTS " == *" $1 "* ]]; }
+# KV_APIS: the staged part's APIs (default: layout requests); KV_EXTRA=0
+# leaves out its fallback, kernel-only and depth rows.
+KV_APIS=${KV_APIS:-layout requests}
+KV_EXTRA=${KV_EXTRA:-1}
 field() { sed -n "s/.*\"$1\":\([0-9.eE+-]*\).*/\1/p"; }
 # The staging job's own account of its time, one debug line per batch.
 STAGING_LOG="FERRY_LOG=warn,ferry_core::engine::staging::job=debug"
@@ -116,7 +120,7 @@ if part staged; then
 # (FERRY_CUDA_COPY=per-copy), what the kernel saves.
 declare -A staged_ratio
 for t in tcp shm; do
-    for api in layout requests; do
+    for api in $KV_APIS; do
         for op in write read; do
             for block in 1M 16K; do
                 KV_LAST=""
@@ -133,6 +137,7 @@ for t in tcp shm; do
         done
     done
 done
+if [ "$KV_EXTRA" = 1 ]; then
 KV_LAST=""
 kv_run "staged-tcp/layout/write/16K/per-copy" "FERRY_TRANSPORTS=shm,tcp FERRY_CUDA_COPY=per-copy" --segment "$kv_seg" \
     --device cuda:0 --transport tcp --api layout --op write --block-size 16K
@@ -174,6 +179,7 @@ for envs in "FERRY_STAGING_DEPTH=8" "FERRY_STAGING_CHUNK=16M"; do
             "staged-tcp/layout/write/1M" "(depth, no goal)"
     done
 done
+fi
 {
     echo "staged 16 KiB / 1 MiB blocks, same transport, op and API, same run (goal >= 0.8):"
     for key in $(printf '%s\n' "${!staged_ratio[@]}" | sort); do

@@ -177,7 +177,9 @@ pub unsafe extern "C" fn device_init_trampoline<P: DevicePlugin>(
     out: *mut *mut c_void,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: `host` is null-checked by Host::from_raw and stays valid until fini (this
+    // function's # Safety), which drops the instance holding Host<'static>; `out` is checked
+    // non-null before the write (init's out-pointer); `err` is null or a live errbuf.
     unsafe {
         boundary(err, || {
             let host: Host<'static> = Host::from_raw(host)?;
@@ -210,7 +212,9 @@ pub unsafe extern "C" fn device_count_trampoline<P: DevicePlugin>(
     count: *mut u32,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: `count` is null-checked (as_mut), else device_count's out-pointer (plugin.h);
+    // `inst` is null (instance refuses it) or the live instance init returned (plugin.h: init
+    // makes it, fini frees it); `err` is null or a live errbuf, which `boundary` handles.
     unsafe {
         boundary(err, || {
             let n = instance::<P>(inst)?.device_count()?;
@@ -228,11 +232,17 @@ pub unsafe extern "C" fn device_info_trampoline<P: DevicePlugin>(
     out: *mut sys::ferry_device_info_t,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: `out` is null-checked and is the caller's ferry_device_info_t (plugin.h,
+    // device_info): only its struct_size is read through the raw pointer until that size
+    // covers this plugin's struct, then it is borrowed and written whole; `inst` is null
+    // (refused) or init's live instance; `err` null or a live errbuf.
     unsafe {
         boundary(err, || {
-            let out = out.as_mut().ok_or_else(|| invalid("out"))?;
-            if (out.struct_size as usize) < std::mem::size_of::<sys::ferry_device_info_t>() {
+            if out.is_null() {
+                return Err(invalid("out"));
+            }
+            let size = std::ptr::addr_of!((*out).struct_size).read_unaligned();
+            if (size as usize) < std::mem::size_of::<sys::ferry_device_info_t>() {
                 return Err(PluginError::new(
                     ErrorCode::AbiMismatch,
                     "device_info: the caller's struct is older than this plugin's",
@@ -240,7 +250,9 @@ pub unsafe extern "C" fn device_info_trampoline<P: DevicePlugin>(
             }
             let ordinal = u32::try_from(ordinal)
                 .map_err(|_| PluginError::new(ErrorCode::InvalidArgument, "negative ordinal"))?;
-            instance::<P>(inst)?.device_info(ordinal)?.write_raw(out);
+            instance::<P>(inst)?
+                .device_info(ordinal)?
+                .write_raw(&mut *out);
             Ok(())
         })
     }
@@ -254,7 +266,9 @@ pub unsafe extern "C" fn query_pointer_trampoline<P: DevicePlugin>(
     out: *mut sys::ferry_pointer_info_t,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: `out` is null-checked and is the caller's ferry_pointer_info_t (plugin.h,
+    // query_pointer); only its v1.0 fields kind, ordinal, base and size are written; `inst` is
+    // null (refused) or init's live instance; `err` null or a live errbuf.
     unsafe {
         boundary(err, || {
             let out = out.as_mut().ok_or_else(|| invalid("out"))?;
@@ -283,7 +297,9 @@ pub unsafe extern "C" fn export_dmabuf_trampoline<P: DevicePlugin>(
     offset: *mut u64,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: `fd` and `offset` are checked non-null before the writes and are export_dmabuf's
+    // out-pointers (plugin.h); `inst` is null (instance refuses it) or the live instance init
+    // returned (init makes it, fini frees it); `err` is null or a live errbuf for `boundary`.
     unsafe {
         boundary(err, || {
             if fd.is_null() || offset.is_null() {
@@ -312,7 +328,9 @@ pub unsafe extern "C" fn alloc_pinned_trampoline<P: DevicePlugin>(
     out: *mut *mut c_void,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: `out` is null-checked (as_mut), else alloc_pinned's out-pointer (plugin.h); `inst`
+    // is null (instance refuses it) or the live instance init returned (plugin.h: init makes it,
+    // fini frees it); `err` is null or a live errbuf, which `boundary` handles.
     unsafe {
         boundary(err, || {
             let p = instance::<P>(inst)?.alloc_pinned(len)?;
@@ -345,7 +363,9 @@ pub unsafe extern "C" fn alloc_device_trampoline<P: DevicePlugin>(
     out: *mut u64,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: `out` is null-checked (as_mut), else alloc_device's out-pointer (plugin.h); `inst`
+    // is null (instance refuses it) or the live instance init returned (plugin.h: init makes it,
+    // fini frees it); `err` is null or a live errbuf, which `boundary` handles.
     unsafe {
         boundary(err, || {
             let ordinal = u32::try_from(ordinal)
@@ -376,7 +396,9 @@ pub unsafe extern "C" fn stream_create_trampoline<P: DevicePlugin>(
     out: *mut *mut c_void,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: `out` is null-checked (as_mut), else stream_create's out-pointer (plugin.h); `inst`
+    // is null (instance refuses it) or the live instance init returned (plugin.h: init makes it,
+    // fini frees it); `err` is null or a live errbuf, which `boundary` handles.
     unsafe {
         boundary(err, || {
             let ordinal = u32::try_from(ordinal)
@@ -414,7 +436,9 @@ pub unsafe extern "C" fn copy_async_trampoline<P: DevicePlugin>(
     len: u64,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: `s` is null (stream refuses it) or a live stream from this instance's stream_create
+    // (plugin.h: freed only by stream_destroy); `inst` is null (refused) or init's live instance;
+    // `dst`/`src` are numbers, not dereferenced here; `err` null or a live errbuf.
     unsafe {
         boundary(err, || {
             instance::<P>(inst)?.copy_async(stream::<P>(s)?, dst, src, len)
@@ -429,7 +453,9 @@ pub unsafe extern "C" fn stream_sync_trampoline<P: DevicePlugin>(
     s: *mut c_void,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: `s` is null (stream refuses it) or a live stream from this instance's stream_create
+    // (plugin.h: freed only by stream_destroy); `inst` is null (refused) or init's live instance;
+    // `err` is null or a live errbuf, which `boundary` handles.
     unsafe { boundary(err, || instance::<P>(inst)?.stream_sync(stream::<P>(s)?)) }
 }
 
@@ -441,7 +467,9 @@ pub unsafe extern "C" fn pin_host_trampoline<P: DevicePlugin>(
     len: u64,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: `inst` is null (instance refuses it) or the live instance init returned (plugin.h:
+    // init makes it, fini frees it); `addr` and `len` are numbers, not dereferenced here; `err`
+    // is null or a live errbuf, which `boundary` handles.
     unsafe {
         boundary(err, || {
             instance::<P>(inst)?.pin_host(addr, len).unwrap_or_else(|| {

@@ -297,7 +297,8 @@ mod tests {
         assert!(unsafe { LayoutList::from_raw(&raw) }.is_ok());
         raw.remote_stride = u64::MAX / 2;
         raw.remote_blocks = 3;
-        // SAFETY: as above, for this changed list.
+        // SAFETY: `raw` still points both index arrays at the live one-entry `ids` with count 1
+        // and has a null key; only the remote stride and block count changed.
         assert!(unsafe { LayoutList::from_raw(&raw) }.is_err());
         raw.remote_blocks = 1;
         raw.count = 0;

@@ -287,7 +287,8 @@ unsafe fn bytes<'a>(ptr: *const u8, len: usize) -> &'a [u8] {
 /// `buf` must be null or writable for `cap` bytes; `len` null or valid.
 unsafe fn copy_out(data: &[u8], buf: *mut u8, cap: usize, len: *mut usize) {
     if !len.is_null() {
-        // SAFETY: len is a valid out-pointer per the contract.
+        // SAFETY: `len` is non-null (checked just above), and this function's contract makes a
+        // non-null `len` valid for one usize write (plugin.h's *len, *key_len or *reply_len).
         unsafe { *len = data.len() };
     }
     if !buf.is_null() && data.len() <= cap {
@@ -338,7 +339,9 @@ pub unsafe extern "C" fn init_trampoline<P: TransportPlugin>(
     out: *mut *mut c_void,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract; host outlives the instance.
+    // SAFETY: plugin.h (init) keeps `host`, `params` and their strings valid until fini returns,
+    // and fini drops the instance holding Host<'static>; `host`, `params` and `out` are
+    // null-checked before use (from_raw, as_ref, is_null); `err` is null or a live errbuf.
     unsafe {
         boundary(err, || {
             let host: Host<'static> = Host::from_raw(host)?;
@@ -385,7 +388,9 @@ pub unsafe extern "C" fn get_endpoint_trampoline<P: TransportPlugin>(
     len: *mut usize,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: `inst` is null (instance refuses it) or the live instance init returned (plugin.h:
+    // init makes it, fini frees it); plugin.h (get_endpoint) gives `buf` `cap` writable bytes and
+    // `len` as out-pointer, what copy_out needs; `err` is null or a live errbuf for `boundary`.
     unsafe {
         boundary(err, || {
             let data = instance::<P>(inst)?.endpoint()?;
@@ -406,7 +411,9 @@ pub unsafe extern "C" fn register_trampoline<P: TransportPlugin>(
     key_len: *mut usize,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: plugin.h (register_memory): `region` (null-checked) and its `location` are valid,
+    // ABI 1.1/1.2 fields read only if struct_size covers them; `handle` is checked non-null;
+    // `key`/`key_len` suit copy_out (key_cap bytes); `inst` null or init's, `err` null or live.
     unsafe {
         boundary(err, || {
             let r = region.as_ref().ok_or_else(|| invalid("region"))?;
@@ -451,7 +458,9 @@ pub unsafe extern "C" fn unregister_trampoline<P: TransportPlugin>(
     handle: u64,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: `inst` is null (instance refuses it) or the live instance init returned (plugin.h:
+    // init makes it, fini frees it); `handle` is a plain number; `err` is null or a live errbuf,
+    // which `boundary` handles.
     unsafe { boundary(err, || instance::<P>(inst)?.unregister_memory(handle)) }
 }
 
@@ -463,7 +472,9 @@ pub unsafe extern "C" fn connect_trampoline<P: TransportPlugin>(
     out: *mut *mut c_void,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: `peer` is null-checked and, with its `name` string and `endpoint_len` bytes at
+    // `endpoint`, valid for the call (plugin.h, connect), copied before it returns; `out` is
+    // checked non-null; `inst` null or init's live instance; `err` null or a live errbuf.
     unsafe {
         boundary(err, || {
             let p = peer.as_ref().ok_or_else(|| invalid("peer"))?;
@@ -496,7 +507,8 @@ pub unsafe extern "C" fn disconnect_trampoline<P: TransportPlugin>(
         }
         // SAFETY: connect produced this Box; the host disconnects once.
         let peer = unsafe { Box::from_raw(peer.cast::<PeerOf<P>>()) };
-        // SAFETY: instance pointer per the contract.
+        // SAFETY: `inst` is null (instance refuses it) or the live instance this plugin's init
+        // returned, which plugin.h's engine passes until fini frees it.
         unsafe { instance::<P>(inst) }?.disconnect(*peer);
         Ok(())
     });
@@ -511,8 +523,9 @@ pub unsafe extern "C" fn submit_trampoline<P: TransportPlugin>(
     count: usize,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract: requests valid for count elements,
-    // peer from connect, both for the duration of the call.
+    // SAFETY: `requests` holds `count` entries (null-checked if count > 0) whose remote_key is
+    // null or valid for remote_key_len bytes, for the call (plugin.h, submit), borrowed until
+    // submit returns; `peer` null or connect's live handle, `inst` init's; `err` null or live.
     unsafe {
         boundary(err, || {
             let peer = peer_of::<P>(peer)?;
@@ -550,8 +563,9 @@ pub unsafe extern "C" fn submit_blocks_trampoline<P: TransportPlugin>(
     list: *const sys::ferry_block_list_t,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract: list (with its key and blocks) and
-    // peer are valid for the duration of the call, peer from connect.
+    // SAFETY: `list` is null-checked and, with its key and `count` blocks, valid for the call
+    // (plugin.h, ferry_block_list_t), as BlockList::from_raw needs for a borrow ending with
+    // submit_blocks; `peer` null or connect's live handle, `inst` init's; `err` null or live.
     unsafe {
         boundary(err, || {
             let peer = peer_of::<P>(peer)?;
@@ -570,9 +584,9 @@ pub unsafe extern "C" fn submit_layouts_trampoline<P: TransportPlugin>(
     list: *const sys::ferry_layout_list_t,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract: list (with its key and index
-    // arrays) and peer are valid for the duration of the call, peer from
-    // connect.
+    // SAFETY: `list` (null-checked), its key and both `count`-entry id arrays are valid for the
+    // call (plugin.h, ferry_layout_list_t), as LayoutList::from_raw needs for a borrow ending
+    // with submit_layouts; `peer` null or connect's, `inst` null or init's; `err` null or live.
     unsafe {
         boundary(err, || {
             let peer = peer_of::<P>(peer)?;
@@ -593,7 +607,9 @@ pub unsafe extern "C" fn describe_peer_trampoline<P: TransportPlugin>(
     len: *mut usize,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: plugin.h (describe_peer) gives `buf` `cap` writable bytes and `len` as out-pointer;
+    // both are null-checked, and `buf` gets data.len() <= cap bytes or one NUL (cap > 0); `peer`
+    // null or connect's live handle, `inst` init's; `err` null or live.
     unsafe {
         boundary(err, || {
             let peer = peer_of::<P>(peer)?;
@@ -616,7 +632,8 @@ pub unsafe extern "C" fn describe_peer_trampoline<P: TransportPlugin>(
 /// # Safety
 /// As [`transport_probe_trampoline`].
 pub unsafe extern "C" fn progress_trampoline<P: TransportPlugin>(inst: *mut c_void) -> i32 {
-    // SAFETY: instance pointer per the contract.
+    // SAFETY: `inst` is null (instance refuses it) or the live instance this plugin's init
+    // returned, which plugin.h's engine passes to progress until fini frees it.
     catch(|| Ok(unsafe { instance::<P>(inst) }?.progress()))
         .map(|n| i32::try_from(n).unwrap_or(i32::MAX))
         .unwrap_or(0)
@@ -631,7 +648,9 @@ pub unsafe extern "C" fn allocate_trampoline<P: TransportPlugin>(
     addr: *mut *mut c_void,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: `addr` is checked non-null before the write and is allocate_memory's out-pointer
+    // (plugin.h); `inst` is null (instance refuses it) or the live instance init returned (init
+    // makes it, fini frees it); `err` is null or a live errbuf, which `boundary` handles.
     unsafe {
         boundary(err, || {
             if addr.is_null() {
@@ -658,7 +677,9 @@ pub unsafe extern "C" fn free_trampoline<P: TransportPlugin>(
     addr: *mut c_void,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: `inst` is null (instance refuses it) or the live instance init returned (plugin.h:
+    // init makes it, fini frees it); `addr` is only passed on as a number, never dereferenced
+    // here; `err` is null or a live errbuf, which `boundary` handles.
     unsafe { boundary(err, || instance::<P>(inst)?.free_memory(addr as u64)) }
 }
 
@@ -671,7 +692,9 @@ pub unsafe extern "C" fn accepts_trampoline<P: TransportPlugin>(
     key_len: usize,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: `key` is null or valid for `key_len` bytes for the call (plugin.h, accepts), and
+    // the slice `bytes` makes of it ends with this call; `peer` is null (peer_of refuses it) or
+    // connect's live handle, `inst` null or init's live instance; `err` null or a live errbuf.
     unsafe {
         boundary(err, || {
             let peer = peer_of::<P>(peer)?;
@@ -690,7 +713,9 @@ pub unsafe extern "C" fn accepts_pair_trampoline<P: TransportPlugin>(
     key_len: usize,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: `key` is null or valid for `key_len` bytes for the call (plugin.h, accepts_pair),
+    // and the slice `bytes` makes of it ends with this call; `peer` is null (peer_of refuses it)
+    // or connect's live handle, `inst` null or init's live instance; `err` null or a live errbuf.
     unsafe {
         boundary(err, || {
             let peer = peer_of::<P>(peer)?;
@@ -712,7 +737,9 @@ pub unsafe extern "C" fn on_peer_request_trampoline<P: TransportPlugin>(
     reply_len: *mut usize,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: pointers per the contract.
+    // SAFETY: plugin.h (on_peer_request) makes `from` a C string and `body` valid for `body_len`
+    // bytes, and gives `reply` `reply_cap` bytes and `reply_len` as out-pointer, for copy_out
+    // after the reply is checked to fit; `inst` null or init's live instance; `err` null or live.
     unsafe {
         boundary(err, || {
             let from = owned_str(from);
