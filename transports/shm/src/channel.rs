@@ -482,14 +482,24 @@ impl Client {
                 events.closed();
             })
             .map_err(|e| format!("cannot start a thread: {e}"))?;
-        Ok(Client {
+        let client = Client {
             fd,
             replies,
             dead,
             stop,
             reader: Some(reader),
             next_id: AtomicU64::new(1),
-        })
+        };
+        // One round trip before any copy. The handshake's verdict comes
+        // from the owner's gate, before the owner lists the connection; a
+        // buffer unregistered in between would not be revoked here, and a
+        // cross-memory copy could still reach it. The owner answers only
+        // connections it lists, so after this answer every revocation
+        // reaches this reader (token 0 names no memory: it is refused).
+        client
+            .ask(0, auth_timeout.max(Duration::from_millis(100)))
+            .map_err(|e| format!("waiting to be admitted: {e}"))?;
+        Ok(client)
     }
 
     pub fn is_dead(&self) -> bool {
@@ -498,6 +508,14 @@ impl Client {
 
     /// Asks the owner for the memfd behind `token`.
     pub fn map(&self, token: u64, timeout: Duration) -> Result<(OwnedFd, u64), String> {
+        match self.ask(token, timeout)? {
+            Reply::Mapped(fd, len) => Ok((fd, len)),
+            Reply::Refused => Err("the peer no longer shares that memory".into()),
+        }
+    }
+
+    /// Sends MAP for `token` and waits for the owner's answer.
+    fn ask(&self, token: u64, timeout: Duration) -> Result<Reply, String> {
         if self.is_dead() {
             return Err("the peer process has exited".into());
         }
@@ -519,10 +537,7 @@ impl Client {
         let mut map = lock.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             if let Some(reply) = map.remove(&id) {
-                return match reply {
-                    Reply::Mapped(fd, len) => Ok((fd, len)),
-                    Reply::Refused => Err("the peer no longer shares that memory".into()),
-                };
+                return Ok(reply);
             }
             let now = Instant::now();
             if self.is_dead() {
