@@ -9,11 +9,13 @@
 //! This crate is the bottom layer: it depends on nothing else in Ferry.
 
 pub mod caps;
+mod error;
 pub mod sdk;
 pub mod status;
 pub mod sys;
 pub mod versioned;
 
+pub use error::{Error, Result};
 pub use status::ErrorCode;
 
 /// Path of the checked-in C header, for tests and packaging.

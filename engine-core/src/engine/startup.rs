@@ -297,9 +297,7 @@ fn connect_metadata(
             }
             Ok(None)
         }
-        m => ferry_metadata::EtcdStore::connect(m, config.connect_timeout)
-            .map(Some)
-            .map_err(Into::into),
+        m => ferry_metadata::EtcdStore::connect(m, config.connect_timeout).map(Some),
     }
 }
 
