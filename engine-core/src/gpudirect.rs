@@ -503,43 +503,13 @@ mod tests {
         assert!(t.nic(&nic).unwrap().state.is_usable());
 
         // Every RDMA NIC down: none, so the engine stages (and info says so).
-        let all_down = SysfsBuilder::new()
-            .numa_node(0, "0-7")
-            .host_bridge("0000:00", 0)
-            .gpu("0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0")
-            .rdma_nic(
-                "mlx5_0",
-                "0000:00:01.0/0000:01:00.0/0000:02:01.0/0000:04:00.0",
-                PORT_DOWN,
-                INFINIBAND,
-                NDR_400,
-            );
-        let (_d, t) = topology(all_down);
+        let (_d, t) = topology(named("all-rdma-down").unwrap());
         assert_eq!(direct_nic(&t, "cuda:0"), None);
 
         // Five plain Ethernet NICs on the GPU's switch, nearer than the RDMA
         // NIC on another root port: the RDMA NIC still is the direct one
         // (looking only at the nearest four would find none).
-        let mut crowded = SysfsBuilder::new()
-            .numa_node(0, "0-7")
-            .host_bridge("0000:00", 0)
-            .gpu("0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0");
-        for i in 1..=5 {
-            crowded = crowded.net_nic(
-                &format!("eth{i}"),
-                &format!("0000:00:01.0/0000:01:00.0/0000:02:0{i}.0/0000:1{i}:00.0"),
-                "up",
-                100_000,
-            );
-        }
-        let crowded = crowded.rdma_nic(
-            "mlx5_0",
-            "0000:00:02.0/0000:20:00.0",
-            PORT_ACTIVE,
-            INFINIBAND,
-            NDR_400,
-        );
-        let (_d, t) = topology(crowded);
+        let (_d, t) = topology(named("crowded-plain-nics").unwrap());
         let ranked = t.preferred_nics("cuda:0").unwrap();
         assert!(
             ranked.iter().take(5).all(|r| r.name.starts_with("eth")),

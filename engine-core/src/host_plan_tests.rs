@@ -199,18 +199,7 @@ fn without_a_direct_transport_gpus_are_staged_and_say_why() {
 
 #[test]
 fn with_every_rdma_nic_down_there_is_no_direct_nic() {
-    let all_down = SysfsBuilder::new()
-        .numa_node(0, "0-7")
-        .host_bridge("0000:00", 0)
-        .gpu("0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0")
-        .rdma_nic(
-            "mlx5_0",
-            "0000:00:01.0/0000:01:00.0/0000:02:01.0/0000:04:00.0",
-            PORT_DOWN,
-            INFINIBAND,
-            NDR_400,
-        );
-    let (_d, t) = topology(all_down);
+    let (_d, t) = topology(named("all-rdma-down").unwrap());
     let reports = [
         direct_transport(PluginState::Enabled, Ok("works")),
         gpus_of(&t, true, true),
@@ -236,26 +225,7 @@ fn a_port_down_nic_gives_way_to_the_next_usable_rdma_nic() {
 
 #[test]
 fn many_nearer_plain_nics_do_not_hide_the_rdma_nic() {
-    let mut crowded = SysfsBuilder::new()
-        .numa_node(0, "0-7")
-        .host_bridge("0000:00", 0)
-        .gpu("0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0");
-    for i in 1..=5 {
-        crowded = crowded.net_nic(
-            &format!("eth{i}"),
-            &format!("0000:00:01.0/0000:01:00.0/0000:02:0{i}.0/0000:1{i}:00.0"),
-            "up",
-            100_000,
-        );
-    }
-    let crowded = crowded.rdma_nic(
-        "mlx5_0",
-        "0000:00:02.0/0000:20:00.0",
-        PORT_ACTIVE,
-        INFINIBAND,
-        NDR_400,
-    );
-    let (_d, t) = topology(crowded);
+    let (_d, t) = topology(named("crowded-plain-nics").unwrap());
     let reports = [
         direct_transport(PluginState::Enabled, Ok("works")),
         gpus_of(&t, true, true),
