@@ -282,6 +282,7 @@ fn io_error(what: &str, peer: &str, e: &io::Error) -> Error {
 
 /// Reads one whole frame. The body's memory grows as its bytes arrive, so
 /// a frame that only claims a large size costs nothing.
+#[cfg(feature = "testing")]
 pub fn read_frame(stream: &mut impl Read, peer: &str) -> Result<(MsgType, Vec<u8>)> {
     let mut header = [0u8; HEADER_LEN];
     stream
@@ -335,6 +336,7 @@ pub(crate) fn read_sealed(
 
 /// Reads one tagged frame (for tools and tests that speak the protocol
 /// themselves).
+#[cfg(feature = "testing")]
 pub fn read_frame_sealed(
     stream: &TcpStream,
     peer: &str,

@@ -22,7 +22,6 @@ use ferry_plugins_abi::sdk::gate::{self, Gate, GateConfig};
 use std::io;
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::OwnedFd;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, LazyLock, Weak};
 
 /// Authenticated control connections served at once; a newcomer beyond
@@ -36,13 +35,16 @@ pub static REFUSALS: LazyLock<Arc<Refusals>> = LazyLock::new(|| Arc::new(Refusal
 
 /// Refused or failed authentications on control listeners, process-wide
 /// (for tests and reports): the refusals of kinds Auth and Timeout.
+#[cfg(feature = "testing")]
 pub static AUTH_REFUSED: AuthRefused = AuthRefused;
 
 /// Reads as the count of failed authentications (see [`AUTH_REFUSED`]).
+#[cfg(feature = "testing")]
 pub struct AuthRefused;
 
+#[cfg(feature = "testing")]
 impl AuthRefused {
-    pub fn load(&self, _order: Ordering) -> usize {
+    pub fn load(&self, _order: std::sync::atomic::Ordering) -> usize {
         (REFUSALS.count(Refusal::Auth) + REFUSALS.count(Refusal::Timeout)) as usize
     }
 }

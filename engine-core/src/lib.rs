@@ -23,29 +23,47 @@ pub mod batch;
 mod batch_status;
 pub mod config;
 mod config_keys;
+#[cfg(feature = "testing")]
 pub mod control;
+#[cfg(not(feature = "testing"))]
+mod control;
 mod control_budget;
 mod control_conn;
 mod control_serve;
+#[cfg(feature = "testing")]
 pub mod control_server;
+#[cfg(not(feature = "testing"))]
+mod control_server;
 mod counters;
+#[cfg(feature = "testing")]
 pub mod descriptor;
+#[cfg(not(feature = "testing"))]
+mod descriptor;
 mod device;
 pub mod engine;
 pub mod error;
 mod gpu;
 mod gpudirect;
+#[cfg(feature = "testing")]
 pub mod host;
+#[cfg(not(feature = "testing"))]
+mod host;
 mod host_plan;
 mod id_map;
+#[cfg(feature = "testing")]
 pub mod identity;
+#[cfg(not(feature = "testing"))]
+mod identity;
 pub mod info;
 pub mod location;
 mod memory;
 pub mod metrics;
 pub mod notify;
 mod shared_memory;
+#[cfg(feature = "testing")]
 pub mod transport;
+#[cfg(not(feature = "testing"))]
+mod transport;
 pub mod user_token;
 
 pub use batch::{BatchId, BatchStatus, NotifyStatus, RequestStatus};

@@ -51,8 +51,9 @@ pub struct Transport {
     /// Its submit moves local memory never registered with it
     /// (`FERRY_TRANSPORT_LOCAL_UNREGISTERED`, ABI 1.3).
     pub local_unregistered: bool,
-    library: Arc<LoadedLibrary>,
-    // Points into `library`, which stays loaded as long as self.
+    /// Keeps the plugin loaded: `table` points into it.
+    _library: Arc<LoadedLibrary>,
+    // Points into `_library`, which stays loaded as long as self.
     table: *const sys::ferry_transport_plugin_v1_t,
     instance: *mut c_void,
     // Kept alive until fini has returned (see Drop).
@@ -91,6 +92,7 @@ impl Drop for PeerHandle {
     }
 }
 
+#[cfg(feature = "testing")]
 impl PeerHandle {
     pub fn transport(&self) -> &Arc<Transport> {
         &self.transport
@@ -277,7 +279,7 @@ impl Transport {
             devices: plugin.report.devices.clone(),
             local_unregistered: flags & sys::FERRY_TRANSPORT_LOCAL_UNREGISTERED != 0,
             table: table as *const sys::ferry_transport_plugin_v1_t,
-            library,
+            _library: library,
             instance,
             _init: storage,
             sink,
@@ -290,8 +292,9 @@ impl Transport {
     }
 
     /// The plugin's library (kept loaded while this instance lives).
+    #[cfg(feature = "testing")]
     pub fn library(&self) -> &Arc<LoadedLibrary> {
-        &self.library
+        &self._library
     }
 
     pub fn endpoint(&self) -> Result<Vec<u8>> {
@@ -736,6 +739,7 @@ impl Transport {
         }
     }
 
+    #[cfg(feature = "testing")]
     pub fn supports(&self, mem_kind: u64, scope: u32) -> bool {
         self.mem_kinds & mem_kind != 0 && scope_served(self.scopes, scope)
     }
