@@ -3,7 +3,7 @@
 //! engine, the metadata store and the front ends return this one type, so
 //! an error keeps its code and words on its way up.
 
-use crate::ErrorCode;
+use crate::status::ErrorCode;
 use std::fmt;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
