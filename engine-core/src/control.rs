@@ -282,7 +282,7 @@ fn io_error(what: &str, peer: &str, e: &io::Error) -> Error {
 
 /// Reads one whole frame. The body's memory grows as its bytes arrive, so
 /// a frame that only claims a large size costs nothing.
-#[cfg(feature = "testing")]
+#[cfg(any(test, feature = "testing"))]
 pub fn read_frame(stream: &mut impl Read, peer: &str) -> Result<(MsgType, Vec<u8>)> {
     let mut header = [0u8; HEADER_LEN];
     stream

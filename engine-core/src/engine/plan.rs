@@ -209,8 +209,6 @@ impl<T: Candidate> Planner<'_, T> {
         let mut last_local: Option<Arc<LocalBuffer>> = None;
         let mut staged: Vec<(usize, StagedItem)> = Vec::new();
         let mut last_staged = None;
-        // The hint of staged requests, shared rather than copied per block.
-        let mut last_hint: Option<Arc<str>> = None;
         let mut empty: Vec<usize> = Vec::new();
         for (i, r) in requests.iter().enumerate() {
             if r.length == 0 {
@@ -257,10 +255,7 @@ impl<T: Candidate> Planner<'_, T> {
                     remote_addr: r.remote_addr,
                     remote_on_device,
                     length: r.length,
-                    transport: hint.map(|h| match &last_hint {
-                        Some(a) if **a == *h => a.clone(),
-                        _ => last_hint.insert(Arc::from(h)).clone(),
-                    }),
+                    transport: r.transport.clone(),
                 };
                 if staged.is_empty() {
                     // A staged request is mostly the first of many.
