@@ -183,3 +183,27 @@ fn a_list_outside_the_peers_registration_is_refused_and_nothing_moves() {
         );
     }
 }
+
+#[test]
+fn a_peer_that_connects_after_an_unregistration_still_cannot_write_there() {
+    // As above, but the target unregisters before the initiator's first
+    // transfer opens its connection: no revocation ever reaches that
+    // connection, and the initiator's view of the segment is stale.
+    for transport in ["shm", "tcp"] {
+        let p = pair(transport, false);
+        p.target.unregister_memory(p.pool.addr()).unwrap();
+        let ids: Vec<u64> = (0..BLOCKS).collect();
+        let Err(e) = transfer(&p, Op::Write, transport, &ids, &ids) else {
+            panic!("{transport}: a list to an unregistered buffer completed");
+        };
+        assert_eq!(
+            e.code,
+            ferry_core::ErrorCode::OutOfBounds,
+            "{transport}: {e}"
+        );
+        assert!(
+            p.pool.bytes().iter().all(|b| *b == 0),
+            "{transport}: a refused list wrote"
+        );
+    }
+}

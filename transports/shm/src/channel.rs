@@ -12,7 +12,9 @@
 //! The owner's side (who may connect, serving every peer) is `owner`; this
 //! file has the socket, its messages and the peer's side.
 
-use crate::wire::{Msg, MAP, MAP_ERR, MAP_OK, MSG_LEN, REVOKE, REVOKE_ACK};
+use crate::wire::{
+    Msg, LIVE, LIVE_ERR, LIVE_OK, MAP, MAP_ERR, MAP_OK, MSG_LEN, REVOKE, REVOKE_ACK,
+};
 use ferry_plugins_abi::sdk::auth::{self, Token};
 use std::collections::HashMap;
 use std::io;
@@ -330,6 +332,10 @@ pub fn recv(fd: RawFd) -> io::Result<Option<(Msg, Option<OwnedFd>)>> {
 /// memory is still registered.
 pub type Lookup = dyn Fn(u64) -> Option<(OwnedFd, u64)> + Send + Sync;
 
+/// Whether the owner still has registration `id` (what a peer asks before
+/// its first cross-memory copy under a key).
+pub type Live = dyn Fn(u64) -> bool + Send + Sync;
+
 /// What a peer's reader does with the owner's announcements.
 pub trait ClientEvents: Send + Sync + 'static {
     /// Registration `id` (of allocation `token`, or 0) is going away: stop
@@ -341,6 +347,7 @@ pub trait ClientEvents: Send + Sync + 'static {
 
 enum Reply {
     Mapped(OwnedFd, u64),
+    Live,
     Refused,
 }
 
@@ -450,9 +457,10 @@ impl Client {
                         Err(_) => break,
                     };
                     match msg.kind {
-                        MAP_OK | MAP_ERR => {
+                        MAP_OK | MAP_ERR | LIVE_OK | LIVE_ERR => {
                             let reply = match (msg.kind, passed) {
                                 (MAP_OK, Some(f)) => Reply::Mapped(f, msg.b),
+                                (LIVE_OK, None) => Reply::Live,
                                 _ => Reply::Refused,
                             };
                             let (lock, cond) = &*replies2;
@@ -497,7 +505,7 @@ impl Client {
         // connections it lists, so after this answer every revocation
         // reaches this reader (token 0 names no memory: it is refused).
         client
-            .ask(0, auth_timeout.max(Duration::from_millis(100)))
+            .ask(MAP, 0, auth_timeout.max(Duration::from_millis(100)))
             .map_err(|e| format!("waiting to be admitted: {e}"))?;
         Ok(client)
     }
@@ -508,30 +516,30 @@ impl Client {
 
     /// Asks the owner for the memfd behind `token`.
     pub fn map(&self, token: u64, timeout: Duration) -> Result<(OwnedFd, u64), String> {
-        match self.ask(token, timeout)? {
+        match self.ask(MAP, token, timeout)? {
             Reply::Mapped(fd, len) => Ok((fd, len)),
-            Reply::Refused => Err("the peer no longer shares that memory".into()),
+            _ => Err("the peer no longer shares that memory".into()),
         }
     }
 
-    /// Sends MAP for `token` and waits for the owner's answer.
-    fn ask(&self, token: u64, timeout: Duration) -> Result<Reply, String> {
+    /// Whether the owner still has registration `id`.
+    pub fn live(&self, id: u64, timeout: Duration) -> Result<bool, String> {
+        Ok(matches!(self.ask(LIVE, id, timeout)?, Reply::Live))
+    }
+
+    /// Sends `kind` (MAP or LIVE) about `a` and waits for the owner's answer.
+    fn ask(&self, kind: u32, a: u64, timeout: Duration) -> Result<Reply, String> {
         if self.is_dead() {
             return Err("the peer process has exited".into());
         }
         let id = self.next_id.fetch_add(1, Ordering::SeqCst);
         send(
             self.fd.as_raw_fd(),
-            Msg {
-                kind: MAP,
-                id,
-                a: token,
-                b: 0,
-            },
+            Msg { kind, id, a, b: 0 },
             None,
             Instant::now() + SEND_TIMEOUT,
         )
-        .map_err(|e| format!("asking the peer for its memory: {e}"))?;
+        .map_err(|e| format!("asking the peer about its memory: {e}"))?;
         let (lock, cond) = &*self.replies;
         let deadline = Instant::now() + timeout;
         let mut map = lock.lock().unwrap_or_else(|p| p.into_inner());

@@ -26,7 +26,11 @@
 //! and only copies into ranges the engine checked against the target's
 //! descriptor (and this plugin against the buffer's key). Unregistering tells every peer (REVOKE) and waits
 //! until each confirms it has stopped touching the buffer; a revoked
-//! registration is never served again. Only processes of this user (and of
+//! registration is never served again. A connection copies nothing until
+//! the owner has answered on it (so it is listed for revocations), and
+//! asks once whether a cross-memory key's registration still exists (LIVE)
+//! before its first copy under it: a key read before the connection
+//! opened may name memory unregistered since. Only processes of this user (and of
 //! `shm.allowed_uids`) may connect to the socket (SO_PEERCRED, checked
 //! before anything is read), and they must prove the token. Cross-memory
 //! attach needs ptrace-level permission, with which a process could write to
@@ -301,9 +305,19 @@ impl ShmInstance {
                 format!("shm: cannot open its Unix socket: {e}"),
             )
         })?;
+        let live_state = owned.clone();
+        let live: Arc<channel::Live> = Arc::new(move |id| {
+            live_state
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .regions
+                .values()
+                .any(|r| r.key.id() == id)
+        });
         let server = Server::start(
             listener,
             lookup,
+            live,
             owner::Admission {
                 token: token.clone(),
                 auth_timeout: Duration::from_millis(
@@ -386,6 +400,9 @@ struct PeerMemory {
     mappings: rustc_hash::FxHashMap<u64, Arc<Mapping>>,
     /// Registration ids the peer revoked: never served again.
     revoked: HashSet<u64>,
+    /// Cross-memory registrations the peer confirmed live on this
+    /// connection: from then on its revocations reach us.
+    live: HashSet<u64>,
 }
 
 struct Events(Weak<PeerState>);
@@ -444,6 +461,34 @@ impl ShmPeer {
             .mappings
             .entry(token)
             .or_insert_with(|| Arc::new(mapping));
+        Ok(())
+    }
+
+    /// Asks the owner, once per connection, whether a cross-memory key's
+    /// registration still exists. A revocation reaches only connections
+    /// the owner lists, so a key read before this connection opened (a
+    /// stale descriptor) could name memory unregistered since: gone, it
+    /// counts as revoked, and its requests are refused.
+    fn ensure_live(&self, id: u64, timeout: Duration) -> PluginResult<()> {
+        {
+            let mem = self.state.copying.read().unwrap_or_else(|p| p.into_inner());
+            if mem.live.contains(&id) || mem.revoked.contains(&id) {
+                return Ok(());
+            }
+        }
+        let live = self.client.live(id, timeout).map_err(|e| {
+            PluginError::new(ErrorCode::Connection, format!("shm: {}: {e}", self.name))
+        })?;
+        let mut mem = self
+            .state
+            .copying
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        if live {
+            mem.live.insert(id);
+        } else {
+            mem.revoked.insert(id);
+        }
         Ok(())
     }
 }
@@ -634,8 +679,10 @@ impl TransportInstance for ShmInstance {
                 Some((bytes, key)) if bytes == r.remote_key => key,
                 _ => {
                     let key = Key::decode_repeated(r.remote_key);
-                    if let Some(Key::Map { token, .. }) = key {
-                        peer.ensure_mapped(token, self.timeout)?;
+                    match key {
+                        Some(Key::Map { token, .. }) => peer.ensure_mapped(token, self.timeout)?,
+                        Some(Key::Cma { id, .. }) => peer.ensure_live(id, self.timeout)?,
+                        None => {}
                     }
                     last = Some((r.remote_key, key));
                     key

@@ -17,8 +17,8 @@
 //! revocations it was sent and has not confirmed yet: anything else hangs
 //! up, so nothing a peer sends grows the owner's memory.
 
-use crate::channel::{recv, send, try_send, Lookup};
-use crate::wire::{Msg, MAP, MAP_ERR, MAP_OK, REVOKE, REVOKE_ACK};
+use crate::channel::{recv, send, try_send, Live, Lookup};
+use crate::wire::{Msg, LIVE, LIVE_ERR, LIVE_OK, MAP, MAP_ERR, MAP_OK, REVOKE, REVOKE_ACK};
 use ferry_plugins_abi::sdk::admission::{Refusal, Refusals};
 use ferry_plugins_abi::sdk::auth::Token;
 use ferry_plugins_abi::sdk::gate::{Admitted, Gate, GateConfig};
@@ -98,6 +98,7 @@ impl Server {
     pub fn start(
         listener: OwnedFd,
         lookup: Arc<Lookup>,
+        live: Arc<Live>,
         admission: Admission,
     ) -> io::Result<Server> {
         let Admission {
@@ -120,7 +121,7 @@ impl Server {
         let (s2, r2, log2) = (shared.clone(), refusals.clone(), log.clone());
         let thread = std::thread::Builder::new()
             .name("ferry-shm-serve".into())
-            .spawn(move || serve_all(&s2, &*lookup, &r2, &log2))?;
+            .spawn(move || serve_all(&s2, &*lookup, &*live, &r2, &log2))?;
         let by_user = local::classify_by_user(
             allowed_uids,
             format!("only uid {own_uid} and shm.allowed_uids may connect"),
@@ -285,6 +286,7 @@ type Held = (Msg, Option<OwnedFd>);
 fn serve_all(
     shared: &Shared,
     lookup: &Lookup,
+    live: &Live,
     refusals: &Refusals,
     log: &Arc<dyn Fn(&str) + Send + Sync>,
 ) {
@@ -300,7 +302,7 @@ fn serve_all(
             let Some(conn) = lock(&shared.conns).get(&ev.key).cloned() else {
                 continue;
             };
-            let next = drive(&conn, lookup, held.remove(&ev.key), &mut |h| {
+            let next = drive(&conn, lookup, live, held.remove(&ev.key), &mut |h| {
                 held.insert(ev.key, h);
             });
             let interest = match next {
@@ -337,7 +339,13 @@ fn close(shared: &Shared, key: usize, conn: &Conn) {
 }
 
 /// Serves one peer as far as its socket allows without blocking.
-fn drive(conn: &Conn, lookup: &Lookup, held: Option<Held>, hold: &mut dyn FnMut(Held)) -> Next {
+fn drive(
+    conn: &Conn,
+    lookup: &Lookup,
+    live: &Live,
+    held: Option<Held>,
+    hold: &mut dyn FnMut(Held),
+) -> Next {
     let fd = conn.fd.as_raw_fd();
     if let Some((msg, memfd)) = held {
         match try_send(fd, msg, memfd.as_ref().map(AsRawFd::as_raw_fd)) {
@@ -385,6 +393,22 @@ fn drive(conn: &Conn, lookup: &Lookup, held: Option<Held>, hold: &mut dyn FnMut(
                     Ok(false) => {
                         // Not read again until this answer is sent.
                         hold((reply, memfd));
+                        return Next::Write;
+                    }
+                    Err(_) => return Next::Close(None),
+                }
+            }
+            LIVE => {
+                let reply = Msg {
+                    kind: if live(msg.a) { LIVE_OK } else { LIVE_ERR },
+                    id: msg.id,
+                    a: msg.a,
+                    b: 0,
+                };
+                match try_send(fd, reply, None) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        hold((reply, None));
                         return Next::Write;
                     }
                     Err(_) => return Next::Close(None),

@@ -54,6 +54,7 @@ fn a_peer_that_never_reads_holds_one_answer_and_blocks_no_one() {
     let _server = Server::start(
         channel::listen(&name).unwrap(),
         Arc::new(|_| None),
+        Arc::new(|_| false),
         Admission {
             token: token(),
             auth_timeout: Duration::from_secs(2),

@@ -8,6 +8,9 @@
 //! MAP_ERR    a = token                             (owner -> peer)
 //! REVOKE     a = registration id, b = token or 0   (owner -> peer)
 //! REVOKE_ACK the REVOKE's fields echoed            (peer -> owner)
+//! LIVE       a = registration id                   (peer -> owner)
+//! LIVE_OK    a = registration id, still registered (owner -> peer)
+//! LIVE_ERR   a = registration id, gone             (owner -> peer)
 //! ```
 //!
 //! Decoding checks the length and the zero field; what a kind means to a
@@ -19,6 +22,9 @@ pub const MAP_OK: u32 = 2;
 pub const MAP_ERR: u32 = 3;
 pub const REVOKE: u32 = 4;
 pub const REVOKE_ACK: u32 = 5;
+pub const LIVE: u32 = 6;
+pub const LIVE_OK: u32 = 7;
+pub const LIVE_ERR: u32 = 8;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Msg {
@@ -50,7 +56,7 @@ impl Msg {
             u64::from_le_bytes(b)
         };
         let kind = u32::from_le_bytes([m[0], m[1], m[2], m[3]]);
-        if !(MAP..=REVOKE_ACK).contains(&kind) {
+        if !(MAP..=LIVE_ERR).contains(&kind) {
             return None;
         }
         Some(Msg {
