@@ -323,6 +323,25 @@ pub fn cannot_switch_user() -> Option<&'static str> {
     None
 }
 
+/// Why another user cannot load what `path` holds, if a folder on its way
+/// is closed to others (a checkout under a private /root, as on a fresh
+/// machine's root account): tests that run a process as uid nobody skip
+/// then, saying so.
+pub fn closed_to_others(path: &std::path::Path) -> Option<String> {
+    use std::os::unix::fs::PermissionsExt;
+    path.ancestors().skip(1).find_map(|dir| {
+        let mode = std::fs::metadata(dir).ok()?.permissions().mode();
+        (mode & 0o001 == 0).then(|| {
+            format!(
+                "{} is closed to other users (mode {:o}): uid nobody cannot load {}",
+                dir.display(),
+                mode & 0o777,
+                path.display()
+            )
+        })
+    })
+}
+
 /// This test binary's ignored test `name`, to run alone in a child process
 /// (the caller adds the child's environment); [`child_output`] runs it.
 pub fn child_test(name: &str) -> Command {
