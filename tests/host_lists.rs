@@ -168,19 +168,7 @@ fn a_list_outside_the_peers_registration_is_refused_and_nothing_moves() {
         // connected peers of an unregistration.
         transfer(&p, Op::Read, transport, &[0], &[0]).unwrap();
         p.target.unregister_memory(p.pool.addr()).unwrap();
-        let ids: Vec<u64> = (0..BLOCKS).collect();
-        let Err(e) = transfer(&p, Op::Write, transport, &ids, &ids) else {
-            panic!("{transport}: a list to an unregistered buffer completed");
-        };
-        assert_eq!(
-            e.code,
-            ferry_core::ErrorCode::OutOfBounds,
-            "{transport}: {e}"
-        );
-        assert!(
-            p.pool.bytes().iter().all(|b| *b == 0),
-            "{transport}: a refused list wrote"
-        );
+        write_to_the_unregistered_pool_is_refused(&p, transport);
     }
 }
 
@@ -192,18 +180,24 @@ fn a_peer_that_connects_after_an_unregistration_still_cannot_write_there() {
     for transport in ["shm", "tcp"] {
         let p = pair(transport, false);
         p.target.unregister_memory(p.pool.addr()).unwrap();
-        let ids: Vec<u64> = (0..BLOCKS).collect();
-        let Err(e) = transfer(&p, Op::Write, transport, &ids, &ids) else {
-            panic!("{transport}: a list to an unregistered buffer completed");
-        };
-        assert_eq!(
-            e.code,
-            ferry_core::ErrorCode::OutOfBounds,
-            "{transport}: {e}"
-        );
-        assert!(
-            p.pool.bytes().iter().all(|b| *b == 0),
-            "{transport}: a refused list wrote"
-        );
+        write_to_the_unregistered_pool_is_refused(&p, transport);
     }
+}
+
+/// A write of every block into the (unregistered) pool fails as out of
+/// bounds, and no byte of the pool changed.
+fn write_to_the_unregistered_pool_is_refused(p: &Pair, transport: &str) {
+    let ids: Vec<u64> = (0..BLOCKS).collect();
+    let Err(e) = transfer(p, Op::Write, transport, &ids, &ids) else {
+        panic!("{transport}: a list to an unregistered buffer completed");
+    };
+    assert_eq!(
+        e.code,
+        ferry_core::ErrorCode::OutOfBounds,
+        "{transport}: {e}"
+    );
+    assert!(
+        p.pool.bytes().iter().all(|b| *b == 0),
+        "{transport}: a refused list wrote"
+    );
 }

@@ -36,10 +36,7 @@ impl ShmInstance {
         }
         let key = Key::decode_repeated(list.remote_key)
             .ok_or_else(|| PluginError::new(ErrorCode::Protocol, "shm: malformed key"))?;
-        match key {
-            Key::Map { token, .. } => peer.ensure_mapped(token, inst.timeout)?,
-            Key::Cma { id, .. } => peer.ensure_live(id, inst.timeout)?,
-        }
+        peer.ensure_usable(&key, inst.timeout)?;
         let mem = peer.state.copying.read().unwrap_or_else(|p| p.into_inner());
         let refused = || {
             PluginError::new(

@@ -44,6 +44,7 @@ mod endpoint;
 mod memory;
 mod numa;
 mod owner;
+mod peer_keys;
 mod pool;
 mod speed;
 mod wire;
@@ -434,63 +435,6 @@ impl ShmPeer {
             format!("shm: {} (pid {}) has exited", self.name, self.endpoint.pid),
         )
     }
-
-    /// The mapping of allocation `token`, mapping it on first use. Called
-    /// without the copy lock (the socket reader may need it meanwhile).
-    fn ensure_mapped(&self, token: u64, timeout: Duration) -> PluginResult<()> {
-        if self
-            .state
-            .copying
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .mappings
-            .contains_key(&token)
-        {
-            return Ok(());
-        }
-        let (fd, len) = self.client.map(token, timeout).map_err(|e| {
-            PluginError::new(ErrorCode::OutOfBounds, format!("shm: {}: {e}", self.name))
-        })?;
-        let mapping = memory::map(&fd, len).map_err(|e| {
-            PluginError::new(ErrorCode::Protocol, format!("shm: {}: {e}", self.name))
-        })?;
-        self.state
-            .copying
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .mappings
-            .entry(token)
-            .or_insert_with(|| Arc::new(mapping));
-        Ok(())
-    }
-
-    /// Asks the owner, once per connection, whether a cross-memory key's
-    /// registration still exists. A revocation reaches only connections
-    /// the owner lists, so a key read before this connection opened (a
-    /// stale descriptor) could name memory unregistered since: gone, it
-    /// counts as revoked, and its requests are refused.
-    fn ensure_live(&self, id: u64, timeout: Duration) -> PluginResult<()> {
-        {
-            let mem = self.state.copying.read().unwrap_or_else(|p| p.into_inner());
-            if mem.live.contains(&id) || mem.revoked.contains(&id) {
-                return Ok(());
-            }
-        }
-        let live = self.client.live(id, timeout).map_err(|e| {
-            PluginError::new(ErrorCode::Connection, format!("shm: {}: {e}", self.name))
-        })?;
-        let mut mem = self
-            .state
-            .copying
-            .write()
-            .unwrap_or_else(|p| p.into_inner());
-        if live {
-            mem.live.insert(id);
-        } else {
-            mem.revoked.insert(id);
-        }
-        Ok(())
-    }
 }
 
 fn refused_range(r: &TransferRequest<'_>) -> PluginError {
@@ -679,10 +623,8 @@ impl TransportInstance for ShmInstance {
                 Some((bytes, key)) if bytes == r.remote_key => key,
                 _ => {
                     let key = Key::decode_repeated(r.remote_key);
-                    match key {
-                        Some(Key::Map { token, .. }) => peer.ensure_mapped(token, self.timeout)?,
-                        Some(Key::Cma { id, .. }) => peer.ensure_live(id, self.timeout)?,
-                        None => {}
+                    if let Some(k) = &key {
+                        peer.ensure_usable(k, self.timeout)?;
                     }
                     last = Some((r.remote_key, key));
                     key

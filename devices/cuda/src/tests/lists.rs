@@ -73,14 +73,7 @@ fn lists_gather_and_scatter_in_one_launch_and_fall_back_where_the_kernel_cannot_
         assert!(run[i..i + BLOCK as usize] == data[b..b + BLOCK as usize]);
     }
     // Scatter them back to where they came from, in another buffer.
-    let scatter: Vec<sys::ferry_device_copy_t> = gather
-        .iter()
-        .map(|c| sys::ferry_device_copy_t {
-            src: c.dst,
-            dst: back + (c.src - dev),
-            len: BLOCK,
-        })
-        .collect();
+    let scatter = scattered_back(&gather, dev, back);
     inst.copy_list(stream, &scatter).unwrap();
     inst.sync(stream);
     assert_eq!(emu.calls(1), launches + 2);
@@ -174,14 +167,7 @@ fn pinned_lists_bounce_through_device_scratch_and_never_write_between_blocks() {
             "{copy:?}: gather"
         );
         // Back, scattered: one copy in when it bounces, one launch.
-        let scatter: Vec<sys::ferry_device_copy_t> = list(0)
-            .iter()
-            .map(|c| sys::ferry_device_copy_t {
-                src: c.dst,
-                dst: back + (c.src - dev),
-                len: BLOCK,
-            })
-            .collect();
+        let scatter = scattered_back(&list(0), dev, back);
         let calls = (emu.calls(0), emu.calls(1));
         inst.copy_list(stream, &scatter).unwrap();
         inst.sync(stream);
@@ -231,4 +217,21 @@ fn pinned_lists_bounce_through_device_scratch_and_never_write_between_blocks() {
         );
         assert_eq!(emu.count("ferry_cuda_emu_context_violations"), 0);
     }
+}
+
+/// The scatter that undoes a gather out of device memory at `dev`: each
+/// gathered block goes to its old place, in the buffer at `back`.
+fn scattered_back(
+    gather: &[sys::ferry_device_copy_t],
+    dev: u64,
+    back: u64,
+) -> Vec<sys::ferry_device_copy_t> {
+    gather
+        .iter()
+        .map(|c| sys::ferry_device_copy_t {
+            src: c.dst,
+            dst: back + (c.src - dev),
+            len: c.len,
+        })
+        .collect()
 }
