@@ -82,9 +82,11 @@ pub(crate) unsafe fn requests_arg(
     if requests.is_null() {
         return Err(invalid("requests"));
     }
-    // SAFETY: count > 0 and `requests` is non-null (both checked above); this function's contract
-    // (forwarding ferry.h's "`requests` valid for `count` elements") makes it valid for `count`
-    // requests, and to_requests copies out of the slice before it returns.
+    // SAFETY: count > 0 and `requests` is non-null (both checked above), so the `# Safety`
+    // section makes it valid for `count` ferry_request reads (aligned, as a C `const struct
+    // ferry_request *` is): its callers ferry_batch_submit, ferry_transfer_sync and
+    // ferry_batch_submit_with_notify pass the array ferry.h declares "valid for `count`
+    // elements", and to_requests copies out of the slice before we return.
     to_requests(unsafe { std::slice::from_raw_parts(requests, count) })
 }
 
@@ -111,28 +113,28 @@ pub unsafe extern "C" fn ferry_batch_submit(
     })
 }
 
-fn fill_status(s: &ferry_core::BatchStatus, out: Option<&mut ferry_batch_summary>) {
+/// The C view of a batch's state. Callers store it with `ptr::write`: the
+/// caller's struct may be uninitialised, which a `&mut` must never point at.
+fn summary(s: &ferry_core::BatchStatus) -> ferry_batch_summary {
     use ferry_core::NotifyStatus;
-    if let Some(out) = out {
-        let (notify, notify_error) = match &s.notify {
-            None => (FERRY_NOTIFY_NONE, sys::FERRY_OK),
-            Some(NotifyStatus::Pending) => (FERRY_NOTIFY_PENDING, sys::FERRY_OK),
-            Some(NotifyStatus::Delivered) => (FERRY_NOTIFY_DELIVERED, sys::FERRY_OK),
-            Some(NotifyStatus::Failed(e)) => (FERRY_NOTIFY_FAILED, e.code.as_raw()),
-        };
-        *out = ferry_batch_summary {
-            total: s.total as u64,
-            completed: s.completed as u64,
-            failed: s.failed as u64,
-            pending: s.pending as u64,
-            first_failed: s.first_error.as_ref().map_or(-1, |(i, _)| *i as i64),
-            first_error: s
-                .first_error
-                .as_ref()
-                .map_or(sys::FERRY_OK, |(_, e)| e.code.as_raw()),
-            notify,
-            notify_error,
-        };
+    let (notify, notify_error) = match &s.notify {
+        None => (FERRY_NOTIFY_NONE, sys::FERRY_OK),
+        Some(NotifyStatus::Pending) => (FERRY_NOTIFY_PENDING, sys::FERRY_OK),
+        Some(NotifyStatus::Delivered) => (FERRY_NOTIFY_DELIVERED, sys::FERRY_OK),
+        Some(NotifyStatus::Failed(e)) => (FERRY_NOTIFY_FAILED, e.code.as_raw()),
+    };
+    ferry_batch_summary {
+        total: s.total as u64,
+        completed: s.completed as u64,
+        failed: s.failed as u64,
+        pending: s.pending as u64,
+        first_failed: s.first_error.as_ref().map_or(-1, |(i, _)| *i as i64),
+        first_error: s
+            .first_error
+            .as_ref()
+            .map_or(sys::FERRY_OK, |(_, e)| e.code.as_raw()),
+        notify,
+        notify_error,
     }
 }
 
@@ -159,10 +161,14 @@ pub unsafe extern "C" fn ferry_batch_status(
         // SAFETY: `engine` is null (obj refuses it) or a handle from ferry_engine_new not yet
         // destroyed: this function's contract in ferry.h.
         let e = unsafe { obj(engine, "engine")? };
-        // SAFETY: a null `out` gives None (refused just after); else ferry.h's ferry_batch_status
-        // makes it a valid ferry_batch_summary to write, borrowed only for this call.
-        let out = unsafe { out.as_mut() }.ok_or_else(|| invalid("out"))?;
-        fill_status(&e.inner.batch_status(batch)?, Some(out));
+        if out.is_null() {
+            return Err(invalid("out"));
+        }
+        let s = summary(&e.inner.batch_status(batch)?);
+        // SAFETY: `out` is non-null (checked above) and ferry.h's ferry_batch_status makes it
+        // writable for one ferry_batch_summary; `write` neither reads nor drops what was there,
+        // so an uninitialised struct is fine.
+        unsafe { out.write(s) };
         Ok(())
     })
 }
@@ -229,9 +235,11 @@ pub unsafe extern "C" fn ferry_batch_wait(
             Duration::from_millis(timeout_ms as u64)
         };
         let s = e.inner.wait(batch, timeout)?;
-        // SAFETY: ferry.h (ferry_batch_wait) lets `out` be NULL, which as_mut turns into None and
-        // fill_status skips; otherwise it is a valid ferry_batch_summary, borrowed for this call.
-        fill_status(&s, unsafe { out.as_mut() });
+        if !out.is_null() {
+            // SAFETY: non-null, so ferry.h (ferry_batch_wait) makes `out` writable for one
+            // ferry_batch_summary; `write` neither reads nor drops what was there.
+            unsafe { out.write(summary(&s)) };
+        }
         if !s.is_done() {
             return Err(Error::new(
                 ErrorCode::Timeout,
