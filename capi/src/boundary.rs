@@ -60,7 +60,10 @@ pub(crate) unsafe fn str_arg<'a>(s: *const c_char, what: &str) -> Result<&'a str
     if s.is_null() {
         return Err(invalid(what));
     }
-    // SAFETY: non-null and NUL-terminated per the caller's contract.
+    // SAFETY: `s` is non-null (checked above), so the `# Safety` section makes it a
+    // NUL-terminated string, readable through its NUL: what ferry.h asks of every `const char *`
+    // argument (ferry_config_set's key and value, ferry_open_segment's name, ...). Every caller
+    // drops the `&'a str` before its exported function returns, while the string still lives.
     unsafe { CStr::from_ptr(s) }
         .to_str()
         .map_err(|_| Error::new(ErrorCode::InvalidArgument, format!("{what} is not UTF-8")))
@@ -69,7 +72,11 @@ pub(crate) unsafe fn str_arg<'a>(s: *const c_char, what: &str) -> Result<&'a str
 /// # Safety
 /// `p` must be null or point to a live `T`.
 pub(crate) unsafe fn obj<'a, T>(p: *const T, what: &str) -> Result<&'a T, Error> {
-    // SAFETY: null or live per the caller's contract.
+    // SAFETY: the `# Safety` section makes `p` null (as_ref gives None: refused) or a live,
+    // aligned `T`: a handle from ferry_engine_new or ferry_config_new not yet freed, as ferry.h
+    // requires of every `engine`/`config` argument. Callers use the `&'a T` only inside their
+    // exported call, and ferry_engine_free/ferry_config_free demand the handle be "not used
+    // afterwards" (ferry.h), so it outlives that use.
     unsafe { p.as_ref() }.ok_or_else(|| invalid(what))
 }
 
@@ -85,8 +92,10 @@ pub(crate) unsafe fn copy_text(
     len: *mut usize,
 ) -> Result<(), Error> {
     if !len.is_null() {
-        // SAFETY: `len` is non-null (checked just above); this function's contract, which its
-        // callers forward from ferry.h ("`len` NULL or valid"), makes a non-null `len` writable.
+        // SAFETY: `len` is non-null (checked just above), and the `# Safety` section's second
+        // requirement ("`len` null or valid") makes it an aligned, writable size_t: callers pass
+        // the `len`/`out_len` that ferry.h's ferry_*_json, ferry_config_get and
+        // ferry_engine_segment_name declare "NULL or valid".
         unsafe { *len = text.len() };
     }
     if buf.is_null() || cap <= text.len() {

@@ -295,7 +295,10 @@ unsafe extern "C" fn svc_topo_nics(
 /// # Safety
 /// `err` must be null or a valid error buffer.
 unsafe fn write_err(err: *mut sys::ferry_errbuf_t, msg: &str) {
-    // SAFETY: forwarded contract.
+    // SAFETY: write_errbuf needs `err` null or an errbuf whose `msg` is null or
+    // writable for `cap` bytes: this function's `# Safety` requirement, which the
+    // service callbacks meet by passing on the `err` a plugin gave them (plugin.h:
+    // a caller-owned ferry_errbuf_t, e.g. peer_request's).
     unsafe { ferry_plugins_abi::sdk::write_errbuf(err, msg) }
 }
 

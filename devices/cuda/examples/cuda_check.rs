@@ -159,7 +159,9 @@ impl Plugin {
             struct_size: std::mem::size_of::<sys::ferry_pointer_info_t>() as u32,
             ..Default::default()
         };
-        // SAFETY: see the impl comment.
+        // SAFETY: query_pointer (required once init is set, plugin.h) gets init's live
+        // instance (fini runs only at the end of main), `out` a live local whose struct_size
+        // is our sizeof, and `e` call's live 1024-byte errbuf; `addr` is only classified.
         call(|e| unsafe { self.t.query_pointer.unwrap()(self.inst, addr, &mut out, e) })?;
         Ok(out)
     }
@@ -185,31 +187,40 @@ impl Plugin {
 
     fn alloc_device(&self, ordinal: i32, len: u64) -> Result<u64, String> {
         let mut p = 0;
-        // SAFETY: see the impl comment.
+        // SAFETY: alloc_device gets init's live instance (fini runs only at the end of main),
+        // `&mut p` a live u64 local as its one out-pointer, and `e` call's live errbuf.
         call(|e| unsafe { self.t.alloc_device.unwrap()(self.inst, ordinal, len, &mut p, e) })?;
         Ok(p)
     }
 
     fn free_device(&self, p: u64) {
-        // SAFETY: see the impl comment.
+        // SAFETY: init's live instance; `p` is only a number to this plugin, which frees it
+        // only if alloc_device made it and otherwise warns (instance.rs). main frees `small`,
+        // and `dev` after the copies using it were synced, then `dev` again on purpose: plugin.h
+        // says nothing of an unknown pointer, so that call tests this plugin's warning.
         unsafe { self.t.free_device.unwrap()(self.inst, p) }
     }
 
     fn alloc_pinned(&self, len: u64) -> Result<u64, String> {
         let mut p = std::ptr::null_mut();
-        // SAFETY: see the impl comment.
+        // SAFETY: alloc_pinned gets init's live instance (fini runs only at the end of main),
+        // `&mut p` a live pointer-sized local as its out-pointer, and `e` call's live errbuf.
         call(|e| unsafe { self.t.alloc_pinned.unwrap()(self.inst, len, &mut p, e) })?;
         Ok(p as u64)
     }
 
     fn free_pinned(&self, p: u64) {
-        // SAFETY: see the impl comment.
+        // SAFETY: init's live instance; the plugin frees `p` only if alloc_pinned made it
+        // (else warns). main frees `pinned` once, after its last copy was synced and after
+        // its last use of the `pinned_bytes` slice over that memory.
         unsafe { self.t.free_pinned.unwrap()(self.inst, p as *mut c_void) }
     }
 
     fn export(&self, addr: u64, len: u64) -> Result<(i32, u64), String> {
         let (mut fd, mut off) = (-1, 0);
-        // SAFETY: see the impl comment.
+        // SAFETY: export_dmabuf (optional: unwrap panics, safely, if absent) gets init's live
+        // instance, `&mut fd` and `&mut off` as live local out-pointers and `e` call's live
+        // errbuf; `addr`/`len` are numbers the driver checks (host memory is refused).
         call(|e| unsafe {
             self.t.export_dmabuf.unwrap()(self.inst, addr, len, &mut fd, &mut off, e)
         })?;
@@ -218,23 +229,30 @@ impl Plugin {
 
     fn stream(&self, ordinal: i32) -> Result<*mut c_void, String> {
         let mut s = std::ptr::null_mut();
-        // SAFETY: see the impl comment.
+        // SAFETY: stream_create gets init's live instance (fini runs only at the end of
+        // main), `&mut s` a live local as its out-pointer, and `e` call's live errbuf.
         call(|e| unsafe { self.t.stream_create.unwrap()(self.inst, ordinal, &mut s, e) })?;
         Ok(s)
     }
 
     fn copy(&self, s: *mut c_void, dst: u64, src: u64, len: u64) -> Result<(), String> {
-        // SAFETY: see the impl comment.
+        // SAFETY: init's live instance and call's live errbuf; the plugin takes `s` as its
+        // own boxed stream, and the GPU reads `src` and writes `dst` until the next sync. This
+        // fn is safe, so that rests on main: every call passes a stream from `stream` not yet
+        // destroyed, and ranges of `dev`, `pinned` or a Vec it leaves alone until `sync`.
         call(|e| unsafe { self.t.copy_async.unwrap()(self.inst, s, dst, src, len, e) })
     }
 
     fn sync(&self, s: *mut c_void) -> Result<(), String> {
-        // SAFETY: see the impl comment.
+        // SAFETY: init's live instance and call's live errbuf; the plugin takes `s` as its
+        // own boxed stream, and main only syncs streams from `stream` not yet destroyed.
         call(|e| unsafe { self.t.stream_sync.unwrap()(self.inst, s, e) })
     }
 
     fn destroy(&self, s: *mut c_void) {
-        // SAFETY: see the impl comment.
+        // SAFETY: init's live instance; the plugin frees `s` as its own boxed stream, and
+        // main destroys each stream from `stream` once (its own, and each thread's), after
+        // that stream's last sync.
         unsafe { self.t.stream_destroy.unwrap()(self.inst, s) }
     }
 }

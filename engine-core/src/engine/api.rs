@@ -118,7 +118,9 @@ impl Engine {
     /// # Safety
     /// Every range must be valid memory of this process.
     pub unsafe fn copy_batch(&self, location: Location, copies: &[(u64, u64, u64)]) -> Result<()> {
-        // SAFETY: the caller's contract is this function's.
+        // SAFETY: Devices::copy_batch's one requirement, every range valid memory of this
+        // process, is word for word the `# Safety` of this method, whose callers (the cli's
+        // bench and limits tools) pass ranges they allocated and keep until it returns.
         unsafe { self.shared.devices.copy_batch(location, copies) }
     }
 
@@ -129,7 +131,9 @@ impl Engine {
     /// Both ranges must be valid memory of this process for `len` bytes, and
     /// no transfer may be writing `dst` meanwhile.
     pub unsafe fn copy_memory(&self, dst: u64, src: u64, len: u64) -> Result<()> {
-        // SAFETY: the caller's contract is this function's.
+        // SAFETY: Devices::copy_memory requires both ranges valid memory of this process for
+        // `len` bytes and no transfer writing `dst` meanwhile: the two requirements of this
+        // method's own `# Safety`, which its callers (cli tools, tests) must meet for us.
         unsafe { self.shared.devices.copy_memory(dst, src, len) }
     }
 

@@ -232,7 +232,10 @@ impl Devices {
                 return stream.sync();
             }
         }
-        // SAFETY: host memory on both sides, valid per the caller's contract.
+        // SAFETY: no loaded device plugin's query_pointer (above) called either address device
+        // memory (a failed query counts as host), so both are taken as CPU-reachable memory,
+        // and the `# Safety` section makes `src` readable and `dst` writable for `len` bytes
+        // with no transfer writing `dst` meanwhile; u8 needs no alignment, `copy` allows overlap.
         unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
         Ok(())
     }

@@ -66,12 +66,20 @@ impl<'a> BlockList<'a> {
                 "a block list without blocks",
             ));
         }
-        // SAFETY: per this function's contract.
+        // SAFETY: `blocks` is non-null and `count` > 0 (checked above), and the
+        // `# Safety` section makes it valid for `count` ferry_block_t reads for
+        // 'a: what submit_blocks_trampoline passes on from plugin.h
+        // (ferry_block_list_t: blocks stays valid for the duration of
+        // submit_blocks); it is aligned as any C `const ferry_block_t *` is (the
+        // engine points it at a Vec<ferry_block_t>).
         let blocks = unsafe { std::slice::from_raw_parts(raw.blocks, raw.count) };
         let remote_key = if raw.remote_key.is_null() || raw.remote_key_len == 0 {
             &[][..]
         } else {
-            // SAFETY: per this function's contract.
+            // SAFETY: `remote_key` is non-null here, and the `# Safety` section's
+            // first requirement makes a non-null key valid for `remote_key_len`
+            // bytes for 'a: the engine points it at the peer's key bytes, which
+            // its list group holds while submit_blocks runs. u8 needs no alignment.
             unsafe { std::slice::from_raw_parts(raw.remote_key, raw.remote_key_len) }
         };
         Ok(BlockList {

@@ -59,7 +59,10 @@ pub fn to_cstring_lossy(s: &str) -> CString {
 /// `err` must be null or point to a `ferry_errbuf_t` whose `msg` is null or
 /// writable for `cap` bytes.
 pub unsafe fn write_errbuf(err: *mut sys::ferry_errbuf_t, msg: &str) {
-    // SAFETY: the caller promises err is null or valid.
+    // SAFETY: by the `# Safety` section, `err` is null (as_mut gives None
+    // and we return) or points to a ferry_errbuf_t, aligned and initialised;
+    // plugin.h makes it caller-owned and written only by the callee, so the
+    // `&mut` aliases nothing for the rest of this call.
     let Some(err) = (unsafe { err.as_mut() }) else {
         return;
     };
@@ -152,7 +155,11 @@ pub unsafe fn boundary(
     match catch(f) {
         Ok(()) => sys::FERRY_OK,
         Err(e) => {
-            // SAFETY: forwarded from our caller's contract.
+            // SAFETY: write_errbuf needs `err` null or an errbuf whose `msg`
+            // is null or writable for `cap` bytes: the one requirement of
+            // boundary's own `# Safety`, met by every trampoline passing on
+            // the `err` the host gave it (plugin.h: null or a caller-owned
+            // ferry_errbuf_t, which ferry_error() also accepts as NULL).
             unsafe { write_errbuf(err, &e.message) };
             e.code.as_raw()
         }

@@ -79,7 +79,11 @@ impl<'a> Host<'a> {
     /// `raw` must be null or point to a services table that stays valid for
     /// `'a`, as the host guarantees for the duration of a call.
     pub unsafe fn from_raw(raw: *const sys::ferry_host_services_t) -> PluginResult<Host<'a>> {
-        // SAFETY: the caller promises raw is null or valid for 'a.
+        // SAFETY: by the `# Safety` section `raw` is null (as_ref gives None,
+        // refused below) or points to a services table valid for 'a. The
+        // trampolines meet it with the host's table: for the call in probe,
+        // and until fini returns in init (plugin.h, init), which is why
+        // init_trampoline may choose 'static (fini drops the instance).
         let raw = unsafe { raw.as_ref() }.ok_or_else(|| {
             PluginError::new(ErrorCode::InvalidArgument, "host services table is null")
         })?;
@@ -382,7 +386,10 @@ impl<'a> ProbeReport<'a> {
     /// # Safety
     /// `raw` must be null or point to a sink valid for `'a`.
     pub unsafe fn from_raw(raw: *const sys::ferry_probe_sink_t) -> PluginResult<ProbeReport<'a>> {
-        // SAFETY: the caller promises raw is null or valid for 'a.
+        // SAFETY: by the `# Safety` section `raw` is null (as_ref gives None,
+        // refused below) or points to a sink valid for 'a; the probe
+        // trampolines pass the host's ferry_probe_sink_t from the probe call
+        // and keep the ProbeReport inside that call, so 'a ends with it.
         let raw = unsafe { raw.as_ref() }
             .ok_or_else(|| PluginError::new(ErrorCode::InvalidArgument, "probe sink is null"))?;
         Ok(ProbeReport { raw })

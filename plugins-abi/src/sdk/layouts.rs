@@ -124,14 +124,24 @@ impl<'a> LayoutList<'a> {
                 ));
             }
         }
-        // SAFETY: per this function's contract.
+        // SAFETY: `local_ids` is non-null and `count` > 0 (checked above), and
+        // the `# Safety` section makes it valid for `count` u64 reads for 'a: what
+        // submit_layouts_trampoline passes on from plugin.h (ferry_layout_list_t:
+        // the arrays stay valid for the duration of submit_layouts); it is aligned
+        // as any C `const uint64_t *` is (the engine's layout_list: a `&[u64]`).
         let local_ids = unsafe { std::slice::from_raw_parts(raw.local_ids, raw.count) };
-        // SAFETY: per this function's contract.
+        // SAFETY: `remote_ids` is non-null (checked above), and the `# Safety`
+        // section makes it valid for `count` u64 reads for 'a too: the same
+        // plugin.h duration and C `const uint64_t *` alignment, and the engine
+        // (check_transfer) refuses arrays of unequal length before building it.
         let remote_ids = unsafe { std::slice::from_raw_parts(raw.remote_ids, raw.count) };
         let remote_key = if raw.remote_key.is_null() || raw.remote_key_len == 0 {
             &[][..]
         } else {
-            // SAFETY: per this function's contract.
+            // SAFETY: `remote_key` is non-null here, and the `# Safety` section's
+            // first requirement makes a non-null key valid for `remote_key_len`
+            // bytes for 'a: the engine points it at the peer's key bytes, which
+            // it holds while submit_layouts runs. u8 needs no alignment.
             unsafe { std::slice::from_raw_parts(raw.remote_key, raw.remote_key_len) }
         };
         Ok(LayoutList {

@@ -266,7 +266,10 @@ unsafe fn owned_str(s: *const c_char) -> String {
     if s.is_null() {
         return String::new();
     }
-    // SAFETY: forwarded contract.
+    // SAFETY: `s` is non-null (checked above), so the `# Safety` section makes it
+    // NUL-terminated and readable through the NUL for this call; the CStr is copied into
+    // a String before we return. Callers pass plugin.h strings: init's engine_name and
+    // listen_host, a region's location, a peer's name, on_peer_request's `from`.
     unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned()
 }
 
@@ -276,7 +279,10 @@ unsafe fn bytes<'a>(ptr: *const u8, len: usize) -> &'a [u8] {
     if ptr.is_null() || len == 0 {
         return &[];
     }
-    // SAFETY: forwarded contract.
+    // SAFETY: `ptr` is non-null and `len` > 0 (checked above), so the `# Safety` section
+    // makes it valid for `len` byte reads for the call (u8: no alignment); the callers
+    // (connect, submit, accepts, accepts_pair, on_peer_request trampolines) keep the slice
+    // within the host's call, for which plugin.h keeps those (ptr, len) pairs valid.
     unsafe { std::slice::from_raw_parts(ptr, len) }
 }
 
@@ -287,8 +293,9 @@ unsafe fn bytes<'a>(ptr: *const u8, len: usize) -> &'a [u8] {
 /// `buf` must be null or writable for `cap` bytes; `len` null or valid.
 unsafe fn copy_out(data: &[u8], buf: *mut u8, cap: usize, len: *mut usize) {
     if !len.is_null() {
-        // SAFETY: `len` is non-null (checked just above), and this function's contract makes a
-        // non-null `len` valid for one usize write (plugin.h's *len, *key_len or *reply_len).
+        // SAFETY: `len` is non-null (checked just above), and the `# Safety` section's second
+        // requirement makes a non-null `len` valid and aligned for one usize write: it is
+        // plugin.h's size_t out-pointer (*len, *key_len or *reply_len) of the host's call.
         unsafe { *len = data.len() };
     }
     if !buf.is_null() && data.len() <= cap {

@@ -92,9 +92,13 @@ impl Gpus {
     /// (the kernel reaches nothing else).
     pub fn copy_list(&self, gpu: usize, copies: &[Desc], device_only: bool) -> PluginResult<Event> {
         let method = self.method(gpu, device_only, copies.len())?;
-        // SAFETY: the caller's contract (module docs of submit.rs): every
-        // copy's ranges were checked against live registrations and mappings
-        // held open until the returned event fires.
+        // SAFETY: queue_copies requires every copy's ranges checked against
+        // live registrations and mappings open until its event fires. This fn
+        // is safe, so that rests on its callers in submit.rs: queue_list and
+        // queue_blocks build `copies` only from ranges check_local placed in
+        // the local registration and View::local in the peer's mapping, and
+        // hold that View until we return; Import::close, which unmaps an open
+        // import, waits for the View and then syncs every stream first.
         unsafe { self.queue_copies(gpu, method, Copies::List(copies)) }
     }
 
@@ -112,7 +116,12 @@ impl Gpus {
     ) -> PluginResult<Event> {
         let method = self.method(gpu, device_only, l.src_ids.len())?;
         if method == Method::Kernel {
-            // SAFETY: as in copy_list, for every block of the layouts.
+            // SAFETY: the kernel computes each block from the layouts; this fn
+            // is safe, so soundness rests on its one caller, queue_layouts,
+            // which checked every index (check_indices), the local extent
+            // against the registration and the remote one against the peer's
+            // mapping (View::local), holding the View until we return, so
+            // Import::close syncs the streams before it can unmap.
             return unsafe { self.queue_copies(gpu, method, Copies::Layouts(l)) };
         }
         let copies: Vec<Desc> = l
@@ -125,7 +134,11 @@ impl Gpus {
                 len: l.block,
             })
             .collect();
-        // SAFETY: as in copy_list: these are the layouts' blocks.
+        // SAFETY: `copies` are exactly the layouts' blocks, each inside an
+        // extent queue_layouts (this safe fn's one caller) checked against the
+        // local registration or the peer's mapping (indices by check_indices),
+        // with the mapping's View held until we return, so Import::close
+        // syncs the streams before it can unmap.
         unsafe { self.queue_copies(gpu, method, Copies::List(&copies)) }
     }
 

@@ -317,7 +317,10 @@ pub unsafe fn reg_mr(
     remote: bool,
 ) -> io::Result<Mr> {
     let len = usize::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: forwarded to the caller.
+    // SAFETY: sideway's reg_mr asks that [addr, +len) be valid and stay accessible while the
+    // MR lives. ibv_reg_mr pins the pages for the NIC's DMA (failing, EFAULT, if any is not
+    // mapped now), and the `# Safety` section keeps the range mapped until the returned Mr
+    // drops, which instance.rs's register_memory ties to the engine's unregister_memory.
     unsafe { pd.reg_mr(addr as usize, len, access(remote)) }
         .map(Mr)
         .map_err(|e| reg_error(&e))
@@ -338,7 +341,10 @@ pub unsafe fn reg_dmabuf_mr(
     remote: bool,
 ) -> io::Result<Mr> {
     let len = usize::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: forwarded to the caller.
+    // SAFETY: sideway's reg_dmabuf_mr asks for a real DMA-BUF fd whose buffer stays valid over
+    // [offset, +len); the `# Safety` section makes `fd` a DMA-BUF (or memfd) covering exactly
+    // that and allocated until the returned Mr drops. `iova` is only the address WRs use, and
+    // a provider that refuses it or the access flags fails the call instead.
     unsafe { pd.reg_dmabuf_mr(offset, len, iova, fd, access(remote)) }
         .map(Mr)
         .map_err(|e| reg_error(&e))
@@ -542,7 +548,10 @@ impl Qp {
             RdmaOp::Write => wr.setup_write(rkey, remote_addr),
             RdmaOp::Read => wr.setup_read(rkey, remote_addr),
         };
-        // SAFETY: forwarded to the caller.
+        // SAFETY: setup_sge leaves the buffer's lifetime to us: the NIC reads or writes
+        // [local_addr, +len) until the completion, and the `# Safety` section puts that range
+        // inside the registration `lkey` names, kept registered until the completion is
+        // polled (datapath.rs holds the region in `inflight` until then).
         unsafe { handle.setup_sge(lkey, local_addr, len) };
         guard.post().map_err(|e| {
             use sideway::ibverbs::queue_pair::PostSendError as E;

@@ -88,8 +88,11 @@ pub unsafe fn transfer(
         iov_base: remote as *mut libc::c_void,
         iov_len: len,
     };
-    // SAFETY: forwarded contract on `local`; the remote side is checked by
-    // the kernel against the target's address space, never dereferenced here.
+    // SAFETY: vectored requires every local iovec valid for the call
+    // (writable when reading); the only one, `liov`, is `local` for `len`
+    // bytes, which the `# Safety` section makes valid (writable when reading).
+    // `riov` only names addresses in `pid`, which the kernel checks (EFAULT);
+    // this process never dereferences them.
     unsafe { vectored(pid, write, &[liov], &[riov]) }
 }
 
@@ -104,8 +107,11 @@ pub unsafe fn vectored(
     local: &[libc::iovec],
     remote: &[libc::iovec],
 ) -> io::Result<usize> {
-    // SAFETY: forwarded contract; the kernel validates the remote iovecs
-    // against the target's address space (EFAULT if unmapped).
+    // SAFETY: both iovec arrays are live slices whose lengths we pass; the
+    // kernel writes (reading) or reads (writing) only the memory the local
+    // iovecs describe, which the `# Safety` section makes valid for the call
+    // (writable when reading), and checks the remote iovecs against `pid`'s
+    // address space (EFAULT if unmapped) without this process touching them.
     let n = unsafe {
         if write {
             libc::process_vm_writev(

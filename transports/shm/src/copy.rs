@@ -164,7 +164,12 @@ pub unsafe fn mapped(pool: Option<&Pool>, pieces: &[Piece], parts: usize, nt: No
             if let Some(ahead) = run.get(k + AHEAD) {
                 touch_ahead(ahead);
             }
-            // SAFETY: the caller's contract on both ranges.
+            // SAFETY: copy_unfenced needs `src` readable and `dst` writable
+            // for p.len bytes. `run` is a sub-run of `pieces` (split only cuts
+            // pieces), so by the `# Safety` section the local range is valid
+            // memory of this process and the remote one lies inside a mapping
+            // kept mapped until we return; memory.rs maps peers' memory
+            // PROT_READ | PROT_WRITE, so either may be the destination.
             unsafe { copy_unfenced(dst as *mut u8, src as *const u8, p.len as usize, nt) };
         }
         // One fence per part, not per piece: a fence waits for every
@@ -229,7 +234,10 @@ pub unsafe fn cma(
     let failed: Mutex<Vec<(usize, Failure)>> = Mutex::default();
     let done = run_parts(pool, pieces, parts, &|run| {
         let mut mine = Vec::new();
-        // SAFETY: the caller's contract on the local ranges.
+        // SAFETY: cma_run hands each piece's local range (or a sub-range) to
+        // process_vm_readv/writev as a local iovec; `run` is a sub-run of
+        // `pieces`, whose local ranges the `# Safety` section makes valid
+        // memory (writable for reads) until cma returns, after run_parts.
         unsafe { cma_run(pid, run, &mut mine) };
         if !mine.is_empty() {
             failed
@@ -297,8 +305,14 @@ unsafe fn cma_run(pid: i32, run: &[Piece], failed: &mut Vec<(usize, Failure)>) {
             asked += len;
             end += 1;
         }
-        // SAFETY: the caller's contract on every local range; the kernel
-        // checks the remote ones against the peer's address space.
+        // SAFETY: vectored needs every local iovec valid for the call
+        // (writable for reads): each is a piece's [local + skip, +len) with
+        // len <= p.len - skip, or such ranges merged only where contiguous,
+        // so it lies in local ranges of `run`. cma_run has no `# Safety` of
+        // its own: its one caller, cma, passes a sub-run of pieces whose local
+        // ranges cma's `# Safety` keeps valid (writable for reads) until cma
+        // returns. The kernel checks the remote iovecs against the peer's
+        // address space (EFAULT).
         let moved = unsafe { cma::vectored(pid, op == Op::Write, &local, &remote) };
         match moved {
             Ok(n) if n > 0 => {
@@ -352,7 +366,9 @@ unsafe fn cma_run(pid: i32, run: &[Piece], failed: &mut Vec<(usize, Failure)>) {
 /// `src` readable and `dst` writable for `len` bytes.
 #[cfg(test)]
 pub unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize, nt: bool) {
-    // SAFETY: the caller's contract.
+    // SAFETY: copy_unfenced's requirement (`src` readable, `dst` writable for
+    // `len` bytes) is the `# Safety` section of copy_bytes itself, which the
+    // tests calling it meet with ranges inside their own vectors.
     unsafe { copy_unfenced(dst, src, len, nt) };
     store_fence(nt);
 }
@@ -379,15 +395,20 @@ pub unsafe fn copy_unfenced(dst: *mut u8, src: *const u8, len: usize, nt: bool) 
     {
         let apart = (dst as usize).abs_diff(src as usize) >= len;
         if nt && len >= 64 && apart {
-            // SAFETY: the caller's contract; the ranges do not overlap.
+            // SAFETY: copy_streaming needs `src` readable and `dst` writable
+            // for `len` bytes, which the `# Safety` section (as copy_bytes's)
+            // gives, and the two ranges apart: `apart` checked just above
+            // that their starts are at least `len` bytes from each other.
             unsafe { copy_streaming(dst, src, len) };
             return;
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = nt;
-    // SAFETY: the caller's contract; memmove tolerates overlap (a loopback
-    // to this process's own mapping of the same file).
+    // SAFETY: the `# Safety` section (as copy_bytes's) makes `src` readable
+    // and `dst` writable for `len` bytes; u8 needs no alignment, and
+    // ptr::copy (memmove) tolerates overlap (a loopback to this process's own
+    // mapping of the same file).
     unsafe { std::ptr::copy(src, dst, len) }
 }
 
