@@ -65,6 +65,22 @@ fn without_the_copy_kernel_packed_runs_move_by_the_batched_copy() {
 }
 
 #[test]
+fn gathers_still_in_flight_are_polled_while_other_chunks_move() {
+    // Every stream reads as busy for 2 ms after work is queued on it: the
+    // staging job asks (stream_query, ABI 1.7) rather than waits, and every
+    // block still lands where it was sent.
+    child(
+        "scenario_shuffled",
+        "tcp",
+        &[
+            ("EXPECT", "kernel"),
+            ("EXPECT_POLLED", "1"),
+            ("FERRY_CUDA_EMU_STREAM_DELAY_US", "2000"),
+        ],
+    );
+}
+
+#[test]
 fn a_batch_mixing_small_large_and_host_requests_lands_right() {
     child("scenario_mixed", "tcp", &[]);
 }
@@ -81,7 +97,7 @@ fn engine() -> Engine {
 }
 
 /// The emulator's count of copy calls: 0 cuMemcpyAsync, 1 kernel launches,
-/// 2 cuMemcpyBatchAsync.
+/// 2 cuMemcpyBatchAsync; 4 counts cuStreamQuery's "not ready" answers.
 fn emu_calls(kind: i32) -> i64 {
     let path = std::ffi::CString::new(std::env::var("FERRY_CUDA_LIBRARY").unwrap()).unwrap();
     // SAFETY: RTLD_NOLOAD only finds the emulator the plugin already
@@ -215,6 +231,10 @@ fn scenario_shuffled() {
             read(&initiator, dst, len) == data,
             "{block}: read back garbled"
         );
+    }
+    if std::env::var_os("EXPECT_POLLED").is_some() {
+        let busy = emu_calls(4);
+        assert!(busy > 0, "no stream was ever found still busy: {busy}");
     }
 }
 

@@ -32,6 +32,9 @@ pub struct Device {
     instance: *mut c_void,
     /// Whether copying a list one by one was logged (once).
     said_one_by_one: AtomicBool,
+    /// The plugin answered stream_query with FERRY_ERR_UNSUPPORTED: streams
+    /// are waited on instead.
+    no_query: AtomicBool,
 }
 
 // SAFETY: the instance pointer is only handed back to the plugin, which must
@@ -148,6 +151,7 @@ impl Device {
             _library: library,
             instance,
             said_one_by_one: AtomicBool::new(false),
+            no_query: AtomicBool::new(false),
         }))
     }
 
@@ -286,6 +290,15 @@ impl Device {
             && table.copy_list_async.is_some()
     }
 
+    /// Whether the plugin tells a stream's progress without waiting (ABI
+    /// 1.7 `stream_query`).
+    fn can_query(&self) -> bool {
+        let table = self.table();
+        has_field!(table, sys::ferry_device_plugin_v1_t, stream_query)
+            && table.stream_query.is_some()
+            && !self.no_query.load(Ordering::Relaxed)
+    }
+
     pub fn stream(self: &Arc<Self>, ordinal: u32) -> Result<Stream> {
         let mut raw: *mut c_void = std::ptr::null_mut();
         let ord = i32::try_from(ordinal)
@@ -356,6 +369,32 @@ impl Stream {
             self.copy(c.dst, c.src, c.len)?;
         }
         Ok(())
+    }
+
+    /// Whether every copy queued on this stream has finished, without
+    /// waiting where the plugin can tell (ABI 1.7 `stream_query`); a
+    /// failed copy is an error, as from [`sync`]. Where the plugin cannot
+    /// tell, this waits as [`sync`] does and answers true.
+    ///
+    /// [`sync`]: Stream::sync
+    pub fn query(&mut self) -> Result<bool> {
+        if self.device.can_query() {
+            let d = &self.device;
+            let mut done = 0u32;
+            let asked = call!(d, stream_query, "stream_query", |f, err| {
+                // SAFETY: valid instance and stream; `done` is a live u32
+                // the plugin writes once during the call.
+                unsafe { f(d.instance, self.raw, &mut done, &mut err) }
+            });
+            match asked {
+                Ok(()) => return Ok(done != 0),
+                Err(e) if e.code == ErrorCode::Unsupported => {
+                    d.no_query.store(true, Ordering::Relaxed)
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.sync().map(|()| true)
     }
 
     /// Waits for every copy queued on this stream.

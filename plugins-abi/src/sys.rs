@@ -10,7 +10,7 @@ use std::ffi::c_char;
 use std::ffi::c_void;
 
 pub const FERRY_PLUGIN_ABI_MAJOR: u16 = 1;
-pub const FERRY_PLUGIN_ABI_MINOR: u16 = 6;
+pub const FERRY_PLUGIN_ABI_MINOR: u16 = 7;
 
 pub type ferry_status_t = i32;
 
@@ -619,6 +619,15 @@ pub struct ferry_device_plugin_v1_t {
             stream: *mut c_void,
             copies: *const ferry_device_copy_t,
             count: usize,
+            err: Err,
+        ) -> ferry_status_t,
+    >,
+    // ABI 1.7
+    pub stream_query: Option<
+        unsafe extern "C" fn(
+            instance: *mut c_void,
+            stream: *mut c_void,
+            done: *mut u32,
             err: Err,
         ) -> ferry_status_t,
     >,

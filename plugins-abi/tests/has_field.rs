@@ -14,7 +14,7 @@ const CASES: &[(&str, &str)] = &[
     ("ferry_probe_sink_t", "add_note"),
     ("ferry_transport_init_params_t", "complete"),
     ("ferry_transport_plugin_v1_t", "on_peer_request"),
-    ("ferry_device_plugin_v1_t", "copy_list_async"),
+    ("ferry_device_plugin_v1_t", "stream_query"),
     ("ferry_probe_device_t", "mem_kinds"),
     ("ferry_mem_region_t", "dmabuf_offset"),
     ("ferry_peer_info_t", "endpoint_len"),

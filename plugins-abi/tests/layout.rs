@@ -247,7 +247,8 @@ fn rust_layouts() -> Vec<Layout> {
                 stream_sync,
                 pin_host,
                 unpin_host,
-                copy_list_async
+                copy_list_async,
+                stream_query
             ]
         ),
         layout!("ferry_device_copy_t", ferry_device_copy_t, [src, dst, len]),

@@ -267,6 +267,9 @@ typedef struct {
 
 struct stream {
     struct ctx *ctx;
+    /* Copies run at once here; with FERRY_CUDA_EMU_STREAM_DELAY_US, work
+     * queued on a stream reads as unfinished (cuStreamQuery) until then. */
+    uint64_t ready_at;
 };
 struct event {
     struct ctx *ctx;
@@ -903,6 +906,7 @@ EXPORT CUresult cuStreamCreate(void **s, unsigned int flags) {
     struct stream *st = malloc(sizeof *st);
     if (!st) return OUT_OF_MEMORY;
     st->ctx = current;
+    st->ready_at = 0;
     __atomic_add_fetch(&live_streams, 1, __ATOMIC_SEQ_CST);
     *s = st;
     return SUCCESS;
@@ -910,6 +914,12 @@ EXPORT CUresult cuStreamCreate(void **s, unsigned int flags) {
 static CUresult stream_check(struct stream *st) {
     if (!st) return INVALID_HANDLE;
     return current == st->ctx ? SUCCESS : violation();
+}
+/* Work was queued on st: it finishes FERRY_CUDA_EMU_STREAM_DELAY_US from
+ * now, as far as cuStreamQuery and cuStreamSynchronize tell. */
+static void stream_queued(struct stream *st) {
+    long delay = env_long("FERRY_CUDA_EMU_STREAM_DELAY_US", 0);
+    if (st && delay > 0) st->ready_at = now_ns() + (uint64_t)delay * 1000;
 }
 EXPORT CUresult cuStreamDestroy_v2(void *s) {
     CUresult r = stream_check(s);
@@ -920,9 +930,11 @@ EXPORT CUresult cuStreamDestroy_v2(void *s) {
 }
 /* Both ranges must be memory this process may touch: host memory or
  * "device" memory (ours, or opened from a peer). */
-static long copy_calls[4];
+/* Counted calls by kind; kind 4 counts cuStreamQuery's "not ready"
+ * answers, so a test sees that the engine polled a stream. */
+static long copy_calls[5];
 EXPORT long ferry_cuda_emu_calls(int kind) {
-    if (kind < 0 || kind > 3) return -1;
+    if (kind < 0 || kind > 4) return -1;
     pthread_mutex_lock(&lock);
     long n = copy_calls[kind];
     pthread_mutex_unlock(&lock);
@@ -936,6 +948,7 @@ static void count_call(int kind) {
 EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *s) {
     CUresult r = stream_check(s);
     if (r) return r;
+    stream_queued(s);
     count_call(0);
     memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
     return SUCCESS;
@@ -943,6 +956,7 @@ EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *
 EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *s) {
     CUresult r = stream_check(s);
     if (r) return r;
+    stream_queued(s);
     memcpy((void *)(uintptr_t)dst, src, n);
     return SUCCESS;
 }
@@ -961,6 +975,7 @@ EXPORT CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t 
                                    size_t *failIdx, void *s) {
     CUresult r = stream_check(s);
     if (r) return r;
+    stream_queued(s);
     if (!dsts || !srcs || !sizes || !count || !attrs || !attrsIdxs || !numAttrs || numAttrs > count ||
         attrsIdxs[0] != 0)
         return INVALID_VALUE;
@@ -1062,6 +1077,7 @@ EXPORT CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, u
     struct function *fn = f;
     CUresult r = stream_check(s);
     if (r) return r;
+    stream_queued(s);
     if (!fn || memcmp(fn->magic, "FERRYFUN", 8) || fn->module->ctx != current) return INVALID_HANDLE;
     if (!gx || gy != 1 || gz != 1 || bx != 256 || by != 1 || bz != 1 || shared || !params || extra)
         return INVALID_VALUE;
@@ -1076,7 +1092,19 @@ EXPORT CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, u
         memmove((void *)(uintptr_t)list[i].dst, (const void *)(uintptr_t)list[i].src, list[i].len);
     return SUCCESS;
 }
-EXPORT CUresult cuStreamSynchronize(void *s) { return stream_check(s); }
+EXPORT CUresult cuStreamSynchronize(void *s) {
+    CUresult r = stream_check(s);
+    if (r) return r;
+    while (now_ns() < ((struct stream *)s)->ready_at) usleep(50);
+    return SUCCESS;
+}
+EXPORT CUresult cuStreamQuery(void *s) {
+    CUresult r = stream_check(s);
+    if (r) return r;
+    if (now_ns() >= ((struct stream *)s)->ready_at) return SUCCESS;
+    count_call(4);
+    return NOT_READY;
+}
 EXPORT CUresult cuEventCreate(void **e, unsigned int flags) {
     (void)flags;
     NEED_CONTEXT();
@@ -1202,6 +1230,7 @@ static const struct {
     {"cuModuleGetFunction", 12000, (void *)(uintptr_t)cuModuleGetFunction},
     {"cuLaunchKernel", 12000, (void *)(uintptr_t)cuLaunchKernel},
     {"cuStreamSynchronize", 12000, (void *)(uintptr_t)cuStreamSynchronize},
+    {"cuStreamQuery", 12000, (void *)(uintptr_t)cuStreamQuery},
     {"cuEventCreate", 12000, (void *)(uintptr_t)cuEventCreate},
     {"cuEventRecord", 12000, (void *)(uintptr_t)cuEventRecord},
     {"cuEventQuery", 12000, (void *)(uintptr_t)cuEventQuery},

@@ -294,6 +294,8 @@ driver_api! {
     cu_event_create: Optional c"cuEventCreate" ["cuEventCreate"] fn(*mut CUevent, c_uint);
     cu_event_record: Optional c"cuEventRecord" ["cuEventRecord"] fn(CUevent, CUstream);
     cu_event_query: Optional c"cuEventQuery" ["cuEventQuery"] fn(CUevent);
+    // Staging polls its copies (the device ABI's stream_query).
+    cu_stream_query: Optional c"cuStreamQuery" ["cuStreamQuery"] fn(CUstream);
     cu_event_synchronize: Optional c"cuEventSynchronize" ["cuEventSynchronize"] fn(CUevent);
     cu_event_destroy: Optional c"cuEventDestroy" ["cuEventDestroy_v2"] fn(CUevent);
     cu_device_can_access_peer: Optional c"cuDeviceCanAccessPeer" ["cuDeviceCanAccessPeer"]

@@ -678,6 +678,20 @@ impl DeviceInstance for CudaInstance {
         // SAFETY: the stream is alive (borrowed) and its context current.
         d.check("cuStreamSynchronize", unsafe { f(stream.raw) })
     }
+
+    fn stream_query(&self, stream: &CudaStream) -> Option<PluginResult<bool>> {
+        let d = self.driver;
+        let f = d.api.cu_stream_query?;
+        Some((|| {
+            let _current = stream.ctx.enter()?;
+            // SAFETY: the stream is alive (borrowed) and its context is
+            // current (entered above); cuStreamQuery only reads its state.
+            match unsafe { f(stream.raw) } {
+                CUDA_ERROR_NOT_READY => Ok(false),
+                status => d.check("cuStreamQuery", status).map(|()| true),
+            }
+        })())
+    }
 }
 
 impl CudaInstance {

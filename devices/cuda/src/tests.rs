@@ -483,7 +483,7 @@ fn probe_reports_devices_kinds_and_what_is_missing() {
     };
     assert_eq!(note("driver"), "CUDA 12.4 (cuDriverGetVersion 12040)");
     assert!(
-        note("library").ends_with("; 51 symbols through dlsym"),
+        note("library").ends_with("; 52 symbols through dlsym"),
         "{}",
         note("library")
     );
@@ -507,10 +507,10 @@ fn probe_reports_devices_kinds_and_what_is_missing() {
     assert!(
         library
             .1
-            .ends_with("; 52 symbols through cuGetProcAddress_v2"),
+            .ends_with("; 53 symbols through cuGetProcAddress_v2"),
         "{library:?}"
     );
-    assert!(EmuView::open(&new).count("ferry_cuda_emu_proc_address_calls") >= 52);
+    assert!(EmuView::open(&new).count("ferry_cuda_emu_proc_address_calls") >= 53);
     let lists = f.notes.iter().find(|(k, _)| k == "staging lists").unwrap();
     assert!(
         lists

@@ -85,7 +85,7 @@ extern "C" {
 #endif
 
 #define FERRY_PLUGIN_ABI_MAJOR 1
-#define FERRY_PLUGIN_ABI_MINOR 6
+#define FERRY_PLUGIN_ABI_MINOR 7
 
 /* ------------------------------------------------------------------------ */
 /* Status codes (shared with the public C API in ferry.h)                    */
@@ -771,6 +771,14 @@ typedef struct ferry_device_plugin_v1 {
     ferry_status_t (*copy_list_async)(void *instance, void *stream,
                                       const ferry_device_copy_t *copies, size_t count,
                                       ferry_errbuf_t *err);
+    /* --- ABI 1.7 (the host reads it only when struct_size covers it) --- */
+    /* Optional: whether everything queued on stream has finished, without
+     * waiting: *done = 1 when it has (and then reports a failed copy as
+     * stream_sync would), 0 while work is still queued. Lets the engine
+     * keep other chunks moving while a device copy runs. Without it (or on
+     * FERRY_ERR_UNSUPPORTED) the engine waits with stream_sync. */
+    ferry_status_t (*stream_query)(void *instance, void *stream, uint32_t *done,
+                                   ferry_errbuf_t *err);
 } ferry_device_plugin_v1_t;
 
 #define FERRY_DEVICE_PLUGIN_V1_SYMBOL "ferry_device_plugin_v1"

@@ -92,6 +92,12 @@ pub trait DeviceInstance: Send + Sync + 'static {
     ) -> Option<PluginResult<()>> {
         None
     }
+    /// Whether everything queued on `stream` has finished, without
+    /// waiting (ABI 1.7); `None` when unsupported, and the engine then
+    /// waits with [`DeviceInstance::stream_sync`].
+    fn stream_query(&self, _stream: &Self::Stream) -> Option<PluginResult<bool>> {
+        None
+    }
 }
 
 /// The instance type of a probe-only device plugin; export it with
@@ -534,6 +540,37 @@ pub unsafe extern "C" fn copy_list_async_trampoline<P: DevicePlugin>(
     }
 }
 
+/// # Safety
+/// As [`device_probe_trampoline`].
+pub unsafe extern "C" fn stream_query_trampoline<P: DevicePlugin>(
+    inst: *mut c_void,
+    s: *mut c_void,
+    done: *mut u32,
+    err: *mut sys::ferry_errbuf_t,
+) -> sys::ferry_status_t {
+    // SAFETY: `s` is null (stream refuses it) or a live stream from this instance's stream_create
+    // (plugin.h: freed only by stream_destroy); `inst` is null (refused) or init's live instance;
+    // `done` is checked non-null before the one write below and is the caller's u32 for the
+    // call (plugin.h); `err` is null or a live errbuf, which `boundary` handles.
+    unsafe {
+        boundary(err, || {
+            if done.is_null() {
+                return Err(invalid("done"));
+            }
+            let finished = instance::<P>(inst)?
+                .stream_query(stream::<P>(s)?)
+                .unwrap_or_else(|| {
+                    Err(PluginError::new(
+                        ErrorCode::Unsupported,
+                        "this device plugin cannot query a stream",
+                    ))
+                })?;
+            done.write(u32::from(finished));
+            Ok(())
+        })
+    }
+}
+
 /// The v1 table for a Rust device plugin with a device interface.
 pub const fn device_table_v1<P: DevicePlugin>() -> sys::ferry_device_plugin_v1_t {
     sys::ferry_device_plugin_v1_t {
@@ -559,6 +596,7 @@ pub const fn device_table_v1<P: DevicePlugin>() -> sys::ferry_device_plugin_v1_t
         pin_host: Some(pin_host_trampoline::<P>),
         unpin_host: Some(unpin_host_trampoline::<P>),
         copy_list_async: Some(copy_list_async_trampoline::<P>),
+        stream_query: Some(stream_query_trampoline::<P>),
     }
 }
 
@@ -582,6 +620,7 @@ pub const fn device_table_v1_probe_only<P: DevicePlugin>() -> sys::ferry_device_
         pin_host: None,
         unpin_host: None,
         copy_list_async: None,
+        stream_query: None,
         ..device_table_v1::<P>()
     }
 }

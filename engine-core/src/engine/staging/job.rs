@@ -89,6 +89,10 @@ impl Shared {
             .collect::<VecDeque<_>>();
         let mut inflight: VecDeque<Chunk> = VecDeque::new();
         let mut idle_since: Option<Instant> = None;
+        // The packed run at the front of `pending` that found no free slot:
+        // kept while the loop only spins, so 256 blocks are not packed
+        // again on every turn of it.
+        let mut packed: Option<Vec<Part>> = None;
         let pool = if items.iter().any(|it| it.local.device.is_some()) {
             match self.local_slots() {
                 Ok(p) => Some(p),
@@ -112,30 +116,42 @@ impl Shared {
                     break;
                 };
                 if job.tally.failed(i) {
+                    packed = None;
                     pending.pop_front();
                     job.finish(i, Ok(()));
                     continue;
                 }
-                let parts = match self.pack(&mut job, &pending) {
-                    Ok(parts) => parts,
-                    Err(e) => {
-                        pending.pop_front();
-                        job.finish(i, Err(e));
-                        continue;
-                    }
+                let mut parts = match packed.take() {
+                    Some(parts) => parts,
+                    None => match self.pack(&mut job, &pending) {
+                        Ok(parts) => parts,
+                        Err(e) => {
+                            pending.pop_front();
+                            job.finish(i, Err(e));
+                            continue;
+                        }
+                    },
                 };
                 let taken = parts.len().max(1);
-                let items: Vec<usize> = pending.iter().take(taken).map(|&(i, _)| i).collect();
-                match self.admit(&mut job, pool.as_ref(), i, off, parts, inflight.is_empty()) {
+                match self.admit(
+                    &mut job,
+                    pool.as_ref(),
+                    i,
+                    off,
+                    &mut parts,
+                    inflight.is_empty(),
+                ) {
                     Ok(Some(c)) => {
                         pending.drain(..taken);
                         inflight.push_back(c);
                         job.spent.chunks += 1;
                     }
-                    Ok(None) => break,
+                    Ok(None) => {
+                        packed = Some(parts);
+                        break;
+                    }
                     Err(e) => {
-                        pending.drain(..taken);
-                        for i in items {
+                        for (i, _) in pending.drain(..taken) {
                             job.finish(i, Err(e.clone()));
                         }
                     }
@@ -157,10 +173,12 @@ impl Shared {
             }
             if moved {
                 idle_since = None;
+                packed = None;
             } else if idle_since.get_or_insert_with(Instant::now).elapsed() < self.config.spin {
                 std::hint::spin_loop();
             } else if let Some(c) = inflight.front_mut() {
                 idle_since = None;
+                packed = None;
                 self.advance(&mut job, c, true);
             }
             let retiring = Instant::now();
@@ -171,6 +189,7 @@ impl Shared {
             }
             job.spent.retire += retiring.elapsed();
             for i in job.requeue.drain(..).rev() {
+                packed = None;
                 pending.push_front((i, 0));
             }
         }
@@ -218,7 +237,7 @@ impl Shared {
                         it.op,
                         it.local.device,
                         it.local.location,
-                        it.transport.clone(),
+                        it.transport.as_deref(),
                     );
                     (key, it.length)
                 })
@@ -234,7 +253,7 @@ impl Shared {
         pool: Option<&Arc<SlotPool>>,
         i: usize,
         off: u64,
-        parts: Vec<Part>,
+        parts: &mut Vec<Part>,
         may_wait: bool,
     ) -> Result<Option<Chunk>> {
         let it = &job.items[i];
@@ -263,7 +282,7 @@ impl Shared {
             item: i,
             off,
             len,
-            parts,
+            parts: std::mem::take(parts),
             alone: false,
             legs: steps::legs(it.op, local_slot.is_some(), remote_slot.is_some()),
             started: 0,
@@ -380,12 +399,19 @@ impl Shared {
         let step = (|| -> Result<bool> {
             match c.phase {
                 Phase::Copying => {
-                    // Device copies are fast next to host transfers: wait.
+                    // Polled while other chunks can move (a gather in
+                    // flight must not hold up the host legs and the
+                    // peer's copies around it); waited for otherwise.
                     if let Some(s) = c.stream.as_mut() {
                         let t = Instant::now();
-                        let synced = s.2.sync();
+                        let finished = match block {
+                            true => s.2.sync().map(|()| true),
+                            false => s.2.query(),
+                        };
                         job.spent.device += t.elapsed();
-                        synced?;
+                        if !finished? {
+                            return Ok(false);
+                        }
                     }
                     if let Some(s) = c.stream.take() {
                         self.give_stream(s);
