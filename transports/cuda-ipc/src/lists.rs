@@ -90,25 +90,37 @@ impl Gpus {
     /// Queues `copies` on one of GPU `gpu`'s streams and one event behind
     /// them all. `device_only`: both ends of every copy are GPU memory
     /// (the kernel reaches nothing else).
-    pub fn copy_list(&self, gpu: usize, copies: &[Desc], device_only: bool) -> PluginResult<Event> {
+    ///
+    /// # Safety
+    /// As [`Gpus::queue_copies`]: every copy's local range lies in a live
+    /// local registration (check_local) and its remote range in an open
+    /// import's mapping (View::local), whose View the caller holds until
+    /// this returns (Import::close then syncs every stream before it can
+    /// unmap).
+    pub unsafe fn copy_list(
+        &self,
+        gpu: usize,
+        copies: &[Desc],
+        device_only: bool,
+    ) -> PluginResult<Event> {
         let method = self.method(gpu, device_only, copies.len())?;
-        // SAFETY: queue_copies requires every copy's ranges checked against
-        // live registrations and mappings open until its event fires. This fn
-        // is safe, so that rests on its callers in submit.rs: queue_list and
-        // queue_blocks build `copies` only from ranges check_local placed in
-        // the local registration and View::local in the peer's mapping, and
-        // hold that View until we return; Import::close, which unmaps an open
-        // import, waits for the View and then syncs every stream first.
+        // SAFETY: queue_copies asks exactly what this fn's `# Safety` section
+        // makes the caller vouch for: every range checked against a live
+        // registration or mapping that stays open until the event fires.
         unsafe { self.queue_copies(gpu, method, Copies::List(copies)) }
     }
 
     /// Queues blocks of two layouts by index on one of GPU `gpu`'s streams
     /// and one event behind them: one launch of the layout kernel where
     /// lists move by the kernel, else the same blocks as a list of copies
-    /// (the batched or per-copy paths, as `cuda_ipc.copy` says). The caller
-    /// checked both layouts' extents against the live registration and the
-    /// peer's mapping, and every index against its layout.
-    pub fn copy_layouts(
+    /// (the batched or per-copy paths, as `cuda_ipc.copy` says).
+    ///
+    /// # Safety
+    /// The caller checked every index against its layout (check_indices),
+    /// the local layout's extent against a live local registration and the
+    /// remote one against an open import's mapping (View::local), and holds
+    /// that View until this returns.
+    pub unsafe fn copy_layouts(
         &self,
         gpu: usize,
         l: &LayoutCopy<'_>,
@@ -116,12 +128,10 @@ impl Gpus {
     ) -> PluginResult<Event> {
         let method = self.method(gpu, device_only, l.src_ids.len())?;
         if method == Method::Kernel {
-            // SAFETY: the kernel computes each block from the layouts; this fn
-            // is safe, so soundness rests on its one caller, queue_layouts,
-            // which checked every index (check_indices), the local extent
-            // against the registration and the remote one against the peer's
-            // mapping (View::local), holding the View until we return, so
-            // Import::close syncs the streams before it can unmap.
+            // SAFETY: the kernel computes each block from the layouts, and
+            // every block lies inside an extent the caller checked (this fn's
+            // `# Safety`), with the View held so Import::close syncs the
+            // streams before it can unmap.
             return unsafe { self.queue_copies(gpu, method, Copies::Layouts(l)) };
         }
         let copies: Vec<Desc> = l
@@ -135,10 +145,9 @@ impl Gpus {
             })
             .collect();
         // SAFETY: `copies` are exactly the layouts' blocks, each inside an
-        // extent queue_layouts (this safe fn's one caller) checked against the
-        // local registration or the peer's mapping (indices by check_indices),
-        // with the mapping's View held until we return, so Import::close
-        // syncs the streams before it can unmap.
+        // extent the caller checked against the local registration or the
+        // peer's mapping, indices included (this fn's `# Safety`), with the
+        // mapping's View held until we return.
         unsafe { self.queue_copies(gpu, method, Copies::List(&copies)) }
     }
 

@@ -149,7 +149,11 @@ impl CudaIpcInstance {
                 b.length,
             )
         }));
-        let queued = self.gpus.copy_list(res.gpu, &copies, res.device_only);
+        // SAFETY: every local range lies in [local_addr, local_end), which
+        // check_local placed in the live registration, and every remote one
+        // in `remote`, which View::local placed in the open mapping; `view`
+        // is held until after this call.
+        let queued = unsafe { self.gpus.copy_list(res.gpu, &copies, res.device_only) };
         // The descriptors are in the launch's ring (or queued) now: keep
         // their memory for this thread's next list.
         if copies.capacity() <= SPARE_MAX {
@@ -210,7 +214,10 @@ impl CudaIpcInstance {
             src_ids: src.2,
             dst_ids: dst.2,
         };
-        let event = self.gpus.copy_layouts(res.gpu, &copy, res.device_only)?;
+        // SAFETY: check_indices bounded every index, check_local placed the
+        // local extent in the live registration and View::local the remote
+        // one in the open mapping; `view` is dropped only after this call.
+        let event = unsafe { self.gpus.copy_layouts(res.gpu, &copy, res.device_only) }?;
         drop(view);
         self.copies.add(vec![InFlight {
             event,
@@ -242,7 +249,11 @@ impl CudaIpcInstance {
         if copies.is_empty() {
             return None;
         }
-        match self.gpus.copy_list(list.gpu, &copies, list.device_only) {
+        // SAFETY: each copy's local range passed check_local against its
+        // group's live registration when the lists were built, and its remote
+        // range View::local against the open mapping of `views`, held until
+        // after this call.
+        match unsafe { self.gpus.copy_list(list.gpu, &copies, list.device_only) } {
             Ok(event) => Some(InFlight {
                 event,
                 tokens,
