@@ -221,19 +221,26 @@ impl Devices {
     /// no transfer may be writing `dst` meanwhile.
     pub(crate) unsafe fn copy_memory(&self, dst: u64, src: u64, len: u64) -> Result<()> {
         for d in &self.plugins {
-            let on_device = |a: u64| {
+            // A failed query is an error, never "host": a CPU copy of
+            // device memory would crash the process.
+            let on_device = |a: u64| -> Result<bool> {
                 d.query_pointer(a)
                     .map(|(k, _, _)| matches!(k, PointerKind::Device(_)))
-                    .unwrap_or(false)
+                    .map_err(|e| {
+                        Error::new(
+                            e.code,
+                            format!("cannot tell whether {a:#x} is device memory: {e}"),
+                        )
+                    })
             };
-            if on_device(dst) || on_device(src) {
+            if on_device(dst)? || on_device(src)? {
                 let mut stream = d.stream(0)?;
                 stream.copy(dst, src, len)?;
                 return stream.sync();
             }
         }
-        // SAFETY: no loaded device plugin's query_pointer (above) called either address device
-        // memory (a failed query counts as host), so both are taken as CPU-reachable memory,
+        // SAFETY: every loaded device plugin's query_pointer (above) answered, and none called
+        // either address device memory (a failed query returned an error), so both are host memory,
         // and the `# Safety` section makes `src` readable and `dst` writable for `len` bytes
         // with no transfer writing `dst` meanwhile; u8 needs no alignment, `copy` allows overlap.
         unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
