@@ -107,9 +107,43 @@ fn first_non_loopback_ipv4() -> Option<IpAddr> {
 }
 
 impl Engine {
-    /// Loads plugins, starts every enabled transport and the control
-    /// listener: the phases below, in order.
+    /// Starts an engine in named phases: who it is and where peers reach
+    /// it, its plugins and the start-up plan, the devices, the transports,
+    /// then the shared state and the control plane that serves it.
     pub fn new(config: EngineConfig) -> Result<Engine> {
+        let front = Front::open(&config)?;
+        let host = Loaded::load(&config, &front)?;
+        // Devices first: transports may ask where a device sits.
+        let devices = start_devices(&host.plugins, &host.plan, &host.topology);
+        for g in &devices.gpus {
+            if let Some(t) = &g.topology_name {
+                host.aliases
+                    .write()
+                    .insert(g.location.to_string(), t.clone());
+            }
+        }
+        let batches = Arc::new(BatchTable::default());
+        let transports = data_path(&config, &host, &front, &batches);
+        let (listener, shared) = assemble(config, front, host, devices, transports, batches);
+        serve(listener, shared)
+    }
+}
+
+/// Who this engine is to peers and how they reach it: the bound control
+/// listener, the token, the control plane's limits and the metadata store.
+struct Front {
+    listener: std::net::TcpListener,
+    bound: SocketAddr,
+    host_name: String,
+    control_addr: String,
+    token: Option<ferry_plugins_abi::sdk::auth::Token>,
+    link: control::Link,
+    metadata: Option<Arc<ferry_metadata::EtcdStore>>,
+    name: String,
+}
+
+impl Front {
+    fn open(config: &EngineConfig) -> Result<Front> {
         let listener = ControlServer::bind(&config.listen)?;
         let bound = listener.local_addr().map_err(|e| {
             Error::new(
@@ -117,23 +151,48 @@ impl Engine {
                 format!("cannot read the control address: {e}"),
             )
         })?;
-        check_exposure(&config, bound)?;
-        let host_name = advertised_host(&config, bound);
+        check_exposure(config, bound)?;
+        let host_name = advertised_host(config, bound);
         let control_addr = format!("{host_name}:{}", bound.port());
-        let token = cluster_token(&config)?;
-        let link = control_link(&config, token.clone());
-        let metadata = connect_metadata(&config, &control_addr)?;
+        let token = cluster_token(config)?;
+        let link = control_link(config, token.clone());
+        let metadata = connect_metadata(config, &control_addr)?;
         let name = match (&metadata, &config.name) {
             (Some(_), Some(n)) => n.clone(),
             _ => control_addr.clone(),
         };
+        Ok(Front {
+            listener,
+            bound,
+            host_name,
+            control_addr,
+            token,
+            link,
+            metadata,
+            name,
+        })
+    }
+}
 
+/// The host as plugins see it (topology, settings, aliases), the loaded
+/// plugins, and the plan their probes make (host_plan.rs).
+struct Loaded {
+    topology: Arc<Topology>,
+    plugins: ferry_loader::PluginSet,
+    plan: HostPlan,
+    aliases: Arc<parking_lot::RwLock<HashMap<String, String>>>,
+    plugin_counters: Arc<crate::counters::PluginCounters>,
+    peer_controls: PeerControls,
+}
+
+impl Loaded {
+    fn load(config: &EngineConfig, front: &Front) -> Result<Loaded> {
         // The host peers reach this engine at is what a plugin listening on
         // every interface advertises (its engine's name may be an etcd name).
-        let mut settings = config.plugin_settings(Some(&host_name));
+        let mut settings = config.plugin_settings(Some(&front.host_name));
         // Plugins authenticate their own connections with the same token:
         // the configured one, or this user's.
-        match &token {
+        match &front.token {
             Some(t) => settings.insert("auth.token".into(), t.expose()),
             None => settings.remove("auth.token"),
         };
@@ -146,8 +205,8 @@ impl Engine {
         }
         let peer_controls: PeerControls = Arc::default();
         let host = CoreHost::new(settings, Some(topology.clone())).for_engine(
-            &name,
-            link.clone(),
+            &front.name,
+            front.link.clone(),
             peer_controls.clone(),
         );
         let aliases = host.aliases();
@@ -157,65 +216,97 @@ impl Engine {
             let reports: Vec<_> = plugins.plugins.iter().map(|p| &p.report).collect();
             HostPlan::new(&reports, &topology, config.gpu_direct)
         };
-
-        // Devices first: transports may ask where a device sits.
-        let devices = start_devices(&plugins, &plan, &topology);
-        for g in &devices.gpus {
-            if let Some(t) = &g.topology_name {
-                aliases.write().insert(g.location.to_string(), t.clone());
-            }
-        }
-        let batches = Arc::new(BatchTable::default());
-        let started = start_transports(&plugins, &plan, &name, &bound.ip().to_string(), &batches);
-
-        let staging = Staging::new(config.staging_chunk, config.staging_depth);
-        let gpu_direct = GpuDirect::from_plan(&plan, &devices.gpus, &topology);
-        let metrics = crate::metrics::Metrics::new(config.metrics, plugin_counters);
-        metrics.set_transport_names(started.transports.iter().map(|t| t.name.clone()).collect());
-        let metrics_listen = config.metrics_listen.clone();
-        let transports = Transports::new(started.transports, started.failures, started.endpoints)
-            .placed(&topology)
-            .measured(config.select_measured)
-            .preferring(config.prefer.as_deref());
-        log_preference(&transports, config.prefer.as_deref(), &name);
-        let shared = Arc::new(Shared {
-            config,
+        Ok(Loaded {
             topology,
             plugins,
-            node: Node {
-                identity: Identity::new(),
-                name,
-                control_addr,
-                link,
-                metadata,
-            },
-            transports,
-            devices,
-            gpu_direct,
-            notifier: Default::default(),
-            layouts: Default::default(),
-            memory: MemoryRegistry::default(),
-            allocations: Mutex::new(HashMap::new()),
-            segments: Segments::new(peer_controls),
-            staging,
-            refused: Arc::new(RefusedQueue::new(&batches)),
-            batches,
-            metrics,
-        });
-        let weak: Weak<dyn ControlHandler> = Arc::downgrade(&shared) as Weak<dyn ControlHandler>;
-        let control = ControlServer::start(listener, weak, &shared.node.link)?;
-        publish(&shared);
-        log_started(&shared);
-        let metrics_server = match &metrics_listen {
-            Some(listen) => Some(super::observe::serve_metrics(&shared, listen)?),
-            None => None,
-        };
-        Ok(Engine {
-            metrics_server,
-            control,
-            shared,
+            plan,
+            aliases,
+            plugin_counters,
+            peer_controls,
         })
     }
+}
+
+/// Starts the plan's transports and ranks them for selection.
+fn data_path(
+    config: &EngineConfig,
+    host: &Loaded,
+    front: &Front,
+    batches: &Arc<BatchTable>,
+) -> Transports<Arc<Transport>> {
+    let listen_host = front.bound.ip().to_string();
+    let started = start_transports(
+        &host.plugins,
+        &host.plan,
+        &front.name,
+        &listen_host,
+        batches,
+    );
+    let transports = Transports::new(started.transports, started.failures, started.endpoints)
+        .placed(&host.topology)
+        .measured(config.select_measured)
+        .preferring(config.prefer.as_deref());
+    log_preference(&transports, config.prefer.as_deref(), &front.name);
+    transports
+}
+
+/// The engine's shared state, from the phases' results; the control
+/// listener comes back to be served.
+fn assemble(
+    config: EngineConfig,
+    front: Front,
+    host: Loaded,
+    devices: Devices,
+    transports: Transports<Arc<Transport>>,
+    batches: Arc<BatchTable>,
+) -> (std::net::TcpListener, Arc<Shared>) {
+    let staging = Staging::new(config.staging_chunk, config.staging_depth);
+    let gpu_direct = GpuDirect::from_plan(&host.plan, &devices.gpus, &host.topology);
+    let metrics = crate::metrics::Metrics::new(config.metrics, host.plugin_counters);
+    metrics.set_transport_names(transports.iter().map(|t| t.name.clone()).collect());
+    let shared = Arc::new(Shared {
+        config,
+        topology: host.topology,
+        plugins: host.plugins,
+        node: Node {
+            identity: Identity::new(),
+            name: front.name,
+            control_addr: front.control_addr,
+            link: front.link,
+            metadata: front.metadata,
+        },
+        transports,
+        devices,
+        gpu_direct,
+        notifier: Default::default(),
+        layouts: Default::default(),
+        memory: MemoryRegistry::default(),
+        allocations: Mutex::new(HashMap::new()),
+        segments: Segments::new(host.peer_controls),
+        staging,
+        refused: Arc::new(RefusedQueue::new(&batches)),
+        batches,
+        metrics,
+    });
+    (front.listener, shared)
+}
+
+/// Starts the control plane on the listener, publishes the segment and
+/// serves metrics where asked.
+fn serve(listener: std::net::TcpListener, shared: Arc<Shared>) -> Result<Engine> {
+    let weak: Weak<dyn ControlHandler> = Arc::downgrade(&shared) as Weak<dyn ControlHandler>;
+    let control = ControlServer::start(listener, weak, &shared.node.link)?;
+    publish(&shared);
+    log_started(&shared);
+    let metrics_server = match shared.config.metrics_listen.clone() {
+        Some(listen) => Some(super::observe::serve_metrics(&shared, &listen)?),
+        None => None,
+    };
+    Ok(Engine {
+        metrics_server,
+        control,
+        shared,
+    })
 }
 
 /// Refuses a listener other hosts can reach without a token, unless auth
