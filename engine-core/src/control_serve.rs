@@ -76,7 +76,9 @@ struct Replies {
     loop_gone: bool,
 }
 
-struct Shared {
+/// What the control plane's I/O loop and its workers share (not the
+/// engine's `Shared`: this one only moves control messages).
+struct ServeState {
     poller: Poller,
     stop: AtomicBool,
     incoming: Mutex<Vec<Admitted>>,
@@ -90,7 +92,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-impl Shared {
+impl ServeState {
     fn push_job(&self, job: Job) {
         lock(&self.jobs).queue.push_back(job);
         self.job_ready.notify_one();
@@ -106,7 +108,7 @@ impl Shared {
 /// The running I/O thread and workers; dropping it stops them and closes
 /// every connection (it waits for the I/O thread only).
 pub(crate) struct Serve {
-    shared: Arc<Shared>,
+    shared: Arc<ServeState>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -116,7 +118,7 @@ impl Serve {
         config: ServeConfig,
         refuse: Refuse,
     ) -> io::Result<Serve> {
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(ServeState {
             poller: Poller::new()?,
             stop: AtomicBool::new(false),
             incoming: Mutex::default(),
@@ -187,7 +189,7 @@ impl Drop for Serve {
 
 /// A worker: answers requests, one at a time, until told to stop and no
 /// job is left.
-fn work(shared: &Shared) {
+fn work(shared: &ServeState) {
     loop {
         let job = {
             let mut jobs = lock(&shared.jobs);
@@ -329,7 +331,7 @@ struct Slot {
 }
 
 struct Loop<'a> {
-    shared: &'a Shared,
+    shared: &'a ServeState,
     config: ServeConfig,
     refuse: Refuse,
     budget: BodyBudget,
