@@ -26,8 +26,10 @@
  * their own context (both counted as context violations), pinned
  * allocations and registrations must be PORTABLE, DMA-BUF ranges must be
  * page-aligned. Copies happen when queued; events report done
- * FERRY_CUDA_EMU_COPY_DELAY_US after they are recorded (default 0), so
- * completion polling is exercised.
+ * FERRY_CUDA_EMU_COPY_DELAY_US after they are recorded (default 0), and
+ * a stream with work queued reads as busy to cuStreamQuery (and
+ * cuStreamSynchronize waits) for FERRY_CUDA_EMU_STREAM_DELAY_US (default
+ * 0), so completion polling is exercised.
  *
  * Settings, read from the environment when used; a build fixes one with
  * -D<name>=<value> (then the environment is not asked for it), and
@@ -55,7 +57,7 @@
  *                                    CUDA_ERROR_INVALID_CONTEXT without a
  *                                    current context, as some drivers do
  *   FERRY_CUDA_EMU_VMM_CHUNK, FERRY_CUDA_EMU_NO_POSIX_FD,
- *   FERRY_CUDA_EMU_COPY_DELAY_US     above
+ *   FERRY_CUDA_EMU_COPY_DELAY_US, FERRY_CUDA_EMU_STREAM_DELAY_US  above
  *
  * Build options (-D only: they decide what the library exports):
  *   FERRY_CUDA_EMU_MINIMAL       export cuInit only
@@ -84,7 +86,8 @@
  *   ferry_cuda_emu_calls(kind)           copy calls so far: 0 cuMemcpyAsync,
  *                                        1 kernel launches, 2
  *                                        cuMemcpyBatchAsync, 3 launches of
- *                                        ferry_copy_layouts
+ *                                        ferry_copy_layouts; 4 counts
+ *                                        cuStreamQuery's "not ready" answers
  *   ferry_cuda_emu_live_retains()        primary context retains not yet
  *                                        released, all devices
  *   ferry_cuda_emu_live_allocations()    allocations, registrations,
