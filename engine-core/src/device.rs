@@ -39,7 +39,7 @@ pub struct Device {
 
 // SAFETY: the instance pointer is only handed back to the plugin, which must
 // accept calls from any thread (plugin.h, "Threads"); the table is
-// immutable static data of `library`, kept loaded by this struct.
+// `library`'s immutable copy, held by this struct.
 unsafe impl Send for Device {}
 // SAFETY: shared access only reads the immutable table and hands the
 // instance pointer to the plugin, which must accept concurrent calls
@@ -156,7 +156,9 @@ impl Device {
     }
 
     fn table(&self) -> &sys::ferry_device_plugin_v1_t {
-        // SAFETY: static data of `library`, which self keeps loaded.
+        // SAFETY: `library`'s own boxed, immutable copy of the table (the
+        // loader's copy_table): its address is stable, and self holds
+        // `library`.
         unsafe { &*self.table }
     }
 

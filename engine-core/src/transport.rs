@@ -287,7 +287,9 @@ impl Transport {
     }
 
     fn table(&self) -> &sys::ferry_transport_plugin_v1_t {
-        // SAFETY: the table is static data of `library`, which self keeps loaded.
+        // SAFETY: `library`'s own boxed, immutable copy of the table (the
+        // loader's copy_table): its address is stable, and self holds
+        // `library`.
         unsafe { &*self.table }
     }
 

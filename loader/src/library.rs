@@ -23,11 +23,57 @@ impl PluginKind {
     }
 }
 
-/// A plugin's table, by kind.
-#[derive(Clone, Copy)]
+/// A plugin's table, by kind: this process's copy of it (`copy_table`).
 enum Table {
-    Transport(*const sys::ferry_transport_plugin_v1_t),
-    Device(*const sys::ferry_device_plugin_v1_t),
+    Transport(Box<sys::ferry_transport_plugin_v1_t>),
+    Device(Box<sys::ferry_device_plugin_v1_t>),
+}
+
+/// A plugin table type: `repr(C)`, starting with its ferry_abi_header_t,
+/// and valid all-zero (its fields are raw pointers, optional functions
+/// and integers).
+///
+/// # Safety
+/// Implemented only for types that are all three.
+unsafe trait PluginTable: Sized {}
+// SAFETY: repr(C), `hdr` first; raw pointers, Option<fn> and integers only.
+unsafe impl PluginTable for sys::ferry_transport_plugin_v1_t {}
+// SAFETY: repr(C), `hdr` first; raw pointers, Option<fn> and integers only.
+unsafe impl PluginTable for sys::ferry_device_plugin_v1_t {}
+
+/// This process's copy of a plugin's table, as long as this Ferry's struct:
+/// the bytes the plugin's `struct_size` covers, zero beyond (absent fields
+/// read as NULL, None, 0). A plugin built for an older minor version has a
+/// shorter table, so a reference to its own table would reach past its
+/// end; the copy's header keeps the plugin's `struct_size`, so `has_field!`
+/// still says what the plugin has.
+///
+/// # Safety
+/// `t` is null or points to a table whose header is readable and which is
+/// readable for its header's `struct_size` bytes (plugin.h's rule for
+/// every versioned struct), for the duration of the call.
+unsafe fn copy_table<T: PluginTable>(t: *const T) -> Result<Box<T>, String> {
+    if t.is_null() {
+        return Err("its entry function returned no table".into());
+    }
+    // SAFETY: non-null, and plugin.h makes a table's header readable (it
+    // is the table's first field: PluginTable).
+    let hdr = unsafe { t.cast::<sys::ferry_abi_header_t>().read_unaligned() };
+    let len = (hdr.struct_size as usize).min(std::mem::size_of::<T>());
+    // SAFETY: PluginTable: every field of T is valid all-zero.
+    let mut copy: Box<T> = Box::new(unsafe { std::mem::zeroed() });
+    // SAFETY: the plugin's table is readable for struct_size >= len bytes
+    // (this fn's contract); the copy is a distinct allocation of
+    // size_of::<T>() >= len bytes; bytes of pointers, Option<fn> and
+    // integers are valid as any of them (PluginTable).
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            t.cast::<u8>(),
+            std::ptr::from_mut::<T>(&mut copy).cast::<u8>(),
+            len,
+        )
+    };
+    Ok(copy)
 }
 
 /// A loaded plugin library with its validated table and its services table.
@@ -40,29 +86,29 @@ pub struct LoadedLibrary {
     _library: libloading::Library,
 }
 
-// SAFETY: the table is immutable static data inside the library, which stays
-// loaded as long as this struct lives; the ABI requires plugins to accept
-// calls from any thread (plugin.h, "Threads").
+// SAFETY: the table is this struct's own immutable copy, whose pointers
+// lead into the library, which stays loaded as long as this struct lives;
+// the ABI requires plugins to accept calls from any thread (plugin.h,
+// "Threads").
 unsafe impl Send for LoadedLibrary {}
-// SAFETY: shared access only reads the immutable table, and the ABI requires
-// plugins to accept concurrent calls from any thread (plugin.h, "Threads").
+// SAFETY: shared access only reads the immutable table copy, and the ABI
+// requires plugins to accept concurrent calls from any thread (plugin.h,
+// "Threads").
 unsafe impl Sync for LoadedLibrary {}
 
 impl LoadedLibrary {
     /// The transport table, validated to be ABI v1 and at least v1.0's size.
     pub fn transport_table(&self) -> Option<&sys::ferry_transport_plugin_v1_t> {
-        match self.table {
-            // SAFETY: validated non-null when loaded and kept alive by _library.
-            Table::Transport(t) => Some(unsafe { &*t }),
+        match &self.table {
+            Table::Transport(t) => Some(t),
             Table::Device(_) => None,
         }
     }
 
     /// The device table, validated to be ABI v1 and at least v1.0's size.
     pub fn device_table(&self) -> Option<&sys::ferry_device_plugin_v1_t> {
-        match self.table {
-            // SAFETY: validated non-null when loaded and kept alive by _library.
-            Table::Device(t) => Some(unsafe { &*t }),
+        match &self.table {
+            Table::Device(t) => Some(t),
             Table::Transport(_) => None,
         }
     }
@@ -206,18 +252,19 @@ pub(crate) fn open(
                 unsafe { std::mem::transmute(entry_addr) };
             // SAFETY: calling the plugin's side-effect-free entry function.
             let t = unsafe { entry() };
-            // SAFETY: a non-null table pointer stays valid while loaded.
-            let t_ref = unsafe { t.as_ref() }.ok_or("its entry function returned no table")?;
+            // SAFETY: plugin.h makes the table null or readable for its
+            // struct_size, in the library, loaded for this whole function.
+            let t_ref = unsafe { copy_table(t) }?;
             check_header(&t_ref.hdr, cand.kind)?;
-            if !has_field!(t_ref, sys::ferry_transport_plugin_v1_t, probe) {
+            if !has_field!(&*t_ref, sys::ferry_transport_plugin_v1_t, probe) {
                 return Err(format!(
                     "its table is {} bytes, too small for plugin ABI 1.0",
                     t_ref.hdr.struct_size
                 ));
             }
             check_strings(t_ref.name, t_ref.version, t_ref.probe.is_some(), cand)?;
-            check_complete(&missing_transport_functions(t_ref), cand.kind)?;
-            Table::Transport(t)
+            check_complete(&missing_transport_functions(&t_ref), cand.kind)?;
+            Table::Transport(t_ref)
         }
         PluginKind::Device => {
             // SAFETY: as for transports.
@@ -225,18 +272,18 @@ pub(crate) fn open(
                 unsafe { std::mem::transmute(entry_addr) };
             // SAFETY: calling the plugin's side-effect-free entry function.
             let t = unsafe { entry() };
-            // SAFETY: a non-null table pointer stays valid while loaded.
-            let t_ref = unsafe { t.as_ref() }.ok_or("its entry function returned no table")?;
+            // SAFETY: as for transports: null or readable for struct_size.
+            let t_ref = unsafe { copy_table(t) }?;
             check_header(&t_ref.hdr, cand.kind)?;
-            if !has_field!(t_ref, sys::ferry_device_plugin_v1_t, probe) {
+            if !has_field!(&*t_ref, sys::ferry_device_plugin_v1_t, probe) {
                 return Err(format!(
                     "its table is {} bytes, too small for plugin ABI 1.0",
                     t_ref.hdr.struct_size
                 ));
             }
             check_strings(t_ref.name, t_ref.version, t_ref.probe.is_some(), cand)?;
-            check_complete(&missing_device_functions(t_ref), cand.kind)?;
-            Table::Device(t)
+            check_complete(&missing_device_functions(&t_ref), cand.kind)?;
+            Table::Device(t_ref)
         }
     };
     Ok(Arc::new(LoadedLibrary {
