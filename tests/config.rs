@@ -83,7 +83,7 @@ fn samples(dir: &Path) -> Vec<(&'static str, String)> {
         ("idle_timeout_s", "30".into()),
         ("spin_us", "0".into()),
         ("gpu_direct", "off".into()),
-        ("staging_chunk", "8M".into()),
+        ("staging_chunk", "16M".into()),
         ("staging_depth", "8".into()),
         ("plugin_path", p("plugins")),
         ("transports", "^rdma".into()),
@@ -176,7 +176,7 @@ fn every_key_reads_the_same_from_the_environment_c_and_ferry_info() {
 
     assert_eq!(by_env.len(), KEYS.len());
     assert_eq!(by_env, by_set, "environment and ferry_config_set disagree");
-    assert_eq!(by_env["staging_chunk"], "8388608");
+    assert_eq!(by_env["staging_chunk"], "16777216");
     assert_eq!(by_env["gpu_direct"], "off");
     assert_eq!(by_env["auth_token"], "(set)", "a secret is never echoed");
 

@@ -32,8 +32,8 @@ fn samples(token_file: &str) -> Vec<(&'static str, String, String, Vec<&'static 
         ),
         (
             "staging_chunk",
-            s("8M"),
-            s("8388608"),
+            s("16M"),
+            s("16777216"),
             vec!["1K", "128M", "4X", "", "lots"],
         ),
         ("staging_depth", s("8"), s("8"), vec!["0", "17", "four"]),

@@ -28,7 +28,7 @@ def run_py(code, **env):
 def test_settings_and_variables_reach_the_same_keys(tmp_path):
     given = {
         "gpu_direct": "off",
-        "staging_chunk": "8M",
+        "staging_chunk": "16M",
         "staging_depth": "8",
         "timeout_ms": "250",
         "transports": "^rdma",
@@ -44,7 +44,7 @@ def test_settings_and_variables_reach_the_same_keys(tmp_path):
     assert by_env.returncode == 0, by_env.stderr
     a, b = json.loads(by_settings.stdout), json.loads(by_env.stdout)
     assert a == b
-    assert a["staging_chunk"] == str(8 << 20)
+    assert a["staging_chunk"] == str(16 << 20)
     assert a["gpu_direct"] == "off"
     assert a["auth_token"] == "(set)"  # never the secret
 

@@ -7,12 +7,15 @@
 
 use super::dispatch::{BlockGroup, Flows};
 use super::layouts::{
-    check_transfer, checked_block_list, layout_list, unknown, BlockLayout, LayoutId,
+    check_transfer, checked_block_list, layout_list, recycle_blocks, unknown, BlockLayout, LayoutId,
 };
+use super::plan::StagedItem;
 use super::request::{Op, Request, SegmentId};
+use super::request_run::staged_bounds;
 use super::segments::RemoteSegment;
 use super::shared::Shared;
-use crate::batch::BatchId;
+use super::staged_run::{Completion, StagedRun};
+use crate::batch::{Batch, BatchId};
 use crate::error::{Error, ErrorCode, Result};
 use crate::memory::Visibility;
 use std::sync::Arc;
@@ -138,8 +141,15 @@ impl Shared {
             remote_ok && local_ok
         });
         let Some(p) = whole else {
-            // Staged (or layouts across several buffers): one request per
-            // (coalesced) block, each planned.
+            if let [(_, first)] = plan.staged.as_slice() {
+                // Staged, both layouts inside the buffers of the first
+                // block: every block is staged as it is (staged_run.rs).
+                if let Some(done) = self.submit_staged_layouts(&batch, first, t, &local, &remote) {
+                    return done;
+                }
+            }
+            // Layouts across several buffers: one request per (coalesced)
+            // block, each planned.
             let blocks = checked_block_list(&local, t.local_ids, &remote, t.remote_ids);
             let requests: Vec<Request> = blocks
                 .iter()
@@ -196,5 +206,46 @@ impl Shared {
                  submitted"
             )
         })
+    }
+
+    /// A transfer by layouts whose first block is staged, as one staged
+    /// run completing once; None when a layout reaches past the buffers of
+    /// the first block (each block is then planned alone).
+    fn submit_staged_layouts(
+        self: &Arc<Self>,
+        batch: &Arc<Batch>,
+        first: &StagedItem,
+        t: &BlockTransfer<'_>,
+        local: &BlockLayout,
+        remote: &BlockLayout,
+    ) -> Option<Result<()>> {
+        let bounds = staged_bounds(first)?;
+        let inside = |l: &BlockLayout, start: u64, end: u64| {
+            l.extent()
+                .ok()
+                .and_then(|e| l.base.checked_add(e))
+                .is_some_and(|e| l.base >= start && e <= end)
+        };
+        if !inside(local, bounds.local, bounds.local_end)
+            || !inside(remote, bounds.remote, bounds.remote_end)
+        {
+            return None;
+        }
+        let blocks = checked_block_list(local, t.local_ids, remote, t.remote_ids);
+        let counts: Vec<usize> = blocks
+            .iter()
+            .map(|b| (b.length / local.block_size.max(1)) as usize)
+            .collect();
+        let run = StagedRun {
+            first,
+            local_base: local.base,
+            remote_base: remote.base,
+            blocks: &blocks,
+            requests: &counts,
+            completion: Completion::Once,
+        };
+        let done = self.submit_staged_run(batch, &run);
+        recycle_blocks(blocks);
+        Some(done)
     }
 }

@@ -296,7 +296,7 @@ impl Shared {
     /// Where a submission of `bytes` counts: its flow (transport, or
     /// staging when `None`; local device; peer; op; memory kind).
     #[allow(clippy::too_many_arguments)]
-    fn tally<'c>(
+    pub(crate) fn tally<'c>(
         &self,
         flows: &'c mut Flows,
         transport: Option<usize>,

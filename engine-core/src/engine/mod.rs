@@ -23,8 +23,8 @@
 //!   is, the GPU-direct ladder, memory the engine allocates;
 //! - `staging/{protocol,slots,state}`: staging's messages, slots and state;
 //! - `shared`: the state all of the above make up, behind one `Arc`;
-//! - `registration`, `publish`, `peers`, `retry`, `dispatch`, `submit`, `blocks`,
-//!   `notify`,
+//! - `registration`, `publish`, `peers`, `retry`, `dispatch`, `staged_run`,
+//!   `request_run`, `submit`, `blocks`, `notify`,
 //!   `route`, `staging/{target,initiator,job}`: what the engine does with it;
 //! - `observe`: the metrics as the engine reads them out, and its endpoint;
 //! - `startup` and `api`: `Engine::new` and the rest of the public API.
@@ -54,6 +54,7 @@ mod route_memo;
 mod segments;
 mod select;
 mod shared;
+mod staged_run;
 mod staging;
 mod startup;
 mod submit;

@@ -70,6 +70,76 @@ pub(crate) struct StagedItem {
     pub(crate) transport: Option<Arc<str>>,
 }
 
+/// What the blocks of one staged request, or of a staged run, share.
+pub(crate) struct StagedEnds {
+    pub(crate) op: Op,
+    pub(crate) local: Arc<LocalBuffer>,
+    pub(crate) segment: Arc<RemoteSegment>,
+    pub(crate) remote_on_device: bool,
+    /// The transport the caller asked for: it carries the host legs.
+    pub(crate) transport: Option<Arc<str>>,
+}
+
+/// One staged request (or coalesced block) as a staging job moves it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StagedBlock {
+    /// Its completion group in the batch.
+    pub(crate) group: usize,
+    /// What it shares with other blocks: an index into the work's `ends`.
+    pub(crate) ends: usize,
+    pub(crate) local_addr: u64,
+    pub(crate) remote_addr: u64,
+    pub(crate) length: u64,
+}
+
+/// A staging job's work: its blocks, and the buffers, peer, direction and
+/// transport they share. A staged run's 16,384 blocks share one `ends`,
+/// so that no block holds references of its own (counting them up and
+/// down cost a millisecond a batch).
+#[derive(Default)]
+pub(crate) struct StagedWork {
+    pub(crate) ends: Vec<StagedEnds>,
+    pub(crate) blocks: Vec<StagedBlock>,
+}
+
+impl StagedWork {
+    /// The planner's staged requests, each with its own ends.
+    pub(crate) fn from_items(items: Vec<StagedItem>) -> StagedWork {
+        let mut work = StagedWork {
+            ends: Vec::with_capacity(items.len()),
+            blocks: Vec::with_capacity(items.len()),
+        };
+        for it in items {
+            work.blocks.push(StagedBlock {
+                group: it.group,
+                ends: work.ends.len(),
+                local_addr: it.local_addr,
+                remote_addr: it.remote_addr,
+                length: it.length,
+            });
+            work.ends.push(StagedEnds {
+                op: it.op,
+                local: it.local,
+                segment: it.segment,
+                remote_on_device: it.remote_on_device,
+                transport: it.transport,
+            });
+        }
+        work
+    }
+
+    /// Block `i` and what it shares.
+    pub(crate) fn get(&self, i: usize) -> (&StagedBlock, &StagedEnds) {
+        let b = &self.blocks[i];
+        (b, &self.ends[b.ends])
+    }
+
+    /// What block `i` shares.
+    pub(crate) fn ends_of(&self, i: usize) -> &StagedEnds {
+        &self.ends[self.blocks[i].ends]
+    }
+}
+
 /// Every request of a submission, routed.
 pub(crate) struct Plan {
     /// How many requests were submitted.

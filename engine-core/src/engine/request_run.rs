@@ -9,9 +9,10 @@
 
 use super::dispatch::{BlockGroup, Flows};
 use super::layouts::{recycle_blocks, spare_blocks};
-use super::plan::Pending;
+use super::plan::{Pending, StagedItem};
 use super::request::Request;
 use super::shared::Shared;
+use super::staged_run::{Completion, StagedRun};
 use crate::batch::Batch;
 use crate::error::Result;
 use crate::memory::Visibility;
@@ -35,8 +36,13 @@ pub(crate) struct RunBounds {
 /// The block list for `requests` (offsets from `b.local` and `b.remote`,
 /// requests adjacent on both sides coalesced), when every one has the
 /// first's op, segment and transport hint, a length, and lies inside the
-/// bounds; `None` at the first that does not.
-pub(crate) fn run_blocks(requests: &[Request], b: RunBounds) -> Option<Vec<sys::ferry_block_t>> {
+/// bounds; `None` at the first that does not. With `counts`, how many
+/// requests each block carries, in order.
+pub(crate) fn run_blocks(
+    requests: &[Request],
+    b: RunBounds,
+    mut counts: Option<&mut Vec<usize>>,
+) -> Option<Vec<sys::ferry_block_t>> {
     let first = requests.first()?;
     let mut blocks = spare_blocks(requests.len());
     for r in requests {
@@ -60,6 +66,9 @@ pub(crate) fn run_blocks(requests: &[Request], b: RunBounds) -> Option<Vec<sys::
         if let Some(prev) = blocks.last_mut() {
             if prev.local_offset + prev.length == lo && prev.remote_offset + prev.length == ro {
                 prev.length += r.length;
+                if let Some(n) = counts.as_deref_mut().and_then(|c| c.last_mut()) {
+                    *n += 1;
+                }
                 continue;
             }
         }
@@ -68,6 +77,9 @@ pub(crate) fn run_blocks(requests: &[Request], b: RunBounds) -> Option<Vec<sys::
             remote_offset: ro,
             length: r.length,
         });
+        if let Some(c) = counts.as_deref_mut() {
+            c.push(1);
+        }
     }
     Some(blocks)
 }
@@ -78,7 +90,7 @@ impl Shared {
     /// reserved or handed over.
     pub(crate) fn submit_run(
         self: &Arc<Self>,
-        batch: &Batch,
+        batch: &Arc<Batch>,
         requests: &[Request],
     ) -> Option<Result<()>> {
         if requests.len() < RUN_MIN || requests[0].length == 0 {
@@ -90,9 +102,12 @@ impl Shared {
             .planner()
             .plan(std::slice::from_ref(&requests[0]), None)
             .ok()?;
+        if let [(_, first)] = plan.staged.as_slice() {
+            return self.submit_staged_requests(batch, first, requests);
+        }
         let p = plan.routed.first()?;
         let bounds = self.run_bounds(p)?;
-        let blocks = run_blocks(requests, bounds)?;
+        let blocks = run_blocks(requests, bounds, None)?;
         let start = match batch.reserve(requests.len()) {
             Ok(s) => s,
             Err(e) => {
@@ -126,6 +141,31 @@ impl Shared {
         Some(handed)
     }
 
+    /// A run whose first request the planner staged: every request
+    /// between the same two buffers is staged as it is (staged_run.rs),
+    /// each block completing its own requests.
+    fn submit_staged_requests(
+        self: &Arc<Self>,
+        batch: &Arc<Batch>,
+        first: &StagedItem,
+        requests: &[Request],
+    ) -> Option<Result<()>> {
+        let bounds = staged_bounds(first)?;
+        let mut counts = Vec::with_capacity(requests.len());
+        let blocks = run_blocks(requests, bounds, Some(&mut counts))?;
+        let run = StagedRun {
+            first,
+            local_base: bounds.local,
+            remote_base: bounds.remote,
+            blocks: &blocks,
+            requests: &counts,
+            completion: Completion::PerBlock,
+        };
+        let done = self.submit_staged_run(batch, &run);
+        recycle_blocks(blocks);
+        Some(done)
+    }
+
     /// The buffers the first request of a run was routed between, when a
     /// run between them may go as one block list: its transport takes
     /// lists, the local buffer is registered device memory (host memory's
@@ -155,6 +195,19 @@ impl Shared {
     }
 }
 
+/// The buffers a staged item lies between: its local buffer, and the
+/// peer's published buffer holding its remote range.
+pub(crate) fn staged_bounds(it: &StagedItem) -> Option<RunBounds> {
+    let view = it.segment.view.read().clone();
+    let buffer = &view.buffers[view.find(it.remote_addr, it.length)?];
+    Some(RunBounds {
+        local: it.local.addr,
+        local_end: it.local.end(),
+        remote: buffer.addr,
+        remote_end: buffer.addr.checked_add(buffer.len)?,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,7 +232,7 @@ mod tests {
             req(0x0, 0x8000, 0x1000),
             req(0x2000, 0x9000, 0x800), // continues the remote side only
         ];
-        let blocks = run_blocks(&reqs, B).unwrap();
+        let blocks = run_blocks(&reqs, B, None).unwrap();
         let got: Vec<_> = blocks
             .iter()
             .map(|b| (b.local_offset, b.remote_offset, b.length))
@@ -215,10 +268,10 @@ mod tests {
             hinted,
         ] {
             assert!(
-                run_blocks(&[good.clone(), bad.clone()], B).is_none(),
+                run_blocks(&[good.clone(), bad.clone()], B, None).is_none(),
                 "{bad:?}"
             );
         }
-        assert!(run_blocks(&[good.clone(), good], B).is_some());
+        assert!(run_blocks(&[good.clone(), good], B, None).is_some());
     }
 }

@@ -1,11 +1,13 @@
 //! Submitting a batch: requests between one pair of buffers as one block
-//! list (request_run.rs); else plan every request, dispatch the plan to the
-//! transports, and start a staging job for what must be staged.
+//! list (request_run.rs), or staged from their offsets (staged_run.rs);
+//! else plan every request, dispatch the plan to the transports, and start
+//! a staging job for what must be staged.
 
+use super::plan::StagedWork;
 use super::request::Request;
 use super::shared::Shared;
 use crate::batch::BatchId;
-use crate::error::{Error, ErrorCode, Result};
+use crate::error::Result;
 use std::sync::Arc;
 
 impl Shared {
@@ -23,23 +25,7 @@ impl Shared {
             .plan(requests, None)
             .inspect_err(|e| self.metrics.refused(e.code, requests.len()))?;
         let staged = self.dispatch(&batch, plan)?;
-        if staged.is_empty() {
-            return Ok(());
-        }
-        let (me, b) = (self.clone(), batch.clone());
-        let groups: Vec<usize> = staged.iter().map(|it| it.group).collect();
-        let spawned = std::thread::Builder::new()
-            .name("ferry-staging".into())
-            .spawn(move || me.run_staged(b, staged));
-        if let Err(e) = spawned {
-            let e = Error::new(
-                ErrorCode::NoMemory,
-                format!("cannot start a staging thread: {e}"),
-            );
-            for g in groups {
-                batch.complete_group(g, Err(e.clone()));
-            }
-        }
+        self.start_staging(&batch, StagedWork::from_items(staged));
         Ok(())
     }
 }

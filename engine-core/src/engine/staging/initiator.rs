@@ -2,7 +2,7 @@
 //! sessions peers lend it (leased one job at a time), and copy streams.
 
 use super::protocol::{
-    decode_open_reply, CopyListRequest, CopyRequest, OpenRequest, COPY_LIST_VERSION,
+    decode_open_reply, CopyDone, CopyListRequest, CopyRequest, OpenRequest, COPY_LIST_VERSION,
 };
 use super::slots::{slot_geometry, Piece, SlotPool, Space};
 use crate::control::{ControlClient, MsgType};
@@ -75,10 +75,11 @@ impl StagingLease {
         self.session().client.lock().reply_ready()
     }
 
-    pub(crate) fn recv_copy(&mut self) -> Result<()> {
+    /// The peer's answer to the oldest copy request: what its copy took.
+    pub(crate) fn recv_copy(&mut self) -> Result<CopyDone> {
         let reply = self.session().client.lock().recv_reply();
         match reply {
-            Ok(Ok((MsgType::StageDone, _))) => Ok(()),
+            Ok(Ok((MsgType::StageDone, body))) => Ok(CopyDone::decode(&body)),
             Ok(Ok(_)) => {
                 self.broken = true;
                 Err(Error::new(

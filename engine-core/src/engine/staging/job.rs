@@ -10,10 +10,10 @@
 use super::initiator::StagingLease;
 use super::protocol::{CopyListRequest, ListPiece, MAX_LIST_PIECES};
 use super::slots::{slot_geometry, LocalSlot, Piece, SlotPool, Space};
-use super::steps::{self, Leg, Legs, Part, Replies, Spent, Tally};
+use super::steps::{self, Groups, Leg, Legs, Part, Replies, Spent, Tally};
 use crate::batch::{Batch, BatchId};
 use crate::device::Stream;
-use crate::engine::plan::StagedItem;
+use crate::engine::plan::StagedWork;
 use crate::engine::request::{Op, Request, SegmentId};
 use crate::engine::segments::RemoteSegment;
 use crate::engine::shared::Shared;
@@ -66,11 +66,12 @@ impl Shared {
     /// oldest chunk's host transfer runs, the next chunks' device copies
     /// run on their own streams and the peer copies the previous chunks
     /// into device memory. The thread blocks only when no chunk can move.
-    pub(crate) fn run_staged(self: Arc<Self>, batch: Arc<Batch>, items: Vec<StagedItem>) {
+    pub(crate) fn run_staged(self: Arc<Self>, batch: Arc<Batch>, items: StagedWork) {
         let chunk = self.staging.chunk;
         let mut job = Job {
             items: &items,
-            tally: Tally::new(items.iter().map(|i| i.length.div_ceil(chunk))),
+            tally: Tally::new(items.blocks.iter().map(|b| b.length.div_ceil(chunk))),
+            groups: Groups::new(items.blocks.iter().map(|b| b.group)),
             said_alone: false,
             batch: &batch,
             leases: HashMap::new(),
@@ -83,6 +84,7 @@ impl Shared {
         };
         let began = Instant::now();
         let mut pending = items
+            .blocks
             .iter()
             .enumerate()
             .flat_map(|(i, it)| steps::chunk_offsets(it.length, chunk).map(move |off| (i, off)))
@@ -93,11 +95,11 @@ impl Shared {
         // kept while the loop only spins, so 256 blocks are not packed
         // again on every turn of it.
         let mut packed: Option<Vec<Part>> = None;
-        let pool = if items.iter().any(|it| it.local.device.is_some()) {
+        let pool = if items.ends.iter().any(|e| e.local.device.is_some()) {
             match self.local_slots() {
                 Ok(p) => Some(p),
                 Err(e) => {
-                    for i in 0..items.len() {
+                    for i in 0..items.blocks.len() {
                         for _ in 0..job.tally.remaining(i) {
                             job.finish(i, Err(e.clone()));
                         }
@@ -123,14 +125,19 @@ impl Shared {
                 }
                 let mut parts = match packed.take() {
                     Some(parts) => parts,
-                    None => match self.pack(&mut job, &pending) {
-                        Ok(parts) => parts,
-                        Err(e) => {
-                            pending.pop_front();
-                            job.finish(i, Err(e));
-                            continue;
+                    None => {
+                        let packing = Instant::now();
+                        let parts = self.pack(&mut job, &pending);
+                        job.spent.pack += packing.elapsed();
+                        match parts {
+                            Ok(parts) => parts,
+                            Err(e) => {
+                                pending.pop_front();
+                                job.finish(i, Err(e));
+                                continue;
+                            }
                         }
-                    },
+                    }
                 };
                 let taken = parts.len().max(1);
                 match self.admit(
@@ -194,10 +201,11 @@ impl Shared {
             }
         }
         if log::log_enabled!(log::Level::Debug) {
-            let bytes = items.iter().map(|it| it.length).sum();
+            let bytes = items.blocks.iter().map(|b| b.length).sum();
             log::debug!(
                 "{}",
-                job.spent.describe(items.len(), bytes, began.elapsed())
+                job.spent
+                    .describe(items.blocks.len(), bytes, began.elapsed())
             );
         }
     }
@@ -211,18 +219,20 @@ impl Shared {
         let chunk = self.staging.chunk;
         let items = job.items;
         let packable = |job: &Job<'_>, i: usize, off: u64| {
-            let it = &items[i];
+            let (b, e) = items.get(i);
             off == 0
-                && it.length < chunk
-                && it.local.device.is_some()
-                && it.remote_on_device
+                && b.length < chunk
+                && e.local.device.is_some()
+                && e.remote_on_device
                 && !job.tally.failed(i)
-                && !job.alone.contains(&i)
+                && (job.alone.is_empty() || !job.alone.contains(&i))
         };
         let Some(&(first, off)) = pending.front() else {
             return Ok(Vec::new());
         };
-        if !packable(job, first, off) || !job.lease(self, &items[first].segment)?.copy_list() {
+        if !packable(job, first, off)
+            || !job.lease(self, &items.ends_of(first).segment)?.copy_list()
+        {
             return Ok(Vec::new());
         }
         Ok(steps::pack(
@@ -230,16 +240,16 @@ impl Shared {
             chunk,
             MAX_LIST_PIECES,
             |i, off| {
-                let it = &items[i];
+                let (b, e) = items.get(i);
                 packable(job, i, off).then(|| {
                     let key = (
-                        it.segment.id,
-                        it.op,
-                        it.local.device,
-                        it.local.location,
-                        it.transport.as_deref(),
+                        e.segment.id,
+                        e.op,
+                        e.local.device,
+                        e.local.location,
+                        e.transport.as_deref(),
                     );
-                    (key, it.length)
+                    (key, b.length)
                 })
             },
         ))
@@ -256,10 +266,11 @@ impl Shared {
         parts: &mut Vec<Part>,
         may_wait: bool,
     ) -> Result<Option<Chunk>> {
-        let it = &job.items[i];
+        let items = job.items;
+        let (b, it) = items.get(i);
         let len = match parts.last() {
             Some(p) => p.at + p.len,
-            None => self.staging.chunk.min(it.length - off),
+            None => self.staging.chunk.min(b.length - off),
         };
         let local_slot = match (it.local.device, pool) {
             (Some(_), Some(p)) => match p.take(len, may_wait) {
@@ -307,7 +318,8 @@ impl Shared {
             return Ok(());
         };
         c.started += 1;
-        let it = &job.items[c.item];
+        let items = job.items;
+        let (b, it) = items.get(c.item);
         let outward = it.op == Op::Write;
         c.phase = match leg {
             Leg::LocalCopy => {
@@ -316,7 +328,7 @@ impl Shared {
                 })?;
                 let mut stream = self.stream_for(&it.local)?;
                 let queued = if c.parts.is_empty() {
-                    let device = it.local_addr + c.off;
+                    let device = b.local_addr + c.off;
                     let (dst, src) = if outward {
                         (slot, device)
                     } else {
@@ -353,11 +365,11 @@ impl Shared {
     /// Submits the host leg of a chunk: between the local slot (or the
     /// local host buffer) and the peer's slot (or its host buffer).
     fn start_move(self: &Arc<Self>, job: &Job<'_>, c: &Chunk) -> Result<BatchId> {
-        let it = &job.items[c.item];
+        let (b, it) = job.items.get(c.item);
         let local = c
             .local_slot
             .as_ref()
-            .map_or(it.local_addr + c.off, |s| s.addr);
+            .map_or(b.local_addr + c.off, |s| s.addr);
         let (remote, view) = match c.remote_slot {
             Some(slot) => {
                 let lease = job.leases.get(&it.segment.id).ok_or_else(|| {
@@ -366,7 +378,7 @@ impl Shared {
                 let view = lease.view().clone();
                 (view.buffers[slot.slot].addr + slot.offset, Some(view))
             }
-            None => (it.remote_addr + c.off, None),
+            None => (b.remote_addr + c.off, None),
         };
         let b = self.batches.allocate(1)?;
         let mut r = Request::new(it.op, local, it.segment.id, remote, c.len);
@@ -463,7 +475,7 @@ impl Shared {
                                 log::info!(
                                     "{}: the peer refused a packed staging run ({e}); its {} \
                                      requests are sent again one by one",
-                                    job.items[c.item].segment.name,
+                                    job.items.ends_of(c.item).segment.name,
                                     c.parts.len()
                                 );
                             }
@@ -512,7 +524,7 @@ impl Shared {
             let _ = s.2.sync();
         }
         if let Some(slot) = c.remote_slot {
-            let seg = job.items[c.item].segment.id;
+            let seg = job.items.ends_of(c.item).segment.id;
             if let Some(f) = job.free_remote.get_mut(&seg) {
                 f.give(slot);
             }
@@ -522,9 +534,11 @@ impl Shared {
 
 /// The state of one staging job (one thread).
 struct Job<'a> {
-    items: &'a [StagedItem],
+    items: &'a StagedWork,
     /// Per request, chunks left and its first error.
     tally: Tally,
+    /// The requests' completion groups (shared by a staged run's).
+    groups: Groups,
     batch: &'a Batch,
     /// The session used with each peer, for the whole job.
     leases: HashMap<SegmentId, StagingLease>,
@@ -578,7 +592,7 @@ impl Job<'_> {
         c.parts
             .iter()
             .map(|p| {
-                let device = self.items[p.item].local_addr;
+                let device = self.items.blocks[p.item].local_addr;
                 let (src, dst) = if into_slot {
                     (device, slot + p.at)
                 } else {
@@ -594,15 +608,20 @@ impl Job<'_> {
     }
 
     fn finish(&mut self, i: usize, r: Result<()>) {
-        if let Some(result) = self.tally.finish(i, r) {
-            self.batch.complete_group(self.items[i].group, result);
+        if let Some((group, result)) = self
+            .tally
+            .finish(i, r)
+            .and_then(|result| self.groups.finish(i, result))
+        {
+            self.batch.complete_group(group, result);
         }
     }
 
     /// Asks the peer to copy between its slot and its device memory for
     /// chunk `c`.
     fn send_copy(&mut self, c: &Chunk, to_device: bool) -> Result<()> {
-        let it = &self.items[c.item];
+        let items = self.items;
+        let (b, it) = items.get(c.item);
         let seg = it.segment.id;
         let slot = c
             .remote_slot
@@ -612,14 +631,14 @@ impl Job<'_> {
             .get_mut(&seg)
             .ok_or_else(|| Error::new(ErrorCode::Internal, "a staged chunk lost its session"))?;
         if c.parts.is_empty() {
-            lease.send_copy(to_device, slot, c.len, it.remote_addr + c.off)?;
+            lease.send_copy(to_device, slot, c.len, b.remote_addr + c.off)?;
         } else {
             let pieces = c
                 .parts
                 .iter()
                 .map(|p| ListPiece {
                     slot_offset: slot.offset + p.at,
-                    device_addr: self.items[p.item].remote_addr,
+                    device_addr: self.items.blocks[p.item].remote_addr,
                     len: p.len,
                 })
                 .collect();
@@ -637,7 +656,7 @@ impl Job<'_> {
     /// until it comes; None when `block` is false and none is ready.
     fn reply_for(&mut self, c: &Chunk, block: bool) -> Option<Result<()>> {
         let key = (c.item, c.off);
-        let seg = self.items[c.item].segment.id;
+        let seg = self.items.ends_of(c.item).segment.id;
         loop {
             if let Some(r) = self.replies.take(key) {
                 return Some(r);
@@ -657,7 +676,9 @@ impl Job<'_> {
             if !block && !lease.reply_ready() {
                 return None;
             }
-            let r = lease.recv_copy();
+            let r = lease
+                .recv_copy()
+                .map(|done| self.spent.peer_reported(&done));
             if let Err(e) = self.replies.read(seg, r, lease.broken) {
                 return Some(Err(e));
             }

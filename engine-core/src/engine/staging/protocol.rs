@@ -40,6 +40,38 @@ pub struct CopyRequest {
     pub device_addr: u64,
 }
 
+/// The answer to StageCopy and StageCopyList (StageDone): where the
+/// copy's time went at the peer, in microseconds, for the initiator's
+/// account of a job. Absent from an older engine (`{}`), and only ever
+/// summed into a debug line: never trusted for anything else.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+pub(crate) struct CopyDone {
+    /// Decoding the request and checking it against slots and registrations.
+    #[serde(default)]
+    pub check_us: u64,
+    /// Queuing the device copies.
+    #[serde(default)]
+    pub queue_us: u64,
+    /// Waiting for the device to finish them.
+    #[serde(default)]
+    pub wait_us: u64,
+}
+
+impl CopyDone {
+    /// A reply's body; what cannot be read counts as nothing spent.
+    pub(crate) fn decode(body: &[u8]) -> CopyDone {
+        serde_json::from_slice(body).unwrap_or_default()
+    }
+
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        format!(
+            "{{\"check_us\":{},\"queue_us\":{},\"wait_us\":{}}}",
+            self.check_us, self.queue_us, self.wait_us
+        )
+        .into_bytes()
+    }
+}
+
 /// The StageCopyList wire version this engine speaks.
 pub(crate) const COPY_LIST_VERSION: u8 = 1;
 /// Most pieces in one StageCopyList (24 bytes each on the wire).

@@ -4,6 +4,7 @@
 //! against streams, transports and the peer; the tests here check them
 //! alone.
 
+use super::protocol::CopyDone;
 use crate::engine::request::{Op, SegmentId};
 use crate::error::{Error, ErrorCode, Result};
 use smallvec::SmallVec;
@@ -105,15 +106,18 @@ pub(super) fn pack<K: PartialEq>(
 /// completes when its last chunk does, with that error if any.
 pub(super) struct Tally {
     remaining: Vec<u64>,
-    errors: Vec<Option<Error>>,
+    /// First errors by request: few, so kept apart (an error per request
+    /// of 16,384 would be half a megabyte to clear per job).
+    errors: HashMap<usize, Error>,
 }
 
 impl Tally {
     /// `chunks[i]`: how many chunks request `i` is cut into.
     pub(super) fn new(chunks: impl IntoIterator<Item = u64>) -> Tally {
-        let remaining: Vec<u64> = chunks.into_iter().collect();
-        let errors = remaining.iter().map(|_| None).collect();
-        Tally { remaining, errors }
+        Tally {
+            remaining: chunks.into_iter().collect(),
+            errors: HashMap::new(),
+        }
     }
 
     /// How many chunks request `i` has left.
@@ -124,12 +128,12 @@ impl Tally {
     /// Whether request `i` has failed already (its later chunks need not
     /// move).
     pub(super) fn failed(&self, i: usize) -> bool {
-        self.errors[i].is_some()
+        !self.errors.is_empty() && self.errors.contains_key(&i)
     }
 
     /// Records that request `i` failed, unless it had already.
     pub(super) fn fail(&mut self, i: usize, e: Error) {
-        self.errors[i].get_or_insert(e);
+        self.errors.entry(i).or_insert(e);
     }
 
     /// One chunk of request `i` ended with `r`. The request's result once
@@ -143,7 +147,50 @@ impl Tally {
             return None;
         }
         self.remaining[i] -= 1;
-        (self.remaining[i] == 0).then(|| self.errors[i].take().map_or(Ok(()), Err))
+        (self.remaining[i] == 0).then(|| self.errors.remove(&i).map_or(Ok(()), Err))
+    }
+}
+
+/// The completion groups of a job's requests: many requests may share one
+/// (a staged run by layouts completes once), which then completes once,
+/// when its last request does, failed if any failed.
+pub(super) struct Groups {
+    /// Per group: its id in the batch, requests left, first error.
+    groups: Vec<(usize, usize, Option<Error>)>,
+    /// Per request, its group's index in `groups`.
+    of: Vec<usize>,
+}
+
+impl Groups {
+    /// The groups of requests whose groups are `ids`, in order (a run's
+    /// requests are adjacent, so mostly no lookup is needed).
+    pub(super) fn new(ids: impl ExactSizeIterator<Item = usize>) -> Groups {
+        let mut groups: Vec<(usize, usize, Option<Error>)> = Vec::new();
+        let mut of = Vec::with_capacity(ids.len());
+        let mut index: HashMap<usize, usize> = HashMap::new();
+        for id in ids {
+            let k = match groups.last() {
+                Some(g) if g.0 == id => groups.len() - 1,
+                _ => *index.entry(id).or_insert_with(|| {
+                    groups.push((id, 0, None));
+                    groups.len() - 1
+                }),
+            };
+            groups[k].1 += 1;
+            of.push(k);
+        }
+        Groups { groups, of }
+    }
+
+    /// Request `i` ended with `r`: its group's id and result once that was
+    /// the group's last request.
+    pub(super) fn finish(&mut self, i: usize, r: Result<()>) -> Option<(usize, Result<()>)> {
+        let g = self.groups.get_mut(*self.of.get(i)?)?;
+        if let Err(e) = r {
+            g.2.get_or_insert(e);
+        }
+        g.1 = g.1.checked_sub(1)?;
+        (g.1 == 0).then(|| (g.0, g.2.take().map_or(Ok(()), Err)))
     }
 }
 
@@ -204,8 +251,10 @@ impl<K: std::hash::Hash + Eq + Copy> Replies<K> {
 /// operator (or a benchmark) sees which leg holds small blocks back.
 #[derive(Debug, Default)]
 pub(super) struct Spent {
-    /// Packing requests into runs and taking slots.
+    /// Admitting chunks: packing, taking slots, starting the first leg.
     pub(super) admit: Duration,
+    /// Of which packing requests into runs.
+    pub(super) pack: Duration,
     /// Waiting for local device copies (gathers and scatters).
     pub(super) device: Duration,
     /// Waiting for host legs.
@@ -215,25 +264,44 @@ pub(super) struct Spent {
     /// Completing requests and giving slots back.
     pub(super) retire: Duration,
     pub(super) chunks: usize,
+    /// What the peer said its copies took (StageDone): checking, queuing,
+    /// waiting for its device.
+    pub(super) peer_check: Duration,
+    pub(super) peer_queue: Duration,
+    pub(super) peer_wait: Duration,
 }
 
 impl Spent {
+    /// Adds what the peer reported for one copy request.
+    pub(super) fn peer_reported(&mut self, done: &CopyDone) {
+        let us = Duration::from_micros;
+        self.peer_check += us(done.check_us);
+        self.peer_queue += us(done.queue_us);
+        self.peer_wait += us(done.wait_us);
+    }
+
     /// The line: `requests` requests of `bytes` in `total`.
     pub(super) fn describe(&self, requests: usize, bytes: u64, total: Duration) -> String {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let named = self.admit + self.device + self.host + self.peer + self.retire;
         format!(
-            "staging job: {requests} requests, {bytes} bytes in {} chunks, {:.2} ms: packing \
-             {:.2} ms, waiting for local device copies {:.2} ms, for host legs {:.2} ms, for \
-             the peer's device copies {:.2} ms, completions {:.2} ms, polling {:.2} ms",
+            "staging job: {requests} requests, {bytes} bytes in {} chunks, {:.2} ms: admitting \
+             {:.2} ms (packing {:.2} ms), waiting for local device copies {:.2} ms, for host \
+             legs {:.2} ms, for the peer's device copies {:.2} ms, completions {:.2} ms, \
+             polling {:.2} ms; the peer: checking {:.2} ms, queuing {:.2} ms, waiting for its \
+             device {:.2} ms",
             self.chunks,
             ms(total),
             ms(self.admit),
+            ms(self.pack),
             ms(self.device),
             ms(self.host),
             ms(self.peer),
             ms(self.retire),
             ms(total.saturating_sub(named)),
+            ms(self.peer_check),
+            ms(self.peer_queue),
+            ms(self.peer_wait),
         )
     }
 }

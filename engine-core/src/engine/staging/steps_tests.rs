@@ -175,26 +175,66 @@ fn a_reply_to_nothing_asked_is_an_error_not_a_panic() {
 #[test]
 fn the_time_account_names_every_wait_and_leaves_the_rest_to_polling() {
     let ms = Duration::from_millis;
-    let spent = Spent {
+    let mut spent = Spent {
         admit: ms(1),
+        pack: ms(1) / 2,
         device: ms(2),
         host: ms(3),
         peer: ms(4),
         retire: ms(5),
         chunks: 7,
+        ..Spent::default()
     };
+    spent.peer_reported(&CopyDone {
+        check_us: 250,
+        queue_us: 500,
+        wait_us: 1500,
+    });
+    spent.peer_reported(&CopyDone::decode(b"not json"));
     let line = spent.describe(16384, 1 << 28, ms(20));
     for part in [
         "16384 requests, 268435456 bytes in 7 chunks, 20.00 ms",
-        "packing 1.00 ms",
+        "admitting 1.00 ms (packing 0.50 ms)",
         "local device copies 2.00 ms",
         "host legs 3.00 ms",
         "device copies 4.00 ms",
         "completions 5.00 ms",
         "polling 5.00 ms",
+        "the peer: checking 0.25 ms, queuing 0.50 ms, waiting for its device 1.50 ms",
     ] {
         assert!(line.contains(part), "{part:?} in {line}");
     }
     // A clock that ran backwards across a wait leaves no negative rest.
-    assert!(spent.describe(1, 1, ms(10)).ends_with("polling 0.00 ms"));
+    assert!(spent.describe(1, 1, ms(10)).contains("polling 0.00 ms;"));
+}
+
+#[test]
+fn requests_of_one_group_complete_it_once_with_their_first_error() {
+    // Requests 0-2 share group 9 (a staged run), 3 has group 4 alone, and
+    // 4 shares group 9 again though not adjacent to the others.
+    let mut g = Groups::new([9, 9, 9, 4, 9].into_iter());
+    assert_eq!(g.finish(0, Ok(())), None);
+    assert_eq!(g.finish(3, Ok(())), Some((4, Ok(()))));
+    let first = err(ErrorCode::Connection, "first");
+    assert_eq!(g.finish(2, Err(first.clone())), None);
+    assert_eq!(g.finish(4, Err(err(ErrorCode::Timeout, "second"))), None);
+    assert_eq!(g.finish(1, Ok(())), Some((9, Err(first))));
+    // A request counted again, or one that does not exist, changes nothing.
+    assert_eq!(g.finish(1, Ok(())), None);
+    assert_eq!(g.finish(7, Ok(())), None);
+}
+
+#[test]
+fn a_peer_reply_is_read_whole_from_an_older_engine_or_as_nothing() {
+    let d = CopyDone::decode(
+        &CopyDone {
+            check_us: 1,
+            queue_us: 2,
+            wait_us: 3,
+        }
+        .encode(),
+    );
+    assert_eq!((d.check_us, d.queue_us, d.wait_us), (1, 2, 3));
+    let old = CopyDone::decode(b"{}");
+    assert_eq!((old.check_us, old.queue_us, old.wait_us), (0, 0, 0));
 }

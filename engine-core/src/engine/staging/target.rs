@@ -1,7 +1,9 @@
 //! The target side of staging: slots lent to a peer on its control
 //! connection, and copies between them and device memory on request.
 
-use super::protocol::{bad, decode_copy_list, decode_copy_request, decode_open_request, OpenReply};
+use super::protocol::{
+    bad, decode_copy_list, decode_copy_request, decode_open_request, CopyDone, OpenReply,
+};
 use super::state::{Session, MAX_LENT};
 use crate::control::MsgType;
 use crate::descriptor::BufferDescriptor;
@@ -15,6 +17,7 @@ use ferry_plugins_abi::sys::ferry_device_copy_t;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 impl Shared {
     // ---- target side -----------------------------------------------------
@@ -115,6 +118,7 @@ impl Shared {
 
     /// Copies between a lent slot and device memory this engine registered.
     pub(crate) fn stage_copy(&self, conn: u64, body: &[u8]) -> Result<(MsgType, Vec<u8>)> {
+        let began = Instant::now();
         let req = decode_copy_request(body)?;
         let session = self
             .staging
@@ -165,17 +169,28 @@ impl Shared {
         buffer
             .inflight
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let mut done = CopyDone {
+            check_us: micros(began),
+            ..CopyDone::default()
+        };
+        let queuing = Instant::now();
         let copied = if req.to_device {
             stream.copy(req.device_addr, slot, req.len)
         } else {
             stream.copy(slot, req.device_addr, req.len)
         }
-        .and_then(|()| stream.sync());
+        .and_then(|()| {
+            done.queue_us = micros(queuing);
+            let waiting = Instant::now();
+            let synced = stream.sync();
+            done.wait_us = micros(waiting);
+            synced
+        });
         buffer
             .inflight
             .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
         copied?;
-        Ok((MsgType::StageDone, b"{}".to_vec()))
+        Ok((MsgType::StageDone, done.encode()))
     }
 
     /// Copies many pieces between a lent slot and device memory this engine
@@ -184,6 +199,7 @@ impl Shared {
     /// the slot and a published device registration first: one bad piece
     /// refuses the whole list, and nothing is copied.
     pub(crate) fn stage_copy_list(&self, conn: u64, body: &[u8]) -> Result<(MsgType, Vec<u8>)> {
+        let began = Instant::now();
         let req = decode_copy_list(body)?;
         let session = self
             .staging
@@ -251,17 +267,25 @@ impl Shared {
         for b in &buffers {
             b.inflight.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }
+        let mut done = CopyDone {
+            check_us: micros(began),
+            ..CopyDone::default()
+        };
         let copied = (|| -> Result<()> {
+            let queuing = Instant::now();
             for ((device, ordinal), list) in &groups {
                 let stream = session_stream(self, &mut session, *device, *ordinal)?;
                 stream.copy_list(list)?;
             }
+            done.queue_us = micros(queuing);
             // Every list queued; wait for all of them.
+            let waiting = Instant::now();
             for (key, _) in &groups {
                 if let Some(stream) = session.streams.get_mut(key) {
                     stream.sync()?;
                 }
             }
+            done.wait_us = micros(waiting);
             Ok(())
         })();
         if copied.is_err() {
@@ -277,7 +301,7 @@ impl Shared {
             b.inflight.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
         }
         copied?;
-        Ok((MsgType::StageDone, b"{}".to_vec()))
+        Ok((MsgType::StageDone, done.encode()))
     }
 
     /// Takes back the slots lent on a connection that closed.
@@ -298,6 +322,11 @@ impl Shared {
     pub(crate) fn staging_connections(&self) -> Vec<u64> {
         self.staging.sessions.lock().keys().copied().collect()
     }
+}
+
+/// Microseconds since `t`, for a StageDone reply.
+fn micros(t: Instant) -> u64 {
+    u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX)
 }
 
 /// The device plugin and ordinal of a registered device buffer.
