@@ -9,6 +9,7 @@ use crate::host::{HostServices, ServicesTable};
 use crate::report::{bounded, PluginKind, MAX_PLUGIN_STRING};
 use ferry_plugins_abi::has_field;
 use ferry_plugins_abi::sys;
+use ferry_plugins_abi::versioned::{read_plain, Plain};
 use std::ffi::{c_char, c_void, CStr};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -29,51 +30,22 @@ enum Table {
     Device(Box<sys::ferry_device_plugin_v1_t>),
 }
 
-/// A plugin table type: `repr(C)`, starting with its ferry_abi_header_t,
-/// and valid all-zero (its fields are raw pointers, optional functions
-/// and integers).
-///
-/// # Safety
-/// Implemented only for types that are all three.
-unsafe trait PluginTable: Sized {}
-// SAFETY: repr(C), `hdr` first; raw pointers, Option<fn> and integers only.
-unsafe impl PluginTable for sys::ferry_transport_plugin_v1_t {}
-// SAFETY: repr(C), `hdr` first; raw pointers, Option<fn> and integers only.
-unsafe impl PluginTable for sys::ferry_device_plugin_v1_t {}
-
 /// This process's copy of a plugin's table, as long as this Ferry's struct:
 /// the bytes the plugin's `struct_size` covers, zero beyond (absent fields
-/// read as NULL, None, 0). A plugin built for an older minor version has a
-/// shorter table, so a reference to its own table would reach past its
-/// end; the copy's header keeps the plugin's `struct_size`, so `has_field!`
-/// still says what the plugin has.
+/// read as NULL, None, 0), by `versioned::read_plain`. A plugin built for
+/// an older minor version has a shorter table, so a reference to its own
+/// table would reach past its end; the copy's header keeps the plugin's
+/// `struct_size`, so `has_field!` still says what the plugin has.
 ///
 /// # Safety
 /// `t` is null or points to a table whose header is readable and which is
 /// readable for its header's `struct_size` bytes (plugin.h's rule for
 /// every versioned struct), for the duration of the call.
-unsafe fn copy_table<T: PluginTable>(t: *const T) -> Result<Box<T>, String> {
-    if t.is_null() {
-        return Err("its entry function returned no table".into());
-    }
-    // SAFETY: non-null, and plugin.h makes a table's header readable (it
-    // is the table's first field: PluginTable).
-    let hdr = unsafe { t.cast::<sys::ferry_abi_header_t>().read_unaligned() };
-    let len = (hdr.struct_size as usize).min(std::mem::size_of::<T>());
-    // SAFETY: PluginTable: every field of T is valid all-zero.
-    let mut copy: Box<T> = Box::new(unsafe { std::mem::zeroed() });
-    // SAFETY: the plugin's table is readable for struct_size >= len bytes
-    // (this fn's contract); the copy is a distinct allocation of
-    // size_of::<T>() >= len bytes; bytes of pointers, Option<fn> and
-    // integers are valid as any of them (PluginTable).
-    unsafe {
-        std::ptr::copy_nonoverlapping(
-            t.cast::<u8>(),
-            std::ptr::from_mut::<T>(&mut copy).cast::<u8>(),
-            len,
-        )
-    };
-    Ok(copy)
+unsafe fn copy_table<T: Plain>(t: *const T) -> Result<Box<T>, String> {
+    // SAFETY: this function's contract is read_plain's.
+    unsafe { read_plain(t) }
+        .map(Box::new)
+        .ok_or_else(|| "its entry function returned no table".into())
 }
 
 /// A loaded plugin library with its validated table and its services table.

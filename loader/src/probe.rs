@@ -9,6 +9,7 @@ use crate::report::{
 };
 use ferry_plugins_abi::caps;
 use ferry_plugins_abi::sys;
+use ferry_plugins_abi::versioned::read_plain;
 use ferry_plugins_abi::ErrorCode;
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::{mpsc, Arc, Mutex};
@@ -206,10 +207,13 @@ unsafe extern "C" fn sink_set_capabilities(ctx: *mut c_void, mem_kinds: u64, sco
 
 unsafe extern "C" fn sink_add_device(ctx: *mut c_void, device: *const sys::ferry_probe_device_t) {
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        // SAFETY: ctx from our sink; device is null or valid for the call.
-        let (Some(f), Some(d)) = (unsafe { findings(ctx) }, unsafe { device.as_ref() }) else {
+        // SAFETY: ctx from our sink; device is null or, for the call,
+        // readable for its struct_size (plugin.h), which read_plain copies
+        // (a plugin built for an older ABI passes a shorter record).
+        let (Some(f), Some(d)) = (unsafe { findings(ctx) }, unsafe { read_plain(device) }) else {
             return;
         };
+        let d = &d;
         if !ferry_plugins_abi::has_field!(d, sys::ferry_probe_device_t, mem_kinds) {
             return;
         }
@@ -234,12 +238,12 @@ unsafe extern "C" fn sink_add_device(ctx: *mut c_void, device: *const sys::ferry
             gpu: if ferry_plugins_abi::has_field!(d, sys::ferry_probe_device_t, gpu) {
                 // SAFETY: the same device record (ABI 1.6, covered by its
                 // struct_size): `gpu` is null or points to a device info
-                // that lives for this callback.
-                unsafe { d.gpu.as_ref() }
+                // readable for its struct_size during this callback.
+                unsafe { read_plain(d.gpu) }
                     .filter(|g| {
                         g.struct_size as usize >= std::mem::size_of::<sys::ferry_device_info_t>()
                     })
-                    .and_then(ferry_plugins_abi::sdk::DeviceInfo::from_raw)
+                    .and_then(|g| ferry_plugins_abi::sdk::DeviceInfo::from_raw(&g))
             } else {
                 None
             },

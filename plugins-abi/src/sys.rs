@@ -109,6 +109,7 @@ pub struct ferry_nic_desc_t {
 }
 
 #[repr(C)]
+#[derive(Clone, Copy)]
 pub struct ferry_host_services_t {
     pub hdr: ferry_abi_header_t,
     pub ctx: *mut c_void,
@@ -176,6 +177,7 @@ pub struct ferry_probe_device_t {
 }
 
 #[repr(C)]
+#[derive(Clone, Copy)]
 pub struct ferry_probe_sink_t {
     pub hdr: ferry_abi_header_t,
     pub ctx: *mut c_void,
@@ -216,6 +218,7 @@ pub type ferry_complete_fn = unsafe extern "C" fn(
 );
 
 #[repr(C)]
+#[derive(Clone, Copy)]
 pub struct ferry_transport_init_params_t {
     pub hdr: ferry_abi_header_t,
     pub engine_name: *const c_char,

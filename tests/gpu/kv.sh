@@ -167,15 +167,18 @@ for op in write read; do
             "staged-tcp/layout/$op/1M" "(kernel across PCIe, no goal)"
     done
 done
-# Deeper pipelines: 8 chunks in flight, and 16 MiB chunks.
-for envs in "FERRY_STAGING_DEPTH=8" "FERRY_STAGING_CHUNK=16M"; do
+# The defaults before 2026-12-06 (4 MiB chunks, 4 in flight) and deeper
+# pipelines, against the defaults' 1 MiB row (tests/gpu/staged-sweep.sh
+# compares settings each against its own 1 MiB rows).
+for envs in "FERRY_STAGING_CHUNK=4M FERRY_STAGING_DEPTH=4" "FERRY_STAGING_DEPTH=8"; do
+    name=${envs// /,}
     for block in 1M 16K; do
         KV_LAST=""
-        kv_run "staged-$envs/$block" "FERRY_TRANSPORTS=shm,tcp $envs $STAGING_LOG" --segment "$kv_seg" \
+        kv_run "staged-$name/$block" "FERRY_TRANSPORTS=shm,tcp $envs $STAGING_LOG" --segment "$kv_seg" \
             --device cuda:0 --transport tcp --api layout --op write --block-size $block
-        KV_ROWS[staged-$envs/$block]=$KV_LAST
-        breakdown "staged-$envs/$block"
-        kv_row "tcp, staged, initiator $envs" write layout $block "staged-$envs/$block" \
+        KV_ROWS[staged-$name/$block]=$KV_LAST
+        breakdown "staged-$name/$block"
+        kv_row "tcp, staged, initiator $envs" write layout $block "staged-$name/$block" \
             "staged-tcp/layout/write/1M" "(depth, no goal)"
     done
 done

@@ -6,7 +6,9 @@ use super::boundary::{to_cstring_lossy, PluginError, PluginResult};
 use super::device_info::DeviceInfo;
 use crate::status::ErrorCode;
 use crate::sys;
+use crate::versioned::read_plain;
 use std::ffi::{c_char, CStr, CString};
+use std::marker::PhantomData;
 
 /// Log levels, as `FERRY_LOG_*`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -61,7 +63,11 @@ pub struct Nic {
 /// Safe view of the host services table handed to the plugin.
 #[derive(Clone, Copy)]
 pub struct Host<'a> {
-    raw: &'a sys::ferry_host_services_t,
+    /// Our copy of the host's table (versioned::read_plain): a table from
+    /// an older host is shorter than this build's, and is never read past
+    /// its end; its functions and ctx stay valid for 'a.
+    raw: sys::ferry_host_services_t,
+    valid: PhantomData<&'a sys::ferry_host_services_t>,
 }
 
 // SAFETY: the services table is immutable and plugin.h requires every host
@@ -79,12 +85,14 @@ impl<'a> Host<'a> {
     /// `raw` must be null or point to a services table that stays valid for
     /// `'a`, as the host guarantees for the duration of a call.
     pub unsafe fn from_raw(raw: *const sys::ferry_host_services_t) -> PluginResult<Host<'a>> {
-        // SAFETY: by the `# Safety` section `raw` is null (as_ref gives None,
-        // refused below) or points to a services table valid for 'a. The
-        // trampolines meet it with the host's table: for the call in probe,
-        // and until fini returns in init (plugin.h, init), which is why
-        // init_trampoline may choose 'static (fini drops the instance).
-        let raw = unsafe { raw.as_ref() }.ok_or_else(|| {
+        // SAFETY: by the `# Safety` section `raw` is null (None, refused
+        // below) or points to a services table valid for 'a, readable for
+        // its struct_size (plugin.h); the copy is read now, and its
+        // functions and ctx stay valid for 'a. The trampolines meet it with
+        // the host's table: for the call in probe, and until fini returns in
+        // init (plugin.h, init), which is why init_trampoline may choose
+        // 'static (fini drops the instance).
+        let raw = unsafe { read_plain(raw) }.ok_or_else(|| {
             PluginError::new(ErrorCode::InvalidArgument, "host services table is null")
         })?;
         if raw.hdr.abi_major != sys::FERRY_PLUGIN_ABI_MAJOR {
@@ -99,12 +107,15 @@ impl<'a> Host<'a> {
                 ),
             ));
         }
-        Ok(Host { raw })
+        Ok(Host {
+            raw,
+            valid: PhantomData,
+        })
     }
 
     /// Sends a message to the host's log under this plugin's name.
     pub fn log(&self, level: Level, msg: &str) {
-        if !has_field!(self.raw, sys::ferry_host_services_t, log) {
+        if !has_field!(&self.raw, sys::ferry_host_services_t, log) {
             return;
         }
         if let Some(log) = self.raw.log {
@@ -116,7 +127,7 @@ impl<'a> Host<'a> {
     }
 
     pub fn log_enabled(&self, level: Level) -> bool {
-        if !has_field!(self.raw, sys::ferry_host_services_t, log_enabled) {
+        if !has_field!(&self.raw, sys::ferry_host_services_t, log_enabled) {
             return true;
         }
         match self.raw.log_enabled {
@@ -158,7 +169,7 @@ impl<'a> Host<'a> {
     /// Looks up a setting (`"tcp.connections"`): engine configuration first,
     /// then `FERRY_TCP_CONNECTIONS`.
     pub fn config(&self, key: &str) -> Option<String> {
-        if !has_field!(self.raw, sys::ferry_host_services_t, config_get) {
+        if !has_field!(&self.raw, sys::ferry_host_services_t, config_get) {
             return None;
         }
         let get = self.raw.config_get?;
@@ -190,7 +201,7 @@ impl<'a> Host<'a> {
     /// NICs ranked from `location` ("cpu:0", "cuda:1"), best first, or every
     /// NIC when `location` is `None`.
     pub fn nics(&self, location: Option<&str>) -> PluginResult<Vec<Nic>> {
-        if !has_field!(self.raw, sys::ferry_host_services_t, topo_nics) {
+        if !has_field!(&self.raw, sys::ferry_host_services_t, topo_nics) {
             return Err(PluginError::new(
                 ErrorCode::Unsupported,
                 "the host offers no topology service",
@@ -245,7 +256,7 @@ impl Host<'_> {
     /// Adds `delta` to this plugin's counter `name` (`[a-z0-9_]`), for one
     /// of its devices or none. A no-op on hosts older than ABI 1.2.
     pub fn count(&self, name: &CStr, device: Option<&CStr>, delta: u64) {
-        if !has_field!(self.raw, sys::ferry_host_services_t, count) {
+        if !has_field!(&self.raw, sys::ferry_host_services_t, count) {
             return;
         }
         if let Some(count) = self.raw.count {
@@ -272,7 +283,7 @@ impl Host<'_> {
                 "the host offers no plugin messaging (Ferry older than plugin ABI 1.1)",
             )
         };
-        if !has_field!(self.raw, sys::ferry_host_services_t, peer_request) {
+        if !has_field!(&self.raw, sys::ferry_host_services_t, peer_request) {
             return Err(unsupported());
         }
         let request = self.raw.peer_request.ok_or_else(unsupported)?;
@@ -379,20 +390,26 @@ pub struct ProbeDevice<'s> {
 
 /// Safe view of the probe sink: where a probe reports what it found.
 pub struct ProbeReport<'a> {
-    raw: &'a sys::ferry_probe_sink_t,
+    /// Our copy of the host's sink (versioned::read_plain), as for Host.
+    raw: sys::ferry_probe_sink_t,
+    valid: PhantomData<&'a sys::ferry_probe_sink_t>,
 }
 
 impl<'a> ProbeReport<'a> {
     /// # Safety
     /// `raw` must be null or point to a sink valid for `'a`.
     pub unsafe fn from_raw(raw: *const sys::ferry_probe_sink_t) -> PluginResult<ProbeReport<'a>> {
-        // SAFETY: by the `# Safety` section `raw` is null (as_ref gives None,
-        // refused below) or points to a sink valid for 'a; the probe
-        // trampolines pass the host's ferry_probe_sink_t from the probe call
-        // and keep the ProbeReport inside that call, so 'a ends with it.
-        let raw = unsafe { raw.as_ref() }
+        // SAFETY: by the `# Safety` section `raw` is null (None, refused
+        // below) or points to a sink valid for 'a, readable for its
+        // struct_size (plugin.h); the probe trampolines pass the host's
+        // ferry_probe_sink_t from the probe call and keep the ProbeReport
+        // inside that call, so 'a ends with it.
+        let raw = unsafe { read_plain(raw) }
             .ok_or_else(|| PluginError::new(ErrorCode::InvalidArgument, "probe sink is null"))?;
-        Ok(ProbeReport { raw })
+        Ok(ProbeReport {
+            raw,
+            valid: PhantomData,
+        })
     }
 
     /// What the plugin can serve here: `FERRY_MEM_*` and `FERRY_SCOPE_*` bits.
@@ -445,7 +462,7 @@ impl<'a> ProbeReport<'a> {
     /// GPU-memory registration from these (ABI 1.5; an older host has no
     /// such entry, and the call does nothing).
     pub fn add_memory_method(&mut self, mem_kind: u64, state: Result<&str, &str>) {
-        if !has_field!(self.raw, sys::ferry_probe_sink_t, add_memory_method) {
+        if !has_field!(&self.raw, sys::ferry_probe_sink_t, add_memory_method) {
             return;
         }
         let Some(f) = self.raw.add_memory_method else {

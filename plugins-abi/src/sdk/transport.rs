@@ -8,6 +8,7 @@ use super::layouts::LayoutList;
 use super::op::Op;
 use crate::status::ErrorCode;
 use crate::sys;
+use crate::versioned::read_plain;
 use std::ffi::{c_char, c_void, CStr};
 
 /// A transport plugin written in Rust.
@@ -348,11 +349,12 @@ pub unsafe extern "C" fn init_trampoline<P: TransportPlugin>(
 ) -> sys::ferry_status_t {
     // SAFETY: plugin.h (init) keeps `host`, `params` and their strings valid until fini returns,
     // and fini drops the instance holding Host<'static>; `host`, `params` and `out` are
-    // null-checked before use (from_raw, as_ref, is_null); `err` is null or a live errbuf.
+    // null-checked before use (from_raw, read_plain, is_null), the two tables copied to their
+    // producer's struct_size (plugin.h); `err` is null or a live errbuf.
     unsafe {
         boundary(err, || {
             let host: Host<'static> = Host::from_raw(host)?;
-            let params = params.as_ref().ok_or_else(|| invalid("init params"))?;
+            let params = read_plain(params).ok_or_else(|| invalid("init params"))?;
             if out.is_null() {
                 return Err(invalid("instance out-pointer"));
             }
@@ -418,12 +420,12 @@ pub unsafe extern "C" fn register_trampoline<P: TransportPlugin>(
     key_len: *mut usize,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: plugin.h (register_memory): `region` (null-checked) and its `location` are valid,
-    // ABI 1.1/1.2 fields read only if struct_size covers them; `handle` is checked non-null;
+    // SAFETY: plugin.h (register_memory): `region` (null-checked, copied to its struct_size by
+    // read_plain) and its `location` are valid, ABI 1.1/1.2 fields used only if it covers them; `handle` is checked non-null;
     // `key`/`key_len` suit copy_out (key_cap bytes); `inst` null or init's, `err` null or live.
     unsafe {
         boundary(err, || {
-            let r = region.as_ref().ok_or_else(|| invalid("region"))?;
+            let r = read_plain(region).ok_or_else(|| invalid("region"))?;
             if handle.is_null() {
                 return Err(invalid("handle out-pointer"));
             }
@@ -435,7 +437,7 @@ pub unsafe extern "C" fn register_trampoline<P: TransportPlugin>(
                 numa_node: u32::try_from(r.numa_node).ok(),
                 device_ordinal: u32::try_from(r.device_ordinal).ok(),
                 dmabuf_fd: (r.dmabuf_fd >= 0).then_some(r.dmabuf_fd),
-                dmabuf_offset: if crate::has_field!(r, sys::ferry_mem_region_t, dmabuf_offset) {
+                dmabuf_offset: if crate::has_field!(&r, sys::ferry_mem_region_t, dmabuf_offset) {
                     r.dmabuf_offset
                 } else {
                     0
@@ -479,12 +481,13 @@ pub unsafe extern "C" fn connect_trampoline<P: TransportPlugin>(
     out: *mut *mut c_void,
     err: *mut sys::ferry_errbuf_t,
 ) -> sys::ferry_status_t {
-    // SAFETY: `peer` is null-checked and, with its `name` string and `endpoint_len` bytes at
-    // `endpoint`, valid for the call (plugin.h, connect), copied before it returns; `out` is
+    // SAFETY: `peer` is null-checked and copied to its struct_size (read_plain) and, with its
+    // `name` string and `endpoint_len` bytes at `endpoint`, valid for the call (plugin.h,
+    // connect), copied before it returns; `out` is
     // checked non-null; `inst` null or init's live instance; `err` null or a live errbuf.
     unsafe {
         boundary(err, || {
-            let p = peer.as_ref().ok_or_else(|| invalid("peer"))?;
+            let p = read_plain(peer).ok_or_else(|| invalid("peer"))?;
             if out.is_null() {
                 return Err(invalid("peer out-pointer"));
             }
