@@ -7,7 +7,12 @@
 //!   that file; re-exports count, so a `mod.rs` that re-exports its children
 //!   must not be named by them; `$crate::` in a macro body is not counted:
 //!   it is resolved where the macro is used);
-//! - no file of engine-core is longer than [`ENGINE_CORE_MAX_LINES`].
+//! - no file of engine-core is longer than [`ENGINE_CORE_MAX_LINES`];
+//! - each engine file that adds to `Shared` (engine/shared.rs) reaches, in
+//!   its `impl Shared` blocks, exactly the parts of it that its header's
+//!   `//! Reaches in Shared:` line names: a file that starts using another
+//!   part says so where a reviewer sees it, and the engine's parts keep
+//!   narrow users.
 //!
 //! Modules are found the way rustc finds them: from each crate root
 //! (src/lib.rs, src/main.rs, src/bin/*.rs), following `mod name;` and
@@ -31,6 +36,7 @@ enum Tok {
     Star,
     Hash,
     Dollar,
+    Dot,
     Other,
 }
 
@@ -150,6 +156,7 @@ fn lex(src: &str) -> Vec<Tok> {
                 '*' => Tok::Star,
                 '#' => Tok::Hash,
                 '$' => Tok::Dollar,
+                '.' => Tok::Dot,
                 _ => Tok::Other,
             });
             i += 1;
@@ -570,4 +577,160 @@ fn the_checker_sees_a_cycle() {
     assert_eq!(edges[1], [0].into());
     assert!(edges[2].is_empty());
     assert_eq!(cycles(&edges), vec![vec![0, 1]]);
+}
+
+/// The field names of `struct Shared` in engine/shared.rs.
+fn shared_parts(src: &str) -> BTreeSet<String> {
+    let body = src
+        .split("pub(crate) struct Shared {")
+        .nth(1)
+        .and_then(|s| s.split("\n}").next())
+        .expect("struct Shared in engine/shared.rs");
+    body.lines()
+        .filter_map(|l| l.trim().strip_prefix("pub(crate) "))
+        .filter_map(|l| l.split(':').next())
+        .map(str::to_string)
+        .collect()
+}
+
+/// The parts of `Shared` that `self.<part>` names inside the file's
+/// `impl Shared { .. }` blocks (comments and strings skipped by the lexer).
+fn reached_parts(toks: &[Tok], parts: &BTreeSet<String>) -> BTreeSet<String> {
+    let mut found = BTreeSet::new();
+    let mut k = 0;
+    while k + 2 < toks.len() {
+        let opens_impl = toks[k] == Tok::Ident("impl".into())
+            && toks[k + 1] == Tok::Ident("Shared".into())
+            && toks[k + 2] == Tok::Open;
+        if !opens_impl {
+            k += 1;
+            continue;
+        }
+        let mut depth = 0usize;
+        k += 2;
+        while k < toks.len() {
+            match &toks[k] {
+                Tok::Open => depth += 1,
+                Tok::Close => {
+                    depth -= 1;
+                    if depth == 0 {
+                        break;
+                    }
+                }
+                Tok::Ident(s) if s == "self" => {
+                    if let (Some(Tok::Dot), Some(Tok::Ident(part))) =
+                        (toks.get(k + 1), toks.get(k + 2))
+                    {
+                        if parts.contains(part) {
+                            found.insert(part.clone());
+                        }
+                    }
+                }
+                _ => {}
+            }
+            k += 1;
+        }
+    }
+    found
+}
+
+/// The parts a file's header names: `//! Reaches in Shared: a, b.` (or
+/// `none.`), possibly continued on the next `//!` lines up to the period.
+fn declared_parts(src: &str) -> Option<BTreeSet<String>> {
+    let mut text = String::new();
+    let mut lines = src
+        .lines()
+        .map(str::trim)
+        .take_while(|l| l.starts_with("//!"));
+    for l in lines.by_ref() {
+        if let Some(rest) = l.strip_prefix("//! Reaches in Shared:") {
+            text.push_str(rest);
+            break;
+        }
+    }
+    if text.is_empty() {
+        return None;
+    }
+    while !text.trim_end().ends_with('.') {
+        let l = lines.next()?;
+        text.push(' ');
+        text.push_str(l.trim_start_matches("//!"));
+    }
+    let list = text.trim().trim_end_matches('.').replace('`', "");
+    Some(
+        list.split(',')
+            .map(|p| p.trim().to_string())
+            .filter(|p| !p.is_empty() && p != "none")
+            .collect(),
+    )
+}
+
+#[test]
+fn each_engine_file_reaches_only_the_parts_of_shared_its_header_names() {
+    let engine = ferry_tests::repo_root().join("engine-core/src/engine");
+    let parts = shared_parts(&std::fs::read_to_string(engine.join("shared.rs")).unwrap());
+    assert!(parts.len() > 10, "Shared's parts not found: {parts:?}");
+    let root = ferry_tests::repo_root().join("engine-core/src/lib.rs");
+    let mut problems = Vec::new();
+    let mut checked = 0;
+    for f in crate_files(&root) {
+        let in_engine = f.path.starts_with(&engine);
+        let src = std::fs::read_to_string(&f.path).unwrap();
+        let adds = f.toks.windows(3).any(|w| {
+            w[0] == Tok::Ident("impl".into())
+                && w[1] == Tok::Ident("Shared".into())
+                && w[2] == Tok::Open
+        });
+        if !in_engine || !adds || f.path.ends_with("shared.rs") {
+            continue;
+        }
+        checked += 1;
+        let reached = reached_parts(&f.toks, &parts);
+        match declared_parts(&src) {
+            None => problems.push(format!(
+                "  {}: no `//! Reaches in Shared:` line (it reaches {})",
+                shown(&f.path),
+                reached.iter().cloned().collect::<Vec<_>>().join(", ")
+            )),
+            Some(declared) if declared != reached => problems.push(format!(
+                "  {}: names {:?}, reaches {:?}",
+                shown(&f.path),
+                declared,
+                reached
+            )),
+            Some(_) => {}
+        }
+    }
+    assert!(
+        checked >= 10,
+        "only {checked} engine files add to Shared: is the walk broken?"
+    );
+    assert!(
+        problems.is_empty(),
+        "engine files whose reach into Shared differs from their header:\n{}",
+        problems.join("\n")
+    );
+}
+
+#[test]
+fn the_reach_checker_reads_impl_blocks_and_headers() {
+    let parts: BTreeSet<String> = ["memory", "segments", "batches"].map(String::from).into();
+    let toks = lex("impl Other { fn f(&self) { self.batches; } }\n\
+                    impl Shared { fn g(&self) { if x { self.memory.find(); } \"self.batches\"; } }\n\
+                    // self.segments in a comment\n\
+                    impl Shared { fn h(&self) -> u64 { self.segments.get() } }");
+    assert_eq!(
+        reached_parts(&toks, &parts),
+        ["memory", "segments"].map(String::from).into()
+    );
+    let header = "//! A file.\n//!\n//! Reaches in Shared: `memory`,\n//! `segments`.\nuse x;";
+    assert_eq!(
+        declared_parts(header),
+        Some(["memory", "segments"].map(String::from).into())
+    );
+    assert_eq!(
+        declared_parts("//! Reaches in Shared: none.\n"),
+        Some(BTreeSet::new())
+    );
+    assert_eq!(declared_parts("//! A file.\nuse x;"), None);
 }

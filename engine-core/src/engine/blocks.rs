@@ -4,6 +4,8 @@
 //! list (its buffers are the same for every block); a transport that takes
 //! block lists gets it in one call and completes it once, and any other
 //! gets the blocks as requests in one call, completed as one group.
+//!
+//! Reaches in Shared: `batches`, `layouts`, `memory`, `node`, `segments`, `transports`.
 
 use super::dispatch::{BlockGroup, Flows};
 use super::layouts::{

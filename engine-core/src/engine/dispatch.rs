@@ -3,6 +3,8 @@
 //! transport gets its groups in one call; what it refuses fails in the
 //! batch, but for a refusal of the peer's key (retried once, retry.rs).
 //! Staged requests get their groups here and run elsewhere.
+//!
+//! Reaches in Shared: `memory`, `metrics`, `transports`.
 
 use super::layouts::recycle_blocks;
 use super::measure::Flight;

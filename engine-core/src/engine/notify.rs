@@ -24,6 +24,8 @@
 //! their batches finished, over control connections it keeps per peer; the
 //! receiving side queues them in the engine's bounded inbox (its drop
 //! policy is in crate::notify).
+//!
+//! Reaches in Shared: `batches`, `config`, `node`, `notifier`, `segments`.
 
 use super::request::{Request, SegmentId};
 use super::segments::RemoteSegment;

@@ -1,6 +1,8 @@
 //! The metrics as the engine reads them out: the counters, plus what only
 //! the engine knows (its name, registered memory and how, the GPU-direct
 //! decisions), and the endpoint that serves them (FERRY_METRICS_LISTEN).
+//!
+//! Reaches in Shared: `devices`, `gpu_direct`, `memory`, `metrics`, `node`, `transports`.
 
 use super::shared::Shared;
 use crate::error::Result;

@@ -2,6 +2,8 @@
 //! plugins asked whether they serve a peer's buffer (connecting on first
 //! use), unregistered local memory classified, and the planner over the
 //! engine's own state.
+//!
+//! Reaches in Shared: `devices`, `memory`, `segments`, `transports`.
 
 use super::plan::{Peers, Planner};
 use super::segments::{RemoteSegment, RemoteView};

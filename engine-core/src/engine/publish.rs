@@ -1,6 +1,8 @@
 //! What peers see of this engine: its segment descriptor (identity,
 //! transport endpoints, published buffers), also stored in the metadata
 //! store when there is one.
+//!
+//! Reaches in Shared: `layouts`, `memory`, `metrics`, `node`, `transports`.
 
 use super::shared::Shared;
 use crate::descriptor::{

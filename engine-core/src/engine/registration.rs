@@ -2,6 +2,8 @@
 //! move it (device memory by the GPU-direct ladder, or not at all when it
 //! is staged), unregistered once nothing in flight uses it; and memory the
 //! engine allocates for the application, registered on allocation.
+//!
+//! Reaches in Shared: `allocations`, `config`, `devices`, `gpu_direct`, `memory`, `transports`.
 
 use super::allocations::Allocation;
 use super::shared::Shared;

@@ -6,6 +6,8 @@
 //! layouts is (blocks.rs). Anything else, or anything in doubt, goes the
 //! general way (plan, dispatch), which then says what is wrong with which
 //! request.
+//!
+//! Reaches in Shared: `transports`.
 
 use super::dispatch::{BlockGroup, Flows};
 use super::layouts::{recycle_blocks, spare_blocks};

@@ -13,6 +13,8 @@
 //! final: a request is retried once. The new view serves later submissions
 //! too, and replacing a view drops the segment's remembered routes and
 //! acceptance verdicts (segments.rs), so none keeps the revoked key.
+//!
+//! Reaches in Shared: `batches`, `node`, `segments`, `transports`.
 
 use super::plan::Pending;
 use super::refused::{Refused, RefusedQueue, Sent};

@@ -2,6 +2,8 @@
 //! transport would carry a request and why, including the host leg of
 //! staged device memory, and which local interface the kernel uses to
 //! reach the peer's host.
+//!
+//! Reaches in Shared: `segments`, `topology`, `transports`.
 
 use super::request::{Route, RouteNic, SegmentId};
 use super::segments::{remote_out_of_bounds, RemoteSegment};

@@ -6,6 +6,8 @@
 //! no planning per block (16,384 staged blocks cost 4.7 ms of planning on
 //! an H100 host, most of a batch's submit time), and one staging job runs
 //! them. Also where a staging job is started for any submission.
+//!
+//! Reaches in Shared: `memory`.
 
 use super::dispatch::Flows;
 use super::plan::{StagedBlock, StagedEnds, StagedItem, StagedWork};

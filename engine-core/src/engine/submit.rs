@@ -2,6 +2,8 @@
 //! list (request_run.rs), or staged from their offsets (staged_run.rs);
 //! else plan every request, dispatch the plan to the transports, and start
 //! a staging job for what must be staged.
+//!
+//! Reaches in Shared: `batches`, `metrics`.
 
 use super::plan::StagedWork;
 use super::request::Request;

@@ -1,5 +1,7 @@
 //! The initiator side of staging: this engine's own pinned slots, the
 //! sessions peers lend it (leased one job at a time), and copy streams.
+//!
+//! Reaches in Shared: `devices`, `memory`, `node`, `staging`.
 
 use super::protocol::{
     decode_open_reply, CopyDone, CopyListRequest, CopyRequest, OpenRequest, COPY_LIST_VERSION,

@@ -6,6 +6,8 @@
 //! share one chunk (a packed run in one slot), gathered by one list copy
 //! on the local device, sent as one host transfer, and scattered by one
 //! list copy on the peer's (StageCopyList); reads the other way round.
+//!
+//! Reaches in Shared: `batches`, `config`, `staging`.
 
 use super::initiator::StagingLease;
 use super::protocol::{CopyListRequest, ListPiece, MAX_LIST_PIECES};

@@ -1,5 +1,7 @@
 //! The target side of staging: slots lent to a peer on its control
 //! connection, and copies between them and device memory on request.
+//!
+//! Reaches in Shared: `devices`, `memory`, `staging`.
 
 use super::protocol::{
     bad, decode_copy_list, decode_copy_request, decode_open_request, CopyDone, OpenReply,
