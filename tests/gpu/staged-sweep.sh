@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Staged tcp between two processes on cuda:0 (issue 30's staged goal),
+# Staged tcp (or SWEEP_TRANSPORT) between two processes on cuda:0 (issue
+# 30's staged goal),
 # 1 MiB and 16 KiB blocks by layout, write and read, under each setting
 # named in SWEEP (default below), every setting against its own 1 MiB rows
 # in the same run. For choosing staging's defaults; not part of run.sh.
@@ -14,8 +15,9 @@ P=${1:-.gpu}
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 B=$P/bin/ferry
-SWEEP=${SWEEP:-"default|FERRY_STAGING_DEPTH=8|FERRY_STAGING_CHUNK=8M|FERRY_STAGING_CHUNK=16M|default"}
+SWEEP=${SWEEP:-"default|FERRY_STAGING_DEPTH=8|FERRY_STAGING_CHUNK=16M|default"}
 D=${SWEEP_DURATION:-1}
+T=${SWEEP_TRANSPORT:-tcp}
 tmp=$(mktemp -d)
 trap 'kill $(cat "$tmp/pid" 2>/dev/null) 2>/dev/null; rm -rf "$tmp"' EXIT
 FERRY_TRANSPORTS=shm,tcp $B bench target --buffer-size 1G --device cuda:0 --layout-block 16K,1M > "$tmp/t" 2> "$tmp/t.err" &
@@ -32,7 +34,7 @@ for s in "${settings[@]}"; do
         for block in 1M 16K; do
             j=$(env FERRY_TRANSPORTS=shm,tcp FERRY_LOG=warn,ferry_core::engine::staging::job=debug $envs \
                 $B bench initiator --pattern kv --batch-bytes 256M --duration "$D" --verify --json \
-                --segment "$seg" --device cuda:0 --transport tcp --api layout --op $op --block-size $block \
+                --segment "$seg" --device cuda:0 --transport "$T" --api layout --op $op --block-size $block \
                 2> "$tmp/i.err")
             if ! echo "$j" | grep -q '"verified":true'; then
                 echo "FAILED $s $op $block: $(tail -n 2 "$tmp/i.err")"; continue
