@@ -56,48 +56,35 @@ impl Shared {
         let total: usize = run.requests.iter().sum();
         let start = batch.reserve(total)?;
         let mut flows = Flows::new();
-        let mut groups = Vec::with_capacity(match run.completion {
-            Completion::Once => 1,
-            Completion::PerBlock => run.blocks.len(),
-        });
-        match run.completion {
-            Completion::Once => {
-                let bytes = run.blocks.iter().map(|b| b.length).sum();
-                let tally = self.tally(
-                    &mut flows,
-                    None,
-                    first.op,
-                    &first.local,
-                    0,
-                    &first.segment,
-                    bytes,
-                );
-                // The staging job completes it once, with its last block.
-                groups.push(group_of(batch.add_group(
-                    start,
-                    total,
-                    first.local.clone(),
-                    tally,
-                )));
-            }
+        // One group of `count` requests from `at`, carrying `bytes`.
+        let mut add = |at: usize, count: usize, bytes: u64| {
+            let tally = self.tally(
+                &mut flows,
+                None,
+                first.op,
+                &first.local,
+                0,
+                &first.segment,
+                bytes,
+            );
+            group_of(batch.add_group(at, count, first.local.clone(), tally))
+        };
+        let groups: Vec<usize> = match run.completion {
+            // The staging job completes it once, with its last block.
+            Completion::Once => vec![add(start, total, run.blocks.iter().map(|b| b.length).sum())],
             Completion::PerBlock => {
                 batch.reserve_groups(run.blocks.len());
                 let mut at = start;
-                for (b, &n) in run.blocks.iter().zip(run.requests) {
-                    let tally = self.tally(
-                        &mut flows,
-                        None,
-                        first.op,
-                        &first.local,
-                        0,
-                        &first.segment,
-                        b.length,
-                    );
-                    groups.push(group_of(batch.add_group(at, n, first.local.clone(), tally)));
-                    at += n;
-                }
+                run.blocks
+                    .iter()
+                    .zip(run.requests)
+                    .map(|(b, &n)| {
+                        at += n;
+                        add(at - n, n, b.length)
+                    })
+                    .collect()
             }
-        }
+        };
         // As dispatch checks (unregistered_meanwhile): the groups now count
         // in the buffer's inflight, so either it is still registered and
         // its unregister waits for them, or nothing starts.
