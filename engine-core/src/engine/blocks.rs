@@ -234,17 +234,12 @@ impl Shared {
             return None;
         }
         let blocks = checked_block_list(local, t.local_ids, remote, t.remote_ids);
-        let counts: Vec<usize> = blocks
-            .iter()
-            .map(|b| (b.length / local.block_size.max(1)) as usize)
-            .collect();
         let run = StagedRun {
             first,
             local_base: local.base,
             remote_base: remote.base,
             blocks: &blocks,
-            requests: &counts,
-            completion: Completion::Once,
+            completion: Completion::Once(t.local_ids.len()),
         };
         let done = self.submit_staged_run(batch, &run);
         recycle_blocks(blocks);

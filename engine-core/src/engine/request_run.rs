@@ -160,8 +160,7 @@ impl Shared {
             local_base: bounds.local,
             remote_base: bounds.remote,
             blocks: &blocks,
-            requests: &counts,
-            completion: Completion::PerBlock,
+            completion: Completion::PerBlock(&counts),
         };
         let done = self.submit_staged_run(batch, &run);
         recycle_blocks(blocks);

@@ -19,18 +19,18 @@ use std::sync::Arc;
 
 /// How a staged run completes in its batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Completion {
-    /// One group for the whole run (a transfer by layouts completes once,
-    /// as it does on a direct route).
-    Once,
-    /// One group per block, over the requests coalesced into it (a list
-    /// of requests: a block that fails fails its own requests only).
-    PerBlock,
+pub(crate) enum Completion<'a> {
+    /// One group for the run's `n` requests (a transfer by layouts
+    /// completes once, as it does on a direct route).
+    Once(usize),
+    /// One group per block, over the requests coalesced into it, given
+    /// per block in order (a list of requests: a block that fails fails
+    /// its own requests only).
+    PerBlock(&'a [usize]),
 }
 
 /// The blocks of a staged run: offsets from `local_base` and
-/// `remote_base`, each with how many of the submitted requests it
-/// carries (adjacent requests coalesce into one block).
+/// `remote_base`.
 pub(crate) struct StagedRun<'a> {
     /// The planner's item for the first block: buffers, peer, direction
     /// and transport hint, which every block shares.
@@ -38,9 +38,7 @@ pub(crate) struct StagedRun<'a> {
     pub(crate) local_base: u64,
     pub(crate) remote_base: u64,
     pub(crate) blocks: &'a [ferry_block_t],
-    /// Requests per block, in order (sums to the requests submitted).
-    pub(crate) requests: &'a [usize],
-    pub(crate) completion: Completion,
+    pub(crate) completion: Completion<'a>,
 }
 
 impl Shared {
@@ -53,7 +51,10 @@ impl Shared {
         run: &StagedRun<'_>,
     ) -> Result<()> {
         let first = run.first;
-        let total: usize = run.requests.iter().sum();
+        let total: usize = match run.completion {
+            Completion::Once(n) => n,
+            Completion::PerBlock(counts) => counts.iter().sum(),
+        };
         let start = batch.reserve(total)?;
         let mut flows = Flows::new();
         // One group of `count` requests from `at`, carrying `bytes`.
@@ -71,13 +72,15 @@ impl Shared {
         };
         let groups: Vec<usize> = match run.completion {
             // The staging job completes it once, with its last block.
-            Completion::Once => vec![add(start, total, run.blocks.iter().map(|b| b.length).sum())],
-            Completion::PerBlock => {
+            Completion::Once(_) => {
+                vec![add(start, total, run.blocks.iter().map(|b| b.length).sum())]
+            }
+            Completion::PerBlock(counts) => {
                 batch.reserve_groups(run.blocks.len());
                 let mut at = start;
                 run.blocks
                     .iter()
-                    .zip(run.requests)
+                    .zip(counts)
                     .map(|(b, &n)| {
                         at += n;
                         add(at - n, n, b.length)
@@ -107,8 +110,8 @@ impl Shared {
             return Err(e);
         }
         let group = |k: usize| match run.completion {
-            Completion::Once => groups[0],
-            Completion::PerBlock => groups[k],
+            Completion::Once(_) => groups[0],
+            Completion::PerBlock(_) => groups[k],
         };
         let work = StagedWork {
             ends: vec![StagedEnds {
