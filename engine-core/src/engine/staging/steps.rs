@@ -273,11 +273,13 @@ pub(super) struct Spent {
 
 impl Spent {
     /// Adds what the peer reported for one copy request.
+    /// The peer's numbers are its own: summed saturating, so that no
+    /// reply can make the account overflow.
     pub(super) fn peer_reported(&mut self, done: &CopyDone) {
         let us = Duration::from_micros;
-        self.peer_check += us(done.check_us);
-        self.peer_queue += us(done.queue_us);
-        self.peer_wait += us(done.wait_us);
+        self.peer_check = self.peer_check.saturating_add(us(done.check_us));
+        self.peer_queue = self.peer_queue.saturating_add(us(done.queue_us));
+        self.peer_wait = self.peer_wait.saturating_add(us(done.wait_us));
     }
 
     /// The line: `requests` requests of `bytes` in `total`.

@@ -191,6 +191,18 @@ fn the_time_account_names_every_wait_and_leaves_the_rest_to_polling() {
         wait_us: 1500,
     });
     spent.peer_reported(&CopyDone::decode(b"not json"));
+    // A hostile peer's numbers saturate; they never overflow the account.
+    let mut hostile = Spent::default();
+    for _ in 0..3 {
+        hostile.peer_reported(&CopyDone {
+            check_us: u64::MAX,
+            queue_us: u64::MAX,
+            wait_us: u64::MAX,
+        });
+    }
+    hostile.peer_wait = Duration::MAX;
+    hostile.peer_reported(&CopyDone::decode(br#"{"wait_us":18446744073709551615}"#));
+    assert_eq!(hostile.peer_wait, Duration::MAX);
     let line = spent.describe(16384, 1 << 28, ms(20));
     for part in [
         "16384 requests, 268435456 bytes in 7 chunks, 20.00 ms",
