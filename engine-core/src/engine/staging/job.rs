@@ -94,7 +94,7 @@ impl Shared {
         let mut inflight: VecDeque<Chunk> = VecDeque::new();
         let mut idle_since: Option<Instant> = None;
         // The packed run at the front of `pending` that found no free slot:
-        // kept while the loop only spins, so 256 blocks are not packed
+        // kept while the loop only spins, so 512 blocks are not packed
         // again on every turn of it.
         let mut packed: Option<Vec<Part>> = None;
         let pool = if items.ends.iter().any(|e| e.local.device.is_some()) {
