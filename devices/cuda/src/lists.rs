@@ -100,7 +100,9 @@ impl CudaInstance {
         if descs.is_empty() {
             return Ok(());
         }
-        let method = self.list_method(stream.ordinal, &descs)?;
+        // Which host memory the kernel reaches: read once per list.
+        let host = Ranges::new(self.mapped_host());
+        let method = self.list_method(stream.ordinal, &descs, &host)?;
         let d = self.driver;
         let _current = stream.ctx.enter()?;
         // SAFETY: the stream is alive (borrowed), not the legacy default
@@ -114,7 +116,7 @@ impl CudaInstance {
         let queued = unsafe {
             match method {
                 Method::Kernel => match self.kernel(stream.ordinal) {
-                    Ok(k) => match self.bounce_plan(&descs) {
+                    Ok(k) => match self.bounce_plan(&descs, &host) {
                         Some(b) => self.bounced(k, stream, &descs, &b),
                         None => k.launch(d, stream.raw, &descs),
                     },
@@ -138,12 +140,11 @@ impl CudaInstance {
     /// Whether a kernel list crosses PCIe through scratch (bounce.rs): in
     /// auto mode only (cuda.copy=kernel keeps the kernel's own loads and
     /// stores, to compare).
-    fn bounce_plan(&self, descs: &[Desc]) -> Option<Bounce> {
+    fn bounce_plan(&self, descs: &[Desc], host: &Ranges) -> Option<Bounce> {
         if self.copy != CopySetting::Auto {
             return None;
         }
-        let host = self.mapped_host();
-        bounce::plan(descs, |addr, len| inside(&host, addr, addr + len))
+        bounce::plan(descs, |addr, len| host.contains(addr, addr + len))
     }
 
     /// Queues a bounced list: the host span into scratch and the kernel
@@ -208,7 +209,7 @@ impl CudaInstance {
     }
 
     /// How this list moves on GPU `ordinal`.
-    fn list_method(&self, ordinal: u32, descs: &[Desc]) -> PluginResult<Method> {
+    fn list_method(&self, ordinal: u32, descs: &[Desc], host: &Ranges) -> PluginResult<Method> {
         Ok(match self.copy {
             CopySetting::Force(Method::PerCopy) => Method::PerCopy,
             CopySetting::Force(Method::Batch) if self.has_batch() => Method::Batch,
@@ -228,7 +229,7 @@ impl CudaInstance {
                         format!("cuda.copy=kernel, but the copy kernel cannot load: {why}"),
                     )
                 })?;
-                if !self.kernel_reaches(ordinal, descs) {
+                if !self.kernel_reaches(ordinal, descs, host) {
                     return Err(PluginError::new(
                         ErrorCode::InvalidArgument,
                         format!(
@@ -252,7 +253,7 @@ impl CudaInstance {
             }
             CopySetting::Auto => {
                 if self.kernel(ordinal).is_ok() {
-                    if self.kernel_reaches(ordinal, descs) {
+                    if self.kernel_reaches(ordinal, descs, host) {
                         return Ok(Method::Kernel);
                     }
                     if !self.said_list_fallback.swap(true, Ordering::Relaxed) {
@@ -321,13 +322,12 @@ impl CudaInstance {
     /// whole range lies in one allocation) or pinned host memory of this
     /// instance mapped at its own address. A KV pool is one allocation, so
     /// the driver is asked about a list's first block and rarely again.
-    fn kernel_reaches(&self, ordinal: u32, descs: &[Desc]) -> bool {
-        let host = self.mapped_host();
-        let mut device: Vec<(u64, u64)> = Vec::new();
+    fn kernel_reaches(&self, ordinal: u32, descs: &[Desc], host: &Ranges) -> bool {
+        let mut device = Ranges::new(Vec::new());
         descs.iter().all(|c| {
             [c.src, c.dst].into_iter().all(|addr| {
                 let end = addr + c.len; // no wrap: checked by descriptors()
-                if inside(&device, addr, end) || inside(&host, addr, end) {
+                if device.contains(addr, end) || host.contains(addr, end) {
                     return true;
                 }
                 match self.device_range(ordinal, addr, c.len) {
@@ -360,14 +360,63 @@ impl CudaInstance {
     }
 }
 
-/// Whether [addr, end) lies inside one of `ranges`.
-fn inside(ranges: &[(u64, u64)], addr: u64, end: u64) -> bool {
-    ranges.iter().rev().any(|&(s, e)| s <= addr && end <= e)
+/// [start, end) ranges, looked up with the last one found first: a list's
+/// ends lie mostly in one or two allocations (a KV pool, a slot), and a
+/// scan of every pinned range for each of 1,024 ends cost tens of
+/// microseconds a list.
+struct Ranges {
+    list: Vec<(u64, u64)>,
+    last: std::cell::Cell<usize>,
+}
+
+impl Ranges {
+    fn new(list: Vec<(u64, u64)>) -> Ranges {
+        Ranges {
+            list,
+            last: std::cell::Cell::new(0),
+        }
+    }
+
+    fn push(&mut self, range: (u64, u64)) {
+        self.list.push(range);
+    }
+
+    /// Whether [addr, end) lies inside one of the ranges.
+    fn contains(&self, addr: u64, end: u64) -> bool {
+        let holds = |&(s, e): &(u64, u64)| s <= addr && end <= e;
+        if self.list.get(self.last.get()).is_some_and(holds) {
+            return true;
+        }
+        match self.list.iter().rposition(holds) {
+            Some(i) => {
+                self.last.set(i);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ranges_find_the_one_holding_a_span_whichever_was_last() {
+        let r = Ranges::new(vec![(0x1000, 0x2000), (0x8000, 0x9000)]);
+        assert!(r.contains(0x8000, 0x9000));
+        assert!(
+            r.contains(0x1000, 0x1800),
+            "the last hit is tried first, then the rest"
+        );
+        assert!(r.contains(0x8800, 0x8900));
+        assert!(
+            !r.contains(0x1800, 0x8100),
+            "a span across two ranges is in neither"
+        );
+        assert!(!r.contains(0x2000, 0x2001));
+        assert!(!Ranges::new(Vec::new()).contains(0, 1));
+    }
 
     #[test]
     fn the_setting_takes_four_words() {
