@@ -297,12 +297,13 @@ impl Door {
             Ok(who) => who,
             Err((kind, why)) => {
                 // Turned away for room, not for who it is: told BUSY, so a
-                // real peer retries. Anyone else learns nothing.
+                // real peer retries. Anyone else learns nothing. Counted
+                // first: whoever hears of a refusal finds it counted.
+                self.refuse(kind, why);
                 if matches!(kind, Refusal::Busy | Refusal::PerSource | Refusal::Full) {
                     let _ = send_all_now(fd.as_raw_fd(), &super::auth::busy_hello());
                     self.linger(fd);
                 }
-                self.refuse(kind, why);
                 return true;
             }
         };
@@ -317,24 +318,22 @@ impl Door {
                     });
                     match victim.and_then(|i| self.pending.remove(i)) {
                         Some(old) => {
-                            busy(&old);
-                            let old_peer = old.peer.clone();
                             let age = old.accepted.elapsed().as_millis();
-                            self.linger(old.fd);
                             self.refuse(
                                 why,
                                 format!(
-                                    "{old_peer}: evicted after {age} ms without a proof, for a \
-                                     newer connection ({} pending)",
+                                    "{}: evicted after {age} ms without a proof, for a newer \
+                                     connection ({} pending)",
+                                    old.peer,
                                     self.pool.pending()
                                 ),
                             );
+                            busy(&old);
+                            self.linger(old.fd);
                         }
                         None => {
                             // Everyone pending is mid-proof: the newcomer waits
                             // its turn by retrying.
-                            let _ = send_all_now(fd.as_raw_fd(), &super::auth::busy_hello());
-                            self.linger(fd);
                             self.refuse(
                                 why,
                                 format!(
@@ -342,6 +341,8 @@ impl Door {
                                     self.pool.pending()
                                 ),
                             );
+                            let _ = send_all_now(fd.as_raw_fd(), &super::auth::busy_hello());
+                            self.linger(fd);
                             return true;
                         }
                     }
