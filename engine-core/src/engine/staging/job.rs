@@ -9,7 +9,7 @@
 //!
 //! Reaches in Shared: `batches`, `config`, `staging`.
 
-use super::initiator::StagingLease;
+use super::initiator::{StagingLease, SESSIONS};
 use super::protocol::{CopyListRequest, ListPiece, MAX_LIST_PIECES};
 use super::slots::{slot_geometry, LocalSlot, Piece, SlotPool, Space};
 use super::steps::{self, Groups, Leg, Legs, Part, Replies, Spent, Tally};
@@ -29,6 +29,8 @@ use std::time::Instant;
 
 /// Most chunks of one job in flight (small requests share slots).
 const MAX_INFLIGHT: usize = 64;
+/// A job's session with a peer: the peer's segment, and which session.
+type Session = (SegmentId, usize);
 /// What a chunk's current leg is doing.
 enum Phase {
     /// A copy between device memory and the local slot is queued.
@@ -52,8 +54,9 @@ struct Chunk {
     /// memory: its requests go again one by one, so only the bad ones fail.
     alone: bool,
     local_slot: Option<LocalSlot>,
-    /// Room in the peer's slots, in the job's session.
+    /// Room in the peer's slots, in the job's session `session`.
     remote_slot: Option<Piece>,
+    session: usize,
     stream: Option<(usize, u32, Stream)>,
     /// Its legs (steps::legs), and how many have started.
     legs: Legs,
@@ -77,6 +80,8 @@ impl Shared {
             said_alone: false,
             batch: &batch,
             leases: HashMap::new(),
+            sessions: HashMap::new(),
+            next_session: 0,
             free_remote: HashMap::new(),
             replies: Replies::new(),
             alone: HashSet::new(),
@@ -281,15 +286,14 @@ impl Shared {
             },
             _ => None,
         };
-        let remote_slot = if it.remote_on_device {
-            let seg = it.segment.id;
+        let (remote_slot, session) = if it.remote_on_device {
             job.lease(self, &it.segment)?;
-            match job.free_remote.get_mut(&seg).and_then(|f| f.take(len)) {
-                Some(s) => Some(s),
+            match job.take_remote(it.segment.id, len) {
+                Some((piece, session)) => (Some(piece), session),
                 None => return Ok(None),
             }
         } else {
-            None
+            (None, 0)
         };
         let mut c = Chunk {
             item: i,
@@ -301,6 +305,7 @@ impl Shared {
             started: 0,
             local_slot,
             remote_slot,
+            session,
             stream: None,
             phase: Phase::Done,
         };
@@ -374,7 +379,7 @@ impl Shared {
             .map_or(b.local_addr + c.off, |s| s.addr);
         let (remote, view) = match c.remote_slot {
             Some(slot) => {
-                let lease = job.leases.get(&it.segment.id).ok_or_else(|| {
+                let lease = job.leases.get(&(it.segment.id, c.session)).ok_or_else(|| {
                     Error::new(ErrorCode::Internal, "a staged chunk lost its session")
                 })?;
                 let view = lease.view().clone();
@@ -527,7 +532,7 @@ impl Shared {
         }
         if let Some(slot) = c.remote_slot {
             let seg = job.items.ends_of(c.item).segment.id;
-            if let Some(f) = job.free_remote.get_mut(&seg) {
+            if let Some(f) = job.free_remote.get_mut(&(seg, c.session)) {
                 f.give(slot);
             }
         }
@@ -542,11 +547,15 @@ struct Job<'a> {
     /// The requests' completion groups (shared by a staged run's).
     groups: Groups,
     batch: &'a Batch,
-    /// The session used with each peer, for the whole job.
-    leases: HashMap<SegmentId, StagingLease>,
-    free_remote: HashMap<SegmentId, Space>,
+    /// The sessions used with each peer, for the whole job.
+    leases: HashMap<Session, StagingLease>,
+    /// How many sessions each peer lent this job (SESSIONS, or fewer).
+    sessions: HashMap<SegmentId, usize>,
+    /// The session the next chunk tries first (chunks alternate).
+    next_session: usize,
+    free_remote: HashMap<Session, Space>,
     /// The peers' replies to copy requests, matched to chunks.
-    replies: Replies<(usize, u64)>,
+    replies: Replies<Session, (usize, u64)>,
     /// Requests that go alone, never packed (their packed run was refused).
     alone: HashSet<usize>,
     /// Peers this job could not open a staging session with, and why.
@@ -566,7 +575,10 @@ impl Chunk {
 }
 
 impl Job<'_> {
-    /// The session with `segment`'s peer for this job, opened on first use.
+    /// The first session with `segment`'s peer for this job; the job's
+    /// SESSIONS sessions with it are opened on first use, each lent its
+    /// share of the depth's slots (a peer that lends only the first one
+    /// serves the job on it alone).
     fn lease(&mut self, shared: &Shared, segment: &Arc<RemoteSegment>) -> Result<&StagingLease> {
         let seg = segment.id;
         if let Some(e) = self.no_session.get(&seg) {
@@ -574,18 +586,44 @@ impl Job<'_> {
             // that is down must not each wait out a connection attempt.
             return Err(e.clone());
         }
-        if !self.leases.contains_key(&seg) {
-            let lease = shared.remote_staging(segment).inspect_err(|e| {
-                self.no_session.insert(seg, e.clone());
-            })?;
+        if !self.sessions.contains_key(&seg) {
             let (unit, _) = slot_geometry(shared.staging.chunk);
-            self.free_remote
-                .insert(seg, Space::new(lease.view().buffers.len(), unit));
-            self.leases.insert(seg, lease);
+            let mut opened = 0;
+            for k in 0..SESSIONS {
+                match shared.remote_staging(segment) {
+                    Ok(lease) => {
+                        let space = Space::new(lease.view().buffers.len(), unit);
+                        self.free_remote.insert((seg, k), space);
+                        self.leases.insert((seg, k), lease);
+                        opened += 1;
+                    }
+                    Err(e) if k == 0 => {
+                        self.no_session.insert(seg, e.clone());
+                        return Err(e);
+                    }
+                    Err(e) => {
+                        log::debug!("{}: one staging session only ({e})", segment.name);
+                        break;
+                    }
+                }
+            }
+            self.sessions.insert(seg, opened);
         }
         self.leases
-            .get(&seg)
+            .get(&(seg, 0))
             .ok_or_else(|| Error::new(ErrorCode::Internal, "a staging session vanished"))
+    }
+
+    /// Room for `len` bytes in the peer's slots, in the session after the
+    /// last one used that has it: the piece and its session.
+    fn take_remote(&mut self, seg: SegmentId, len: u64) -> Option<(Piece, usize)> {
+        let n = self.sessions.get(&seg).copied().unwrap_or(0);
+        (0..n).find_map(|k| {
+            let s = (self.next_session + k) % n;
+            let piece = self.free_remote.get_mut(&(seg, s))?.take(len)?;
+            self.next_session = s + 1;
+            Some((piece, s))
+        })
     }
 
     /// A packed run's copies between local device memory and the local
@@ -630,7 +668,7 @@ impl Job<'_> {
             .ok_or_else(|| Error::new(ErrorCode::Internal, "a staged chunk without a slot"))?;
         let lease = self
             .leases
-            .get_mut(&seg)
+            .get_mut(&(seg, c.session))
             .ok_or_else(|| Error::new(ErrorCode::Internal, "a staged chunk lost its session"))?;
         if c.parts.is_empty() {
             lease.send_copy(to_device, slot, c.len, b.remote_addr + c.off)?;
@@ -650,7 +688,7 @@ impl Job<'_> {
                 pieces,
             })?;
         }
-        self.replies.sent(seg, (c.item, c.off));
+        self.replies.sent((seg, c.session), (c.item, c.off));
         Ok(())
     }
 
@@ -658,7 +696,7 @@ impl Job<'_> {
     /// until it comes; None when `block` is false and none is ready.
     fn reply_for(&mut self, c: &Chunk, block: bool) -> Option<Result<()>> {
         let key = (c.item, c.off);
-        let seg = self.items.ends_of(c.item).segment.id;
+        let seg = (self.items.ends_of(c.item).segment.id, c.session);
         loop {
             if let Some(r) = self.replies.take(key) {
                 return Some(r);

@@ -5,7 +5,7 @@
 //! alone.
 
 use super::protocol::CopyDone;
-use crate::engine::request::{Op, SegmentId};
+use crate::engine::request::Op;
 use crate::error::{Error, ErrorCode, Result};
 use smallvec::SmallVec;
 use std::collections::{HashMap, VecDeque};
@@ -194,17 +194,18 @@ impl Groups {
     }
 }
 
-/// A peer answers copy requests in the order it got them; chunks look for
-/// their replies in any order. `K` names a chunk.
-pub(super) struct Replies<K> {
-    /// Per peer, the chunks whose requests await replies, oldest first.
-    awaiting: HashMap<SegmentId, VecDeque<K>>,
+/// A peer answers copy requests in the order it got them, on each of its
+/// sessions; chunks look for their replies in any order. `P` names a
+/// session with a peer, `K` a chunk.
+pub(super) struct Replies<P, K> {
+    /// Per session, the chunks whose requests await replies, oldest first.
+    awaiting: HashMap<P, VecDeque<K>>,
     /// Replies read for chunks that were not being looked at.
     ready: HashMap<K, Result<()>>,
 }
 
-impl<K: std::hash::Hash + Eq + Copy> Replies<K> {
-    pub(super) fn new() -> Replies<K> {
+impl<P: std::hash::Hash + Eq + Copy, K: std::hash::Hash + Eq + Copy> Replies<P, K> {
+    pub(super) fn new() -> Replies<P, K> {
         Replies {
             awaiting: HashMap::new(),
             ready: HashMap::new(),
@@ -212,12 +213,12 @@ impl<K: std::hash::Hash + Eq + Copy> Replies<K> {
     }
 
     /// Chunk `key` sent a request to `peer`.
-    pub(super) fn sent(&mut self, peer: SegmentId, key: K) {
+    pub(super) fn sent(&mut self, peer: P, key: K) {
         self.awaiting.entry(peer).or_default().push_back(key);
     }
 
     /// Whether any chunk awaits a reply from `peer`.
-    pub(super) fn awaiting(&self, peer: SegmentId) -> bool {
+    pub(super) fn awaiting(&self, peer: P) -> bool {
         self.awaiting.get(&peer).is_some_and(|q| !q.is_empty())
     }
 
@@ -229,7 +230,7 @@ impl<K: std::hash::Hash + Eq + Copy> Replies<K> {
     /// The next reply from `peer` was read: it is the oldest awaiting
     /// chunk's. When the connection `broke`, no later reply will come:
     /// every chunk still awaiting one gets the same error.
-    pub(super) fn read(&mut self, peer: SegmentId, r: Result<()>, broke: bool) -> Result<()> {
+    pub(super) fn read(&mut self, peer: P, r: Result<()>, broke: bool) -> Result<()> {
         let queue = self.awaiting.entry(peer).or_default();
         let Some(front) = queue.pop_front() else {
             return Err(Error::new(

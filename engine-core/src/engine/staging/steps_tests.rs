@@ -164,8 +164,28 @@ fn a_broken_connection_fails_every_chunk_still_awaiting_its_peer() {
 }
 
 #[test]
+fn two_sessions_with_one_peer_answer_each_in_its_own_order() {
+    // A job's chunks alternate between its sessions with a peer: a reply
+    // on session 1 is the oldest of session 1's, whatever session 0 awaits.
+    let mut r = Replies::new();
+    r.sent((7, 0), 'a');
+    r.sent((7, 1), 'b');
+    r.sent((7, 0), 'c');
+    r.read((7, 1), Ok(()), false).unwrap();
+    assert_eq!(r.take('b'), Some(Ok(())));
+    assert_eq!(r.take('a'), None);
+    assert!(r.awaiting((7, 0)) && !r.awaiting((7, 1)));
+    r.read((7, 0), Err(err(ErrorCode::Connection, "reset")), true)
+        .unwrap();
+    assert_eq!(
+        r.take('c').unwrap().unwrap_err().code,
+        ErrorCode::Connection
+    );
+}
+
+#[test]
 fn a_reply_to_nothing_asked_is_an_error_not_a_panic() {
-    let mut r: Replies<char> = Replies::new();
+    let mut r: Replies<u64, char> = Replies::new();
     assert_eq!(
         r.read(7, Ok(()), false).unwrap_err().code,
         ErrorCode::Internal
