@@ -16,11 +16,13 @@ use crate::memory::{LocalBuffer, Visibility};
 use parking_lot::{Condvar, Mutex};
 use std::sync::Arc;
 
-/// Staging sessions a job opens with each peer, the depth's slots shared
-/// out among them. The peer answers a session's copy requests one at a
-/// time (waiting for its GPU before it replies), on one control worker
-/// each: with two, one list's checks and launch overlap the other's
-/// device copy, and a job's chunks alternate between them.
+/// Staging sessions a large job opens with each peer, the depth's slots
+/// shared out among them. The peer answers a session's copy requests one
+/// at a time (waiting for its GPU before it replies), on one control
+/// worker each: with two, one list's checks and launch overlap the
+/// other's device copy, and a job's chunks alternate between them. A job
+/// that fills fewer than SESSIONS windows (depth x chunk each) opens one:
+/// every session holds a control connection, and a host's are capped.
 pub(crate) const SESSIONS: usize = 2;
 
 /// A session borrowed from a segment's idle sessions; given back when
@@ -180,9 +182,19 @@ impl Shared {
             .ok_or_else(|| Error::new(ErrorCode::Internal, "a staging slot is not registered"))
     }
 
-    /// A staging session with a peer: an idle one, or a new one lent its
-    /// share of the depth's slots (a job opens SESSIONS of them).
+    /// A staging session with a peer: an idle one, or a new one lent the
+    /// depth's slots.
     pub(crate) fn remote_staging(&self, seg: &Arc<RemoteSegment>) -> Result<StagingLease> {
+        self.remote_staging_of(seg, self.staging.depth)
+    }
+
+    /// A staging session with a peer: an idle one, or a new one lent
+    /// `slots` slots (a job of SESSIONS sessions asks each for its share).
+    pub(crate) fn remote_staging_of(
+        &self,
+        seg: &Arc<RemoteSegment>,
+        slots: usize,
+    ) -> Result<StagingLease> {
         // An idle session whose connection the peer closed (or is about to
         // close: FERRY_IDLE_TIMEOUT_S) is dropped, and its slots with it.
         loop {
@@ -200,7 +212,7 @@ impl Shared {
         let control = seg.view.read().descriptor.control_addr().to_string();
         let mut client = ControlClient::connect(&control, &self.node.link)?;
         let body = serde_json::to_vec(&OpenRequest {
-            slots: self.staging.depth.div_ceil(SESSIONS),
+            slots,
             slot_len: slot_geometry(self.staging.chunk).1,
         })
         .map_err(|e| Error::new(ErrorCode::Internal, e.to_string()))?;

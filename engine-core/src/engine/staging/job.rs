@@ -79,6 +79,7 @@ impl Shared {
             groups: Groups::new(items.blocks.iter().map(|b| b.group)),
             said_alone: false,
             batch: &batch,
+            bytes: items.blocks.iter().map(|b| b.length).sum(),
             leases: HashMap::new(),
             sessions: HashMap::new(),
             next_session: 0,
@@ -547,6 +548,8 @@ struct Job<'a> {
     /// The requests' completion groups (shared by a staged run's).
     groups: Groups,
     batch: &'a Batch,
+    /// Bytes the whole job moves.
+    bytes: u64,
     /// The sessions used with each peer, for the whole job.
     leases: HashMap<Session, StagingLease>,
     /// How many sessions each peer lent this job (SESSIONS, or fewer).
@@ -575,9 +578,10 @@ impl Chunk {
 }
 
 impl Job<'_> {
-    /// The first session with `segment`'s peer for this job; the job's
-    /// SESSIONS sessions with it are opened on first use, each lent its
-    /// share of the depth's slots (a peer that lends only the first one
+    /// The first session with `segment`'s peer for this job, its sessions
+    /// opened on first use: SESSIONS for a job of SESSIONS windows or more
+    /// (depth x chunk each), each lent its share of the depth's slots,
+    /// else one lent them all (a peer that lends only the first of several
     /// serves the job on it alone).
     fn lease(&mut self, shared: &Shared, segment: &Arc<RemoteSegment>) -> Result<&StagingLease> {
         let seg = segment.id;
@@ -588,9 +592,15 @@ impl Job<'_> {
         }
         if !self.sessions.contains_key(&seg) {
             let (unit, _) = slot_geometry(shared.staging.chunk);
+            let window = shared.staging.depth as u64 * shared.staging.chunk;
+            let wanted = match self.bytes >= SESSIONS as u64 * window {
+                true => SESSIONS,
+                false => 1,
+            };
+            let slots = shared.staging.depth.div_ceil(wanted);
             let mut opened = 0;
-            for k in 0..SESSIONS {
-                match shared.remote_staging(segment) {
+            for k in 0..wanted {
+                match shared.remote_staging_of(segment, slots) {
                     Ok(lease) => {
                         let space = Space::new(lease.view().buffers.len(), unit);
                         self.free_remote.insert((seg, k), space);
@@ -607,6 +617,11 @@ impl Job<'_> {
                     }
                 }
             }
+            log::debug!(
+                "{}: {opened} staging session(s) of {slots} slots for a job of {} bytes",
+                segment.name,
+                self.bytes
+            );
             self.sessions.insert(seg, opened);
         }
         self.leases
