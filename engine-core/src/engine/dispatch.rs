@@ -56,13 +56,13 @@ impl Shared {
             let tally = self.tally(
                 &mut flows,
                 None,
-                item.op,
-                &item.local,
+                item.ends.op,
+                &item.ends.local,
                 0,
-                &item.segment,
+                &item.ends.segment,
                 item.length,
             );
-            item.group = group_of(batch.add_group(base + *i, 1, item.local.clone(), tally));
+            item.group = group_of(batch.add_group(base + *i, 1, item.ends.local.clone(), tally));
         }
         let (by_target, lists) = self.group_by_target(batch, base, &routed, &mut flows, retry);
         if let Some(e) = self.unregistered_meanwhile(&routed, &staged) {
@@ -200,18 +200,14 @@ impl Shared {
         let (i, addr) = routed
             .iter()
             .map(|p| (p.first, &p.local))
-            .chain(staged.iter().map(|(i, it)| (*i, &it.local)))
+            .chain(staged.iter().map(|(i, it)| (*i, &it.ends.local)))
             .filter(|(_, local)| {
                 let again = checked.is_some_and(|c| Arc::ptr_eq(c, local));
                 checked = Some(local);
                 !again
             })
             .find(|(_, local)| {
-                local.visibility != Visibility::Unregistered
-                    && !self
-                        .memory
-                        .find(local.addr, 1)
-                        .is_some_and(|b| Arc::ptr_eq(&b, local))
+                local.visibility != Visibility::Unregistered && !self.still_registered(local)
             })
             .map(|(i, local)| (i, local.addr))?;
         Some(Error::new(
@@ -548,11 +544,7 @@ impl Shared {
         local: &Arc<LocalBuffer>,
         unregistered: impl FnOnce(u64) -> String,
     ) -> Result<()> {
-        let still = self
-            .memory
-            .find(local.addr, 1)
-            .is_some_and(|b| Arc::ptr_eq(&b, local));
-        let handed = if still {
+        let handed = if self.still_registered(local) {
             self.hand_over_list(batch, &list)
         } else {
             let e = Error::new(ErrorCode::OutOfBounds, unregistered(local.addr));
@@ -561,6 +553,14 @@ impl Shared {
         };
         recycle_blocks(list.into_blocks());
         handed
+    }
+
+    /// Whether `local` is still the buffer registered at its address: it
+    /// may have been unregistered since a submission found it.
+    pub(crate) fn still_registered(&self, local: &Arc<LocalBuffer>) -> bool {
+        self.memory
+            .find(local.addr, 1)
+            .is_some_and(|b| Arc::ptr_eq(&b, local))
     }
 
     /// Hands a block list to its transport; on a refusal its group fails

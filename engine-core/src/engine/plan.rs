@@ -59,18 +59,14 @@ pub(crate) struct Pending {
 pub(crate) struct StagedItem {
     /// Its completion group in the batch (set by dispatch).
     pub(crate) group: usize,
-    pub(crate) op: Op,
-    pub(crate) local: Arc<LocalBuffer>,
+    pub(crate) ends: StagedEnds,
     pub(crate) local_addr: u64,
-    pub(crate) segment: Arc<RemoteSegment>,
     pub(crate) remote_addr: u64,
-    pub(crate) remote_on_device: bool,
     pub(crate) length: u64,
-    /// The transport the caller asked for: it carries the host legs.
-    pub(crate) transport: Option<Arc<str>>,
 }
 
 /// What the blocks of one staged request, or of a staged run, share.
+#[derive(Clone)]
 pub(crate) struct StagedEnds {
     pub(crate) op: Op,
     pub(crate) local: Arc<LocalBuffer>,
@@ -96,7 +92,6 @@ pub(crate) struct StagedBlock {
 /// transport they share. A staged run's 16,384 blocks share one `ends`,
 /// so that no block holds references of its own (counting them up and
 /// down cost a millisecond a batch).
-#[derive(Default)]
 pub(crate) struct StagedWork {
     pub(crate) ends: Vec<StagedEnds>,
     pub(crate) blocks: Vec<StagedBlock>,
@@ -117,13 +112,7 @@ impl StagedWork {
                 remote_addr: it.remote_addr,
                 length: it.length,
             });
-            work.ends.push(StagedEnds {
-                op: it.op,
-                local: it.local,
-                segment: it.segment,
-                remote_on_device: it.remote_on_device,
-                transport: it.transport,
-            });
+            work.ends.push(it.ends);
         }
         work
     }
@@ -318,14 +307,16 @@ impl<T: Candidate> Planner<'_, T> {
                 }
                 let item = StagedItem {
                     group: 0,
-                    op: r.op,
-                    local,
+                    ends: StagedEnds {
+                        op: r.op,
+                        local,
+                        segment: entry.0.clone(),
+                        remote_on_device,
+                        transport: r.transport.clone(),
+                    },
                     local_addr: r.local_addr,
-                    segment: entry.0.clone(),
                     remote_addr: r.remote_addr,
-                    remote_on_device,
                     length: r.length,
-                    transport: r.transport.clone(),
                 };
                 if staged.is_empty() {
                     // A staged request is mostly the first of many.

@@ -199,11 +199,11 @@ impl Shared {
 /// The buffers a staged item lies between: its local buffer, and the
 /// peer's published buffer holding its remote range.
 pub(crate) fn staged_bounds(it: &StagedItem) -> Option<RunBounds> {
-    let view = it.segment.view.read().clone();
+    let view = it.ends.segment.view.read().clone();
     let buffer = &view.buffers[view.find(it.remote_addr, it.length)?];
     Some(RunBounds {
-        local: it.local.addr,
-        local_end: it.local.end(),
+        local: it.ends.local.addr,
+        local_end: it.ends.local.end(),
         remote: buffer.addr,
         remote_end: buffer.addr.checked_add(buffer.len)?,
     })

@@ -7,10 +7,10 @@
 //! an H100 host, most of a batch's submit time), and one staging job runs
 //! them. Also where a staging job is started for any submission.
 //!
-//! Reaches in Shared: `memory`.
+//! Reaches in Shared: none.
 
 use super::dispatch::Flows;
-use super::plan::{StagedBlock, StagedEnds, StagedItem, StagedWork};
+use super::plan::{StagedBlock, StagedItem, StagedWork};
 use super::shared::Shared;
 use crate::batch::{group_of, Batch};
 use crate::error::{Error, ErrorCode, Result};
@@ -50,7 +50,7 @@ impl Shared {
         batch: &Arc<Batch>,
         run: &StagedRun<'_>,
     ) -> Result<()> {
-        let first = run.first;
+        let first = &run.first.ends;
         let total: usize = match run.completion {
             Completion::Once(n) => n,
             Completion::PerBlock(counts) => counts.iter().sum(),
@@ -91,11 +91,7 @@ impl Shared {
         // As dispatch checks (unregistered_meanwhile): the groups now count
         // in the buffer's inflight, so either it is still registered and
         // its unregister waits for them, or nothing starts.
-        let still = self
-            .memory
-            .find(first.local.addr, 1)
-            .is_some_and(|b| Arc::ptr_eq(&b, &first.local));
-        if !still {
+        if !self.still_registered(&first.local) {
             let e = Error::new(
                 ErrorCode::OutOfBounds,
                 format!(
@@ -114,13 +110,7 @@ impl Shared {
             Completion::PerBlock(_) => groups[k],
         };
         let work = StagedWork {
-            ends: vec![StagedEnds {
-                op: first.op,
-                local: first.local.clone(),
-                segment: first.segment.clone(),
-                remote_on_device: first.remote_on_device,
-                transport: first.transport.clone(),
-            }],
+            ends: vec![first.clone()],
             blocks: run
                 .blocks
                 .iter()

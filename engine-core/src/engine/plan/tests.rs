@@ -324,7 +324,7 @@ fn device_memory_no_transport_moves_directly_is_staged() {
     let staged: Vec<(usize, bool, u64)> = plan
         .staged
         .iter()
-        .map(|(i, it)| (*i, it.remote_on_device, it.length))
+        .map(|(i, it)| (*i, it.ends.remote_on_device, it.length))
         .collect();
     assert_eq!(staged, vec![(0, false, 4096), (1, true, 8192)]);
 }
