@@ -80,6 +80,9 @@ struct Group {
     parts: usize,
     /// The first failure of a part, reported with the last part.
     failed_part: Option<Error>,
+    /// Requests of it that failed while the rest went on (fail_within):
+    /// (start, count, bytes, why), finished failed with the group.
+    failed_within: Vec<(usize, usize, u64, Error)>,
     local: Arc<LocalBuffer>,
     done: bool,
     observer: Option<Arc<dyn GroupObserver>>,
@@ -197,6 +200,7 @@ impl Batch {
             count,
             parts: parts.max(1),
             failed_part: None,
+            failed_within: Vec::new(),
             local,
             done: false,
             observer: None,
@@ -220,6 +224,33 @@ impl Batch {
                 g.observer = Some(observer.clone());
                 g.retry = retry.map(|r| (r.clone(), index));
             }
+        }
+    }
+
+    /// Fails requests [start, start + count) of `group`, `bytes` of it,
+    /// while the rest of the group goes on: they finish failed, with `e`,
+    /// when the group completes. A staged list of requests is one group
+    /// (a group per block cost a millisecond a batch to make and finish),
+    /// and a block that fails fails its own requests only. Ignored for a
+    /// range outside the group or a group already done.
+    pub(crate) fn fail_within(
+        &self,
+        group: usize,
+        start: usize,
+        count: usize,
+        bytes: u64,
+        e: Error,
+    ) {
+        let mut st = self.state.lock();
+        let Some(g) = st.groups.get_mut(group) else {
+            return;
+        };
+        let inside = start >= g.start
+            && start
+                .checked_add(count)
+                .is_some_and(|end| end <= g.start + g.count);
+        if !g.done && count > 0 && inside {
+            g.failed_within.push((start, count, bytes, e));
         }
     }
 
@@ -277,13 +308,28 @@ impl Batch {
         let (start, count) = (g.start, g.count);
         let local = g.local.clone();
         let observer = g.observer.take();
-        if let Some(t) = g.tally.take() {
+        // A group that failed whole fails its parts too, with its own error.
+        let within = match result {
+            Ok(()) => std::mem::take(&mut g.failed_within),
+            Err(_) => Vec::new(),
+        };
+        if let Some(mut t) = g.tally.take() {
             let idle = st.requests_pending() == count;
-            st.tally
-                .finish(t, count, result.as_ref().err().map(|e| e.code), idle);
+            let mut failed = 0;
+            for (_, n, bytes, e) in &within {
+                st.tally.fail_part(&mut t, *n, *bytes, e.code);
+                failed += n;
+            }
+            let code = match (&result, within.first()) {
+                (Err(e), _) => Some(e.code),
+                // Every request failed within: the hand-over failed.
+                (Ok(()), Some((.., e))) if failed >= count => Some(e.code),
+                _ => None,
+            };
+            st.tally.finish(t, count.saturating_sub(failed), code, idle);
         }
         local.inflight.fetch_sub(count, Ordering::SeqCst);
-        self.finish(st, start, count, result, observer);
+        self.finish(st, start, count, result, observer, within);
         true
     }
 
@@ -296,12 +342,30 @@ impl Batch {
         count: usize,
         result: std::result::Result<(), Error>,
         observer: Option<Arc<dyn GroupObserver>>,
+        within: Vec<(usize, usize, u64, Error)>,
     ) {
         let ok = result.is_ok();
         match result {
             Ok(()) => {
                 st.states[start..start + count].fill(COMPLETED);
                 st.completed += count;
+                // Inside the group (fail_within checked); were two parts to
+                // overlap, a request still counts failed once.
+                for (at, n, _, e) in within {
+                    let mut newly = 0;
+                    for s in &mut st.states[at..at + n] {
+                        if *s == COMPLETED {
+                            *s = FAILED;
+                            newly += 1;
+                        }
+                    }
+                    st.completed -= newly;
+                    st.failed += newly;
+                    if st.first_error.is_none() {
+                        st.first_error = Some((at, e.clone()));
+                    }
+                    st.failures.push((at, n, e));
+                }
             }
             Err(e) => {
                 if st.first_error.is_none() {
@@ -339,7 +403,7 @@ impl Batch {
             return;
         }
         let st = self.state.lock();
-        self.finish(st, start, count, Ok(()), None);
+        self.finish(st, start, count, Ok(()), None, Vec::new());
     }
 
     /// Fails when the batch carries a notification (it takes no more).
@@ -569,6 +633,57 @@ mod tests {
             registrations: Vec::new(),
             inflight: AtomicUsize::new(0),
         })
+    }
+
+    #[test]
+    fn requests_failed_within_a_group_fail_alone_when_it_completes() {
+        let table = BatchTable::default();
+        let b = table.allocate(8).unwrap();
+        let start = b.reserve(6).unwrap();
+        let buffer = local();
+        let g = group_of(b.add_group(start, 6, buffer.clone(), None));
+        let e = |m: &str| Error::new(ErrorCode::OutOfBounds, m);
+        b.fail_within(g, start + 1, 2, 32, e("block one"));
+        b.fail_within(g, start + 5, 1, 16, e("block three"));
+        // Outside the group, or empty: ignored.
+        b.fail_within(g, start + 5, 2, 16, e("past the end"));
+        b.fail_within(g, start, 0, 0, e("empty"));
+        assert_eq!(b.status().pending, 6, "nothing finishes before the group");
+        assert_eq!(buffer.inflight.load(Ordering::SeqCst), 6);
+        assert!(b.complete_group(g, Ok(())));
+        let st = b.status();
+        assert_eq!((st.completed, st.failed, st.pending), (3, 3, 0));
+        assert_eq!(st.first_error.as_ref().map(|(i, _)| *i), Some(start + 1));
+        let got: Vec<String> = (0..6)
+            .map(|i| match b.request_status(start + i).unwrap() {
+                RequestStatus::Failed(e) => e.message,
+                other => format!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                "Completed",
+                "block one",
+                "block one",
+                "Completed",
+                "Completed",
+                "block three"
+            ]
+        );
+        assert_eq!(buffer.inflight.load(Ordering::SeqCst), 0);
+
+        // A group that fails whole fails every request with its own error.
+        let start = b.reserve(2).unwrap();
+        let g = group_of(b.add_group(start, 2, buffer.clone(), None));
+        b.fail_within(g, start, 1, 8, e("one block"));
+        b.complete_group(g, Err(e("the whole run")));
+        for i in 0..2 {
+            match b.request_status(start + i).unwrap() {
+                RequestStatus::Failed(e) => assert_eq!(e.message, "the whole run"),
+                other => panic!("{other:?}"),
+            }
+        }
     }
 
     /// The hook runs after the last request, not before; the batch stays

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Staged tcp (or SWEEP_TRANSPORT) between two processes on cuda:0 (issue
-# 30's staged goal),
-# 1 MiB and 16 KiB blocks by layout, write and read, under each setting
-# named in SWEEP (default below), every setting against its own 1 MiB rows
-# in the same run. For choosing staging's defaults; not part of run.sh.
+# 30's staged goal), 1 MiB and 16 KiB blocks by layout (or SWEEP_API),
+# write and read, under each setting named in SWEEP (default below), every
+# setting against its own 1 MiB rows in the same run. For choosing staging's defaults; not part of run.sh.
 #
 #   bash tests/gpu/staged-sweep.sh .gpu
 #   SWEEP="FERRY_STAGING_DEPTH=8|FERRY_STAGING_CHUNK=8M" bash tests/gpu/staged-sweep.sh .gpu
+#   SWEEP_TRANSPORT=shm SWEEP_API=requests bash tests/gpu/staged-sweep.sh .gpu
 #
 # Writes sweep.txt (one line per setting: GB/s per row, the 16K/1M ratios,
 # submit p50) and sweep-breakdown.txt (the staging job's account) to $OUT.
@@ -18,6 +18,7 @@ B=$P/bin/ferry
 SWEEP=${SWEEP:-"default|FERRY_STAGING_DEPTH=8|FERRY_STAGING_CHUNK=16M|default"}
 D=${SWEEP_DURATION:-1}
 T=${SWEEP_TRANSPORT:-tcp}
+API=${SWEEP_API:-layout}
 tmp=$(mktemp -d)
 trap 'kill $(cat "$tmp/pid" 2>/dev/null) 2>/dev/null; rm -rf "$tmp"' EXIT
 FERRY_TRANSPORTS=shm,tcp $B bench target --buffer-size 1G --device cuda:0 --layout-block 16K,1M > "$tmp/t" 2> "$tmp/t.err" &
@@ -34,7 +35,7 @@ for s in "${settings[@]}"; do
         for block in 1M 16K; do
             j=$(env FERRY_TRANSPORTS=shm,tcp FERRY_LOG=warn,ferry_core::engine::staging::job=debug $envs \
                 $B bench initiator --pattern kv --batch-bytes 256M --duration "$D" --verify --json \
-                --segment "$seg" --device cuda:0 --transport "$T" --api layout --op $op --block-size $block \
+                --segment "$seg" --device cuda:0 --transport "$T" --api "$API" --op $op --block-size $block \
                 2> "$tmp/i.err")
             if ! echo "$j" | grep -q '"verified":true'; then
                 echo "FAILED $s $op $block: $(tail -n 2 "$tmp/i.err")"; continue

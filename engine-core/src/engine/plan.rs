@@ -81,6 +81,10 @@ pub(crate) struct StagedEnds {
 pub(crate) struct StagedBlock {
     /// Its completion group in the batch.
     pub(crate) group: usize,
+    /// The requests it carries, (first, count), where it fails alone
+    /// while its group goes on (a staged list of requests is one group:
+    /// Batch::fail_within); count 0: a failure fails its group.
+    pub(crate) requests: (u32, u32),
     /// What it shares with other blocks: an index into the work's `ends`.
     pub(crate) ends: usize,
     pub(crate) local_addr: u64,
@@ -107,6 +111,7 @@ impl StagedWork {
         for it in items {
             work.blocks.push(StagedBlock {
                 group: it.group,
+                requests: (0, 0),
                 ends: work.ends.len(),
                 local_addr: it.local_addr,
                 remote_addr: it.remote_addr,

@@ -145,7 +145,7 @@ impl Shared {
 
     /// A run whose first request the planner staged: every request
     /// between the same two buffers is staged as it is (staged_run.rs),
-    /// each block completing its own requests.
+    /// one group whose blocks each fail their own requests only.
     fn submit_staged_requests(
         self: &Arc<Self>,
         batch: &Arc<Batch>,

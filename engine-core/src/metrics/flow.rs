@@ -142,6 +142,12 @@ impl Flow {
     /// `code`.
     pub fn fail(&self, requests: usize, bytes: u64, code: ErrorCode) {
         self.submissions.fetch_add(1, Ordering::Relaxed);
+        self.fail_requests(requests, bytes, code);
+    }
+
+    /// Failed requests of a submission that is counted apart (the rest of
+    /// it went on).
+    pub fn fail_requests(&self, requests: usize, bytes: u64, code: ErrorCode) {
         self.failures[code_index(code)].fetch_add(requests as u64, Ordering::Relaxed);
         self.failed_bytes.fetch_add(bytes, Ordering::Relaxed);
     }

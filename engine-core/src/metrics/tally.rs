@@ -140,6 +140,16 @@ impl BatchTally {
         }
     }
 
+    /// `requests` of group `g`, `bytes` of it, failed while the rest went
+    /// on (Batch::fail_within): they count as failures now, and the group
+    /// finishes with the rest.
+    pub fn fail_part(&mut self, g: &mut GroupTally, requests: usize, bytes: u64, code: ErrorCode) {
+        if let Some(e) = self.entries.get(g.entry as usize) {
+            e.flow.fail_requests(requests, bytes, code);
+        }
+        g.bytes = g.bytes.saturating_sub(bytes);
+    }
+
     /// A group of `requests` finished; `idle`: nothing else in the batch
     /// is pending. Failures are rare and go to their flow at once.
     pub fn finish(

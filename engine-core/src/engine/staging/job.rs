@@ -663,11 +663,20 @@ impl Job<'_> {
     }
 
     fn finish(&mut self, i: usize, r: Result<()>) {
-        if let Some((group, result)) = self
-            .tally
-            .finish(i, r)
-            .and_then(|result| self.groups.finish(i, result))
-        {
+        let Some(result) = self.tally.finish(i, r) else {
+            return;
+        };
+        let b = &self.items.blocks[i];
+        // A block of a list fails its own requests; its group goes on.
+        let result = match (result, b.requests) {
+            (Err(e), (first, n)) if n > 0 => {
+                let (first, n) = (first as usize, n as usize);
+                self.batch.fail_within(b.group, first, n, b.length, e);
+                Ok(())
+            }
+            (result, _) => result,
+        };
+        if let Some((group, result)) = self.groups.finish(i, result) {
             self.batch.complete_group(group, result);
         }
     }
