@@ -215,38 +215,45 @@ impl Shared {
             .slots
             .get(req.slot)
             .ok_or_else(|| bad("no such slot"))?;
-        // Checked whole before anything moves.
-        let mut buffers: Vec<Arc<LocalBuffer>> = Vec::new();
+        // Checked whole before anything moves. A list's pieces lie mostly
+        // in one buffer: the last one found is tried first, and no piece
+        // takes a reference of its own (two atomic operations a piece).
+        let mut buffers: Vec<(Arc<LocalBuffer>, (usize, u32))> = Vec::new();
+        let mut last = 0;
         let mut groups: Vec<((usize, u32), Vec<ferry_device_copy_t>)> = Vec::new();
         for (i, p) in req.pieces.iter().enumerate() {
             // decode_copy_list checked that neither side wraps.
             if p.slot_offset + p.len > slot_len {
                 return Err(bad(&format!("copy list piece {i} falls outside the slot")));
             }
-            let inside =
-                |b: &Arc<LocalBuffer>| b.addr <= p.device_addr && p.device_addr + p.len <= b.end();
-            let buffer = match buffers.iter().rev().find(|b| inside(b)) {
-                Some(b) => b.clone(),
-                None => {
-                    let b = self
-                        .memory
-                        .find(p.device_addr, p.len)
-                        .filter(|b| b.visibility == Visibility::Published && b.device.is_some())
-                        .ok_or_else(|| {
-                            Error::new(
-                                ErrorCode::OutOfBounds,
-                                format!(
-                                    "copy list piece {i}: [{:#x}, +{}) is not inside device \
-                                     memory registered here; the list was refused whole",
-                                    p.device_addr, p.len
-                                ),
-                            )
-                        })?;
-                    buffers.push(b.clone());
-                    b
-                }
+            let inside = |(b, _): &(Arc<LocalBuffer>, (usize, u32))| {
+                b.addr <= p.device_addr && p.device_addr + p.len <= b.end()
             };
-            let key = device_of(&buffer)?;
+            if !buffers.get(last).is_some_and(inside) {
+                last = match buffers.iter().rposition(inside) {
+                    Some(k) => k,
+                    None => {
+                        let b = self
+                            .memory
+                            .find(p.device_addr, p.len)
+                            .filter(|b| b.visibility == Visibility::Published && b.device.is_some())
+                            .ok_or_else(|| {
+                                Error::new(
+                                    ErrorCode::OutOfBounds,
+                                    format!(
+                                        "copy list piece {i}: [{:#x}, +{}) is not inside device \
+                                         memory registered here; the list was refused whole",
+                                        p.device_addr, p.len
+                                    ),
+                                )
+                            })?;
+                        let key = device_of(&b)?;
+                        buffers.push((b, key));
+                        buffers.len() - 1
+                    }
+                };
+            }
+            let key = buffers[last].1;
             let slot = slot_addr + p.slot_offset;
             let copy = if req.to_device {
                 ferry_device_copy_t {
@@ -266,7 +273,7 @@ impl Shared {
                 None => groups.push((key, vec![copy])),
             }
         }
-        for b in &buffers {
+        for (b, _) in &buffers {
             b.inflight.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }
         let mut done = CopyDone {
@@ -299,7 +306,7 @@ impl Shared {
                 }
             }
         }
-        for b in &buffers {
+        for (b, _) in &buffers {
             b.inflight.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
         }
         copied?;
