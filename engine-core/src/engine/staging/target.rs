@@ -118,6 +118,14 @@ impl Shared {
         }
     }
 
+    /// The published device buffer holding `[addr, +len)`: the only
+    /// memory a peer's staged copy may touch here.
+    fn published_device(&self, addr: u64, len: u64) -> Option<Arc<LocalBuffer>> {
+        self.memory
+            .find(addr, len)
+            .filter(|b| b.visibility == Visibility::Published && b.device.is_some())
+    }
+
     /// Copies between a lent slot and device memory this engine registered.
     pub(crate) fn stage_copy(&self, conn: u64, body: &[u8]) -> Result<(MsgType, Vec<u8>)> {
         let began = Instant::now();
@@ -142,9 +150,7 @@ impl Shared {
             return Err(bad("range outside the slot"));
         }
         let buffer = self
-            .memory
-            .find(req.device_addr, req.len)
-            .filter(|b| b.visibility == Visibility::Published && b.device.is_some())
+            .published_device(req.device_addr, req.len)
             .ok_or_else(|| {
                 Error::new(
                     ErrorCode::OutOfBounds,
@@ -233,20 +239,16 @@ impl Shared {
                 last = match buffers.iter().rposition(inside) {
                     Some(k) => k,
                     None => {
-                        let b = self
-                            .memory
-                            .find(p.device_addr, p.len)
-                            .filter(|b| b.visibility == Visibility::Published && b.device.is_some())
-                            .ok_or_else(|| {
-                                Error::new(
-                                    ErrorCode::OutOfBounds,
-                                    format!(
-                                        "copy list piece {i}: [{:#x}, +{}) is not inside device \
-                                         memory registered here; the list was refused whole",
-                                        p.device_addr, p.len
-                                    ),
-                                )
-                            })?;
+                        let b = self.published_device(p.device_addr, p.len).ok_or_else(|| {
+                            Error::new(
+                                ErrorCode::OutOfBounds,
+                                format!(
+                                    "copy list piece {i}: [{:#x}, +{}) is not inside device \
+                                     memory registered here; the list was refused whole",
+                                    p.device_addr, p.len
+                                ),
+                            )
+                        })?;
                         let key = device_of(&b)?;
                         buffers.push((b, key));
                         buffers.len() - 1
