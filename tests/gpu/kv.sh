@@ -206,6 +206,24 @@ for t in shm tcp; do
         done
     done
 done
+# What the memory itself allows: each host run's initiator also copies the
+# same number of blocks of its size between shuffled places on one thread,
+# no transport. Its 4K and 16K ratios to 1 MiB are the ceiling the host
+# rows' ratios are read against.
+{
+    echo "the memory's own scattered copy (one thread, no transport), x its 1 MiB blocks, same run:"
+    for t in shm tcp; do
+        for op in write read; do
+            line="  $t/$op:"
+            s1=$(echo "${KV_ROWS[host-$t/$op/1M]:-}" | field scattered_memcpy_gb_per_s)
+            for block in 4K 16K; do
+                s=$(echo "${KV_ROWS[host-$t/$op/$block]:-}" | field scattered_memcpy_gb_per_s)
+                line="$line $block $(awk -v a="${s:-0}" -v b="${s1:-0}" 'BEGIN { printf (b > 0) ? "%.2f" : "-", a / b }')"
+            done
+            echo "$line"
+        done
+    done
+} | tee "$OUT/kv-host-memory.txt"
 fi
 kill $(cat "$tmp_kv/pids") 2>/dev/null
 rm -rf "$tmp_kv"
