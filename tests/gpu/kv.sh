@@ -208,8 +208,9 @@ for t in shm tcp; do
 done
 # What the memory itself allows: each host run's initiator also copies the
 # same number of blocks of its size between shuffled places on one thread,
-# no transport. Its 4K and 16K ratios to 1 MiB are the ceiling the host
-# rows' ratios are read against.
+# no transport. Its 4K and 16K ratios to 1 MiB are what the host rows'
+# ratios are read against (a reference, not a bound: the transports copy
+# on several threads).
 {
     echo "the memory's own scattered copy (one thread, no transport), x its 1 MiB blocks, same run:"
     for t in shm tcp; do
@@ -218,7 +219,7 @@ done
             s1=$(echo "${KV_ROWS[host-$t/$op/1M]:-}" | field scattered_memcpy_gb_per_s)
             for block in 4K 16K; do
                 s=$(echo "${KV_ROWS[host-$t/$op/$block]:-}" | field scattered_memcpy_gb_per_s)
-                line="$line $block $(awk -v a="${s:-0}" -v b="${s1:-0}" 'BEGIN { printf (b > 0) ? "%.2f" : "-", a / b }')"
+                line="$line $block $(awk -v a="${s:-0}" -v b="${s1:-0}" 'BEGIN { print (b > 0) ? sprintf("%.2f", a / b) : "-" }')"
             done
             echo "$line"
         done
