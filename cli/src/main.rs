@@ -71,7 +71,7 @@ shows the settings in effect):
   FERRY_STAGING_DEPTH            staged chunks in flight per job (4)
   FERRY_CUDA_LIBRARY             the CUDA driver library (libcuda.so.1)
  Transports
-  FERRY_TCP_CONNECTIONS          TCP connections per peer (4)
+  FERRY_TCP_CONNECTIONS          TCP connections per peer (one per I/O thread, >= 4)
   FERRY_TCP_FRAME_BYTES          bytes of requests per TCP frame (4194304)
   FERRY_TCP_STRIPE_BYTES         requests of twice this are striped (1048576)
   FERRY_TCP_SPIN_US              a target connection polls this long (50)
