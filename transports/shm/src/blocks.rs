@@ -5,8 +5,10 @@
 //! list's extent against the peer's registration (and our mapping of it),
 //! one copy lock, one hand-off to the copy threads (each takes runs of
 //! blocks) and one completion. Per block there is only its copy: a
-//! streaming copy without its own fence on the mapped path, one iovec of a
-//! process_vm_writev/readv of up to IOV_MAX blocks by cross-memory attach.
+//! streaming copy without its own fence on the mapped path (the copy
+//! threads work out each block's addresses from the list itself), one
+//! iovec of a process_vm_writev/readv of up to IOV_MAX blocks by
+//! cross-memory attach.
 
 use crate::copy::{self, Piece};
 use crate::endpoint::Key;
@@ -83,22 +85,10 @@ impl ShmInstance {
                 list.remote_addr
             }
         };
-        let mut total = 0u64;
-        let pieces: Vec<Piece> = list
+        let total = list
             .blocks
             .iter()
-            .enumerate()
-            .map(|(i, b)| {
-                total += b.length;
-                Piece {
-                    req: i,
-                    op: list.op,
-                    local: list.local_addr + b.local_offset,
-                    remote: remote_start + b.remote_offset,
-                    len: b.length,
-                }
-            })
-            .collect();
+            .fold(0u64, |t, b| t.saturating_add(b.length));
         let pool = (copy::parts_for(total, 2) > 1)
             .then(|| inst.pools.near(inst.numa_node_of(list.local_mem)))
             .flatten();
@@ -107,14 +97,23 @@ impl ShmInstance {
         let result = match key {
             Key::Map { .. } => {
                 // SAFETY: every remote range lies inside the mapping checked
-                // above (block_extent bounds every block by `remote_end`), which
-                // the copy lock (`mem`) keeps mapped until after the copies; the
-                // local ranges lie in the buffer the engine checked the list
-                // against, or in memory the application submitted unregistered
-                // (FERRY_TRANSPORT_LOCAL_UNREGISTERED) that must stay valid until
-                // completion.
-                let finished =
-                    unsafe { copy::mapped(pool.as_deref(), &pieces, parts, inst.nontemporal) };
+                // above (block_extent bounds every block by `remote_end` from
+                // `remote_start`), which the copy lock (`mem`) keeps mapped
+                // until after the copies; the local ranges lie in the buffer
+                // the engine checked the list against, or in memory the
+                // application submitted unregistered
+                // (FERRY_TRANSPORT_LOCAL_UNREGISTERED) that must stay valid
+                // until completion.
+                let finished = unsafe {
+                    copy::mapped_blocks(
+                        pool.as_deref(),
+                        list.op,
+                        (list.local_addr, remote_start),
+                        list.blocks,
+                        parts,
+                        inst.nontemporal,
+                    )
+                };
                 if finished {
                     Ok(())
                 } else {
@@ -122,6 +121,18 @@ impl ShmInstance {
                 }
             }
             Key::Cma { .. } => {
+                let pieces: Vec<Piece> = list
+                    .blocks
+                    .iter()
+                    .enumerate()
+                    .map(|(i, b)| Piece {
+                        req: i,
+                        op: list.op,
+                        local: list.local_addr + b.local_offset,
+                        remote: remote_start + b.remote_offset,
+                        len: b.length,
+                    })
+                    .collect();
                 // SAFETY: the local ranges lie in the buffer the engine checked
                 // the list against (or memory submitted unregistered that must
                 // stay valid until completion); the kernel checks the remote
