@@ -109,7 +109,7 @@ impl ShmInstance {
                         pool.as_deref(),
                         list.op,
                         (list.local_addr, remote_start),
-                        list.blocks,
+                        (list.blocks, total),
                         parts,
                         inst.nontemporal,
                     )

@@ -138,11 +138,11 @@ fn run_parts(
     match pool {
         Some(pool) if parts > 1 && pool.helpers() > 0 => {
             let lengths = || pieces.iter().map(|p| p.len);
-            let total = lengths().fold(0u64, u64::saturating_add);
-            let share = total.div_ceil(parts as u64).max(1);
-            if lengths().all(|n| n <= share) {
+            let share = lengths()
+                .fold(0u64, u64::saturating_add)
+                .div_ceil(parts as u64);
+            if let Some(starts) = run_starts(lengths(), share) {
                 // Runs of whole pieces: slices of `pieces`, nothing copied.
-                let starts = run_starts(lengths(), share);
                 return pool.run(
                     starts.len() - 1,
                     &|i| one(&pieces[starts[i]..starts[i + 1]]),
@@ -192,7 +192,8 @@ unsafe fn mapped_with(pool: Option<&Pool>, pieces: &[Piece], parts: usize, nt: b
 /// again by `split`, before any copy thread could start; what is left
 /// before them (the list's checks, its total, the runs) takes 0.4 ms. A
 /// list with a block longer than a part's share (a few large blocks) goes
-/// through [`mapped`], which cuts them. False when a part did not finish.
+/// through [`mapped`], which cuts them. `total`: the blocks' bytes. False
+/// when a part did not finish.
 ///
 /// # Safety
 /// Every block's local range (from `local`) must be valid memory of this
@@ -202,7 +203,7 @@ pub unsafe fn mapped_blocks(
     pool: Option<&Pool>,
     op: Op,
     (local, remote): (u64, u64),
-    blocks: &[Block],
+    (blocks, total): (&[Block], u64),
     parts: usize,
     nt: NonTemporal,
 ) -> bool {
@@ -216,11 +217,7 @@ pub unsafe fn mapped_blocks(
             len: b.length,
         }
     };
-    let (total, longest) = blocks.iter().fold((0u64, 0u64), |(t, m), b| {
-        (t.saturating_add(b.length), m.max(b.length))
-    });
     let parts = parts.max(1);
-    let share = total.div_ceil(parts as u64).max(1);
     let threads = pool.map_or(1, |p| p.helpers() + 1).min(parts);
     let nt = nt.applies(total / threads as u64);
     let Some(pool) = pool.filter(|p| parts > 1 && p.helpers() > 0) else {
@@ -228,12 +225,12 @@ pub unsafe fn mapped_blocks(
         let one = || unsafe { copy_run(blocks.len(), piece, nt) };
         return std::panic::catch_unwind(std::panic::AssertUnwindSafe(one)).is_ok();
     };
-    if longest > share {
+    let share = total.div_ceil(parts as u64);
+    let Some(starts) = run_starts(blocks.iter().map(|b| b.length), share) else {
         let pieces: Vec<Piece> = (0..blocks.len()).map(piece).collect();
         // SAFETY: the same ranges, as pieces: this function's `# Safety`.
         return unsafe { mapped_with(Some(pool), &pieces, parts, nt) };
-    }
-    let starts = run_starts(blocks.iter().map(|b| b.length), share);
+    };
     pool.run(starts.len() - 1, &|i| {
         let first = starts[i];
         // SAFETY: blocks first..starts[i + 1] of the list, each covered by
@@ -243,17 +240,21 @@ pub unsafe fn mapped_blocks(
 }
 
 /// Where runs of whole pieces (of these lengths) of about `share` bytes
-/// each start: one more entry than runs, the last the end. A piece goes to
-/// the run its middle byte falls in, so with pieces no longer than `share`
-/// every run is within a piece of `share` (closing a run only once it held
-/// `share` made runs of two 60 KiB pieces where 64 KiB was meant, leaving
-/// half the copy threads without one).
-fn run_starts(lengths: impl ExactSizeIterator<Item = u64>, share: u64) -> Vec<usize> {
+/// each start: one more entry than runs, the last the end; None when a
+/// piece is longer than `share` (it is to be cut). A piece goes to the run
+/// its middle byte falls in, so every run is within a piece of `share`
+/// (closing a run only once it held `share` made runs of two 60 KiB pieces
+/// where 64 KiB was meant, leaving half the copy threads without one).
+fn run_starts(lengths: impl ExactSizeIterator<Item = u64>, share: u64) -> Option<Vec<usize>> {
     let n = lengths.len();
+    let share = share.max(1);
     let mut starts = vec![0];
     let (mut before, mut run) = (0u64, 0u64);
     for (k, len) in lengths.enumerate() {
-        let of = before.saturating_add(len / 2) / share.max(1);
+        if len > share {
+            return None;
+        }
+        let of = before.saturating_add(len / 2) / share;
         if of > run && k > 0 {
             starts.push(k);
             run = of;
@@ -261,7 +262,7 @@ fn run_starts(lengths: impl ExactSizeIterator<Item = u64>, share: u64) -> Vec<us
         before = before.saturating_add(len);
     }
     starts.push(n);
-    starts
+    Some(starts)
 }
 
 /// Copies pieces `piece(0..n)` on this thread, touching each small one's
@@ -637,10 +638,11 @@ mod tests {
             for nt in [NonTemporal::Off, NonTemporal::From(1)] {
                 let mut dst = vec![0u8; src.len()];
                 let ends = (src.as_ptr() as u64, dst.as_mut_ptr() as u64);
+                let total = blocks.iter().map(|b| b.length).sum();
+                let list = (&blocks[..], total);
                 // SAFETY: every block lies inside the first 8 MiB of src
                 // and dst, both alive meanwhile.
-                let done =
-                    unsafe { mapped_blocks(Some(&pool), Op::Write, ends, blocks, parts, nt) };
+                let done = unsafe { mapped_blocks(Some(&pool), Op::Write, ends, list, parts, nt) };
                 assert!(done);
                 for b in blocks.iter() {
                     let (l, r, n) = (
@@ -676,12 +678,13 @@ mod tests {
                 .collect::<Vec<u8>>()
         );
         let lengths = |b: &[Block]| b.iter().map(|b| b.length).collect::<Vec<_>>().into_iter();
-        let starts = run_starts(lengths(&small), 1 << 20);
+        let starts = run_starts(lengths(&small), 1 << 20).unwrap();
         assert_eq!(starts, vec![0, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]);
-        assert_eq!(run_starts(lengths(&small[..1]), 1 << 20), vec![0, 1]);
-        let starts = run_starts([60 << 10; 17].into_iter(), 64 << 10);
+        assert_eq!(run_starts(lengths(&small[..1]), 1 << 20), Some(vec![0, 1]));
+        let starts = run_starts([60 << 10; 17].into_iter(), 64 << 10).unwrap();
         assert_eq!(starts.len() - 1, 16, "{starts:?}");
-        assert_eq!(run_starts([].into_iter(), 1), vec![0, 0]);
+        assert_eq!(run_starts([].into_iter(), 1), Some(vec![0, 0]));
+        assert_eq!(run_starts(lengths(&large), 1 << 20), None);
     }
 
     #[test]
