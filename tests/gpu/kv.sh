@@ -10,8 +10,8 @@
 # Writes kv.md (the table), kv.jsonl, kv-staged-ratios.txt and
 # kv-staging-breakdown.txt (where each staged batch's time went, from the
 # initiator's debug line) and kv-host-rounds.txt (each host round's GB/s)
-# into $OUT. Exits 1 when a run failed or was not
-# verified; a run below its goal is not a failure.
+# into $OUT. Exits 1 when a run failed or was not verified; a run below its
+# goal is not a failure.
 set -uo pipefail
 P=${1:-.gpu}
 OUT=${OUT:-$(mktemp -d)}
@@ -225,8 +225,8 @@ done
 # What the memory itself allows: each host run's initiator also copies the
 # same number of blocks of its size between shuffled places on one thread,
 # no transport (the last round's runs shown). Its 4K and 16K ratios to 1 MiB
-# are what the host rows' ratios are read against (a reference, not a bound: the transports copy
-# on several threads).
+# are what the host rows' ratios are read against (a reference, not a
+# bound: the transports copy on several threads).
 {
     echo "the memory's own scattered copy (one thread, no transport), x its 1 MiB blocks, same run:"
     for t in shm tcp; do

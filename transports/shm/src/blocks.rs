@@ -121,17 +121,9 @@ impl ShmInstance {
                 }
             }
             Key::Cma { .. } => {
-                let pieces: Vec<Piece> = list
-                    .blocks
-                    .iter()
-                    .enumerate()
-                    .map(|(i, b)| Piece {
-                        req: i,
-                        op: list.op,
-                        local: list.local_addr + b.local_offset,
-                        remote: remote_start + b.remote_offset,
-                        len: b.length,
-                    })
+                let ends = (list.local_addr, remote_start);
+                let pieces: Vec<Piece> = (list.blocks.iter().enumerate())
+                    .map(|(k, b)| copy::block_piece(list.op, ends, k, b))
                     .collect();
                 // SAFETY: the local ranges lie in the buffer the engine checked
                 // the list against (or memory submitted unregistered that must

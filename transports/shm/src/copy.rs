@@ -128,20 +128,18 @@ pub fn split(pieces: &[Piece], parts: usize) -> (Vec<Piece>, Vec<usize>) {
 }
 
 /// Runs `one(run of pieces)` for every part, on the pool when there is
-/// more than one part and a pool. False when a part did not finish.
+/// more than one part and a pool; `total`: the pieces' bytes. False when a
+/// part did not finish.
 fn run_parts(
     pool: Option<&Pool>,
-    pieces: &[Piece],
+    (pieces, total): (&[Piece], u64),
     parts: usize,
     one: &(dyn Fn(&[Piece]) + Sync),
 ) -> bool {
     match pool {
         Some(pool) if parts > 1 && pool.helpers() > 0 => {
-            let lengths = || pieces.iter().map(|p| p.len);
-            let share = lengths()
-                .fold(0u64, u64::saturating_add)
-                .div_ceil(parts as u64);
-            if let Some(starts) = run_starts(lengths(), share) {
+            let share = total.div_ceil(parts as u64);
+            if let Some(starts) = run_starts(pieces.iter().map(|p| p.len), share) {
                 // Runs of whole pieces: slices of `pieces`, nothing copied.
                 return pool.run(
                     starts.len() - 1,
@@ -165,17 +163,29 @@ fn run_parts(
 pub unsafe fn mapped(pool: Option<&Pool>, pieces: &[Piece], parts: usize, nt: NonTemporal) -> bool {
     // Decided on a thread's share of the whole submission, not on a part.
     let threads = pool.map_or(1, |p| p.helpers() + 1).min(parts).max(1);
-    let nt = nt.applies(pieces.iter().map(|p| p.len).sum::<u64>() / threads as u64);
+    let total = total_of(pieces);
+    let nt = nt.applies(total / threads as u64);
     // SAFETY: the `# Safety` section of `mapped` is mapped_with's.
-    unsafe { mapped_with(pool, pieces, parts, nt) }
+    unsafe { mapped_with(pool, (pieces, total), parts, nt) }
 }
 
-/// [`mapped`] with the choice of non-temporal stores made.
+/// The bytes of `pieces`.
+fn total_of(pieces: &[Piece]) -> u64 {
+    pieces.iter().fold(0, |t, p| t.saturating_add(p.len))
+}
+
+/// [`mapped`] with the pieces' total bytes known and the choice of
+/// non-temporal stores made.
 ///
 /// # Safety
 /// As [`mapped`].
-unsafe fn mapped_with(pool: Option<&Pool>, pieces: &[Piece], parts: usize, nt: bool) -> bool {
-    run_parts(pool, pieces, parts, &|run| {
+unsafe fn mapped_with(
+    pool: Option<&Pool>,
+    (pieces, total): (&[Piece], u64),
+    parts: usize,
+    nt: bool,
+) -> bool {
+    run_parts(pool, (pieces, total), parts, &|run| {
         // SAFETY: `run` is a sub-run of `pieces` (split only cuts pieces),
         // so the `# Safety` section of mapped_with is copy_run's for each
         // of its pieces.
@@ -207,16 +217,7 @@ pub unsafe fn mapped_blocks(
     parts: usize,
     nt: NonTemporal,
 ) -> bool {
-    let piece = |k: usize| {
-        let b = &blocks[k];
-        Piece {
-            req: k,
-            op,
-            local: local + b.local_offset,
-            remote: remote + b.remote_offset,
-            len: b.length,
-        }
-    };
+    let piece = |k: usize| block_piece(op, (local, remote), k, &blocks[k]);
     let parts = parts.max(1);
     let threads = pool.map_or(1, |p| p.helpers() + 1).min(parts);
     let nt = nt.applies(total / threads as u64);
@@ -229,7 +230,7 @@ pub unsafe fn mapped_blocks(
     let Some(starts) = run_starts(blocks.iter().map(|b| b.length), share) else {
         let pieces: Vec<Piece> = (0..blocks.len()).map(piece).collect();
         // SAFETY: the same ranges, as pieces: this function's `# Safety`.
-        return unsafe { mapped_with(Some(pool), &pieces, parts, nt) };
+        return unsafe { mapped_with(Some(pool), (&pieces, total), parts, nt) };
     };
     pool.run(starts.len() - 1, &|i| {
         let first = starts[i];
@@ -237,6 +238,18 @@ pub unsafe fn mapped_blocks(
         // this function's `# Safety`.
         unsafe { copy_run(starts[i + 1] - first, |k| piece(first + k), nt) }
     })
+}
+
+/// Block `k` of a list whose blocks are offsets from `local` and `remote`,
+/// as the piece to copy (its request: `k`).
+pub fn block_piece(op: Op, (local, remote): (u64, u64), k: usize, b: &Block) -> Piece {
+    Piece {
+        req: k,
+        op,
+        local: local + b.local_offset,
+        remote: remote + b.remote_offset,
+        len: b.length,
+    }
 }
 
 /// Where runs of whole pieces (of these lengths) of about `share` bytes
@@ -348,7 +361,7 @@ pub unsafe fn cma(
     parts: usize,
 ) -> Vec<(usize, Failure)> {
     let failed: Mutex<Vec<(usize, Failure)>> = Mutex::default();
-    let done = run_parts(pool, pieces, parts, &|run| {
+    let done = run_parts(pool, (pieces, total_of(pieces)), parts, &|run| {
         let mut mine = Vec::new();
         // SAFETY: cma_run hands each piece's local range (or a sub-range) to
         // process_vm_readv/writev as a local iovec; `run` is a sub-run of
