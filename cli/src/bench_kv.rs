@@ -388,6 +388,10 @@ struct KvReport {
     /// Host memory: one thread copying the batch's blocks between shuffled
     /// places of two buffers (no transport), GB/s.
     scattered_memcpy_gb_per_s: Option<f64>,
+    /// The same copy split over `scattered_threads` threads (one per CPU
+    /// this process may use, as shm's copy threads are by default), GB/s.
+    scattered_memcpy_parallel_gb_per_s: Option<f64>,
+    scattered_threads: Option<usize>,
     /// gb_per_s / limit_gb_per_s.
     ratio: f64,
     verified: bool,
@@ -547,12 +551,19 @@ pub fn initiator(args: KvArgs) -> Result<(), String> {
             gb_per_s: memcpy_run(batch_bytes as usize, limit_s, 1)?,
         },
     };
-    // Host memory: the same blocks copied scattered by one thread, the
-    // memory system's own cost of this block size (compare its ratio
-    // across block sizes with the transport's).
-    let scattered = match args.device {
-        Some(_) => None,
-        None => Some(scattered_memcpy(s as usize, &sample(n, n, 3), limit_s)?),
+    // Host memory: the same blocks copied scattered by one thread and by
+    // one thread per CPU, the memory system's own cost of this block size
+    // (compare its ratio across block sizes with the transport's).
+    let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let (scattered, parallel) = match args.device {
+        Some(_) => (None, None),
+        None => {
+            let order = sample(n, n, 3);
+            (
+                Some(scattered_memcpy(s as usize, &order, limit_s, 1)?),
+                Some(scattered_memcpy(s as usize, &order, limit_s, cpus)?),
+            )
+        }
     };
     let gb_per_s = bytes as f64 / elapsed / 1e9;
     let submit = Percentiles::of(submit);
@@ -582,6 +593,8 @@ pub fn initiator(args: KvArgs) -> Result<(), String> {
         limit_kind: limit.kind,
         limit_gb_per_s: limit.gb_per_s,
         scattered_memcpy_gb_per_s: scattered,
+        scattered_memcpy_parallel_gb_per_s: parallel,
+        scattered_threads: parallel.map(|_| cpus),
         ratio: if limit.gb_per_s > 0.0 {
             gb_per_s / limit.gb_per_s
         } else {

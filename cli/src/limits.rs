@@ -55,28 +55,77 @@ pub(crate) fn memcpy_run(block: usize, duration: f64, threads: usize) -> Result<
     Ok(bytes.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64() / 1e9)
 }
 
-/// GB/s of one thread copying `total` bytes as `block`-sized blocks from
-/// shuffled places of one buffer to shuffled places of another (`order`
-/// gives both: block i goes from `order[i]` to `order[len - 1 - i]`), for
-/// `duration`: what this machine's memory allows a scattered copy of that
-/// block size, TLB misses and all, with no transport in the way.
-pub(crate) fn scattered_memcpy(block: usize, order: &[u64], duration: f64) -> Result<f64, String> {
-    let total = block * order.len();
-    let src = Buffer::new(total)?;
-    let mut dst = Buffer::new(total)?;
-    let (from, to) = (src.as_slice(), dst.as_mut_slice());
+/// GB/s of `threads` threads copying `total` bytes as `block`-sized blocks
+/// from shuffled places of one buffer to shuffled places of another
+/// (`order` gives both: block i goes from `order[i]` to `order[len - 1 - i]`;
+/// thread t takes the t-th of `threads` equal runs of i), for `duration`:
+/// what this machine's memory allows a scattered copy of that block size,
+/// TLB misses and all, with no transport in the way. `order` must hold
+/// distinct indices (a permutation or a sample of one).
+pub(crate) fn scattered_memcpy(
+    block: usize,
+    order: &[u64],
+    duration: f64,
+    threads: usize,
+) -> Result<f64, String> {
     let n = order.len();
-    let started = Instant::now();
-    let mut bytes = 0u64;
-    while bytes == 0 || started.elapsed().as_secs_f64() < duration {
-        for (i, &s) in order.iter().enumerate() {
-            let (s, d) = (s as usize * block, order[n - 1 - i] as usize * block);
-            to[d..d + block].copy_from_slice(&from[s..s + block]);
-        }
-        bytes += total as u64;
+    let top = order.iter().max().map_or(0, |&m| m as usize + 1);
+    let mut distinct = order.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    if distinct.len() != n {
+        return Err("scattered copy: block indices repeat".into());
     }
-    std::hint::black_box(&to[0]);
-    Ok(bytes as f64 / started.elapsed().as_secs_f64() / 1e9)
+    let src = Buffer::new(block * top)?;
+    let mut dst = Buffer::new(block * top)?;
+    let (from, to) = (
+        src.addr() as usize,
+        dst.as_mut_slice().as_mut_ptr() as usize,
+    );
+    let threads = threads.clamp(1, n.max(1));
+    let per = n.div_ceil(threads);
+    let go = std::sync::Barrier::new(threads);
+    let stop = AtomicBool::new(false);
+    let bytes = AtomicU64::new(0);
+    let started = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let (go, stop, bytes) = (&go, &stop, &bytes);
+            s.spawn(move || {
+                let mine = t * per..((t + 1) * per).min(n);
+                go.wait();
+                let mut copied = 0u64;
+                // Every thread copies its share at least once.
+                loop {
+                    for i in mine.clone() {
+                        let (a, b) = (order[i] as usize * block, order[n - 1 - i] as usize * block);
+                        // SAFETY: both buffers hold `top` blocks and every
+                        // index is below `top`; the indices are distinct, so
+                        // each destination block is written by one i of one
+                        // thread only, and source and destination are
+                        // different buffers.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                (from + a) as *const u8,
+                                (to + b) as *mut u8,
+                                block,
+                            )
+                        };
+                        copied += block as u64;
+                    }
+                    if t == 0 && started.elapsed().as_secs_f64() >= duration {
+                        stop.store(true, Ordering::Relaxed);
+                    }
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                }
+                bytes.fetch_add(copied, Ordering::Relaxed);
+            });
+        }
+    });
+    std::hint::black_box(dst.as_slice()[0]);
+    Ok(bytes.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64() / 1e9)
 }
 
 /// Copies of `size` bytes between two buffers of `device`, through its
@@ -114,4 +163,18 @@ pub(crate) fn device_to_device(
     let _ = engine.free_device(a);
     let _ = engine.free_device(b);
     result.map(|()| gbps)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scattered_copies_refuse_repeated_blocks_and_run_on_several_threads() {
+        assert!(scattered_memcpy(4096, &[0, 2, 2], 0.01, 2).is_err());
+        for threads in [1, 3, 4, 64] {
+            let gbps = scattered_memcpy(4096, &[5, 1, 0, 3, 2, 4, 7, 8, 6], 0.01, threads).unwrap();
+            assert!(gbps.is_finite() && gbps > 0.0, "{threads} threads: {gbps}");
+        }
+    }
 }
