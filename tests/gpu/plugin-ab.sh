@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One transport plugin against another build of it, on one host, taking
 # turns: KV-shaped host-memory batches (256 MiB of shuffled blocks, verified)
-# from initiators that load the prefix's plugins (A) or find DIR's build of
-# the transport first (B, FERRY_PLUGIN_PATH=DIR), into one target of the
-# prefix's own. Loans differ by up to 1.8x in GB/s, so a change is measured
-# against its parent in the same run, not against an earlier loan's figures.
+# between an initiator and a target that both load the prefix's plugins (A)
+# or both find DIR's build of the transport first (B,
+# FERRY_PLUGIN_PATH=DIR). Loans differ by up to 1.8x in GB/s, so a change
+# is measured against its parent in the same run, not against an earlier
+# loan's figures.
 #
 #   bash tests/gpu/plugin-ab.sh .gpu DIR [TRANSPORT] [BLOCKS]
 #
@@ -19,13 +20,18 @@ T=${3:-shm}
 BLOCKS=${4:-1M 4K}
 B=$P/bin/ferry
 tmp=$(mktemp -d)
-trap 'kill $(cat "$tmp/pid" 2>/dev/null) 2>/dev/null; rm -rf "$tmp"' EXIT
-FERRY_TRANSPORTS=shm,tcp $B bench target --buffer-size 1G --allocate --layout-block "$(echo $BLOCKS | tr ' ' ,)" \
-    > "$tmp/target" 2> "$tmp/target.err" &
-echo $! > "$tmp/pid"
-for _ in $(seq 300); do grep -q '^segment ' "$tmp/target" && break; sleep 0.1; done
-seg=$(sed -n 's/^segment //p' "$tmp/target")
-[ -n "$seg" ] || { echo "the target did not start: $(tail -n 3 "$tmp/target.err")"; exit 1; }
+trap 'kill $(cat "$tmp"/pid.* 2>/dev/null) 2>/dev/null; rm -rf "$tmp"' EXIT
+declare -A seg
+for side in A B; do
+    envs="FERRY_TRANSPORTS=shm,tcp"
+    [ $side = B ] && envs="$envs FERRY_PLUGIN_PATH=$DIR"
+    env $envs $B bench target --buffer-size 1G --allocate --layout-block "$(echo $BLOCKS | tr ' ' ,)" \
+        > "$tmp/target.$side" 2> "$tmp/target.$side.err" &
+    echo $! > "$tmp/pid.$side"
+    for _ in $(seq 300); do grep -q '^segment ' "$tmp/target.$side" && break; sleep 0.1; done
+    seg[$side]=$(sed -n 's/^segment //p' "$tmp/target.$side")
+    [ -n "${seg[$side]}" ] || { echo "target $side did not start: $(tail -n 3 "$tmp/target.$side.err")"; exit 1; }
+done
 echo "B loads: $(FERRY_PLUGIN_PATH=$DIR $B info --json 2>/dev/null | grep -o "\"path\": *\"$DIR/[^\"]*\"" | head -n 1)"
 median() { tr ' ' '\n' | grep . | sort -g | awk '{ v[NR] = $1 } END { if (NR) print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 declare -A all
@@ -36,7 +42,7 @@ for op in ${AB_OPS:-write read}; do
             for side in A B; do
                 envs="FERRY_TRANSPORTS=shm,tcp"
                 [ $side = B ] && envs="$envs FERRY_PLUGIN_PATH=$DIR"
-                j=$(env $envs $B bench initiator --pattern kv --segment "$seg" --transport "$T" --api layout \
+                j=$(env $envs $B bench initiator --pattern kv --segment "${seg[$side]}" --transport "$T" --api layout \
                     --op $op --block-size $block --batch-bytes 256M --duration 1 --verify --json 2> "$tmp/err")
                 if ! echo "$j" | grep -q '"verified":true'; then
                     echo "FAILED $side $op $block: $(tail -n 2 "$tmp/err")"; fail=1; continue

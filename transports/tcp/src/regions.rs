@@ -94,25 +94,57 @@ impl Regions {
         Ok(())
     }
 
-    /// Pins the registered region containing all of `[addr, addr + len)`,
-    /// or says why not (a `FERRY_ERR_*` code).
-    pub fn pin(&self, addr: u64, len: u64) -> Result<Pin, i32> {
-        let end = addr.checked_add(len).ok_or(sys::FERRY_ERR_OUT_OF_BOUNDS)?;
+    /// Pins, under one look at the map, every registered region that holds
+    /// one of `ranges` whole: the pins (one per region, however many
+    /// ranges lie in it) and each range's status, `FERRY_OK` or why not.
+    /// A frame of 4 KiB blocks touches one region thousands of times; a pin
+    /// each would cost every I/O thread six atomic operations a block on
+    /// cache lines they all share.
+    pub fn pin_all(&self, ranges: impl IntoIterator<Item = (u64, u64)>) -> (Vec<Pin>, Vec<i32>) {
         let map = self.by_addr.read().unwrap_or_else(|e| e.into_inner());
-        let (_, region) = map
-            .range(..=addr)
-            .next_back()
-            .ok_or(sys::FERRY_ERR_OUT_OF_BOUNDS)?;
-        if end > region.addr + region.len {
-            return Err(sys::FERRY_ERR_OUT_OF_BOUNDS);
-        }
-        region.pins.fetch_add(1, Ordering::SeqCst);
-        let pin = Pin(region.clone());
-        // An unregister that raced us wins: give the pin back.
-        if region.closed.load(Ordering::SeqCst) {
-            return Err(sys::FERRY_ERR_OUT_OF_BOUNDS);
-        }
-        Ok(pin)
+        let mut pins: Vec<Pin> = Vec::new();
+        // The region the last range fell in, and whether it was pinned.
+        let mut last: Option<(&Arc<Region>, bool)> = None;
+        let statuses = ranges
+            .into_iter()
+            .map(|(addr, len)| {
+                let Some(end) = addr.checked_add(len) else {
+                    return sys::FERRY_ERR_OUT_OF_BOUNDS;
+                };
+                let holds = |r: &Region| r.addr <= addr && end <= r.addr + r.len;
+                let found = match last {
+                    Some((r, ok)) if holds(r) => (r, ok),
+                    _ => {
+                        let Some((_, r)) = map.range(..=addr).next_back() else {
+                            return sys::FERRY_ERR_OUT_OF_BOUNDS;
+                        };
+                        if !holds(r) {
+                            return sys::FERRY_ERR_OUT_OF_BOUNDS;
+                        }
+                        let ok = match pins.iter().find(|p| Arc::ptr_eq(&p.0, r)) {
+                            Some(_) => true,
+                            None => {
+                                r.pins.fetch_add(1, Ordering::SeqCst);
+                                let pin = Pin(r.clone());
+                                // An unregister that raced us wins.
+                                let open = !r.closed.load(Ordering::SeqCst);
+                                if open {
+                                    pins.push(pin);
+                                }
+                                open
+                            }
+                        };
+                        (r, ok)
+                    }
+                };
+                last = Some(found);
+                match found.1 {
+                    true => sys::FERRY_OK,
+                    false => sys::FERRY_ERR_OUT_OF_BOUNDS,
+                }
+            })
+            .collect();
+        (pins, statuses)
     }
 }
 
@@ -126,14 +158,42 @@ mod tests {
         let h = r.register(0x1000, 0x1000).unwrap();
         r.register(0x2000, 0x1000).unwrap();
         assert!(r.register(0x1800, 0x10).is_err());
-        assert!(r.pin(0x1000, 0x1000).is_ok());
-        assert!(r.pin(0x1fff, 2).is_err(), "straddles two regions");
-        assert!(r.pin(0xfff, 1).is_err());
-        assert!(r.pin(u64::MAX, 1).is_err());
-        let pin = r.pin(0x1000, 1).unwrap();
+        let one = |addr, len| r.pin_all([(addr, len)]).1[0] == sys::FERRY_OK;
+        assert!(one(0x1000, 0x1000));
+        assert!(!one(0x1fff, 2), "straddles two regions");
+        assert!(!one(0xfff, 1));
+        assert!(!one(u64::MAX, 1));
+        let pin = r.pin_all([(0x1000, 1)]).0;
         // Unregister waits for the pin; with a tiny wait it reports it.
         assert!(r.unregister(h, Duration::from_millis(5)).is_err());
         drop(pin);
-        assert!(r.pin(0x1000, 1).is_err(), "hidden once unregistering began");
+        assert!(!one(0x1000, 1), "hidden once unregistering began");
+    }
+
+    #[test]
+    fn a_frame_pins_each_region_once_and_refuses_what_lies_outside() {
+        let r = Regions::default();
+        let a = r.register(0x1000, 0x1000).unwrap();
+        r.register(0x3000, 0x1000).unwrap();
+        let ranges = [
+            (0x1000, 0x100),
+            (0x1f00, 0x100),
+            (0x3000, 0x10),
+            (0x1fff, 2),       // straddles the end of the first region
+            (0x2000, 0x10),    // between regions
+            (0x1800, 0x10),    // back in the first
+            (u64::MAX - 1, 4), // wraps
+            (0x3ff0, 0x10),
+        ];
+        let (pins, statuses) = r.pin_all(ranges);
+        let (ok, out) = (sys::FERRY_OK, sys::FERRY_ERR_OUT_OF_BOUNDS);
+        assert_eq!(statuses, [ok, ok, ok, out, out, ok, out, ok]);
+        assert_eq!(pins.len(), 2, "one pin per region");
+        // The pins hold the first region registered until they go.
+        assert!(r.unregister(a, Duration::from_millis(5)).is_err());
+        drop(pins);
+        let (pins, statuses) = r.pin_all([(0x1000, 1), (0x3000, 1)]);
+        assert_eq!(statuses, [out, ok], "hidden once unregistering began");
+        assert_eq!(pins.len(), 1);
     }
 }

@@ -56,7 +56,8 @@ static SINK: LazyLock<usize> =
 struct Work {
     header: Header,
     descs: Vec<Desc>,
-    pins: Vec<Option<Pin>>,
+    /// The regions the ranges lie in, each pinned once.
+    pins: Vec<Pin>,
     statuses: Vec<i32>,
     deadline: Instant,
 }
@@ -100,7 +101,7 @@ enum Phase {
         _out: Vec<u8>,
         _tail: Vec<u8>,
         io: IoSlices,
-        _pins: Vec<Option<Pin>>,
+        _pins: Vec<Pin>,
         deadline: Instant,
         /// Close the connection once it has left, for this reason.
         then_close: Option<String>,
@@ -523,20 +524,7 @@ fn begin(
         );
     }
     let descs = wire::decode_descs(&header, desc_bytes).map_err(|e| e.0)?;
-    let mut pins = Vec::with_capacity(descs.len());
-    let mut statuses = Vec::with_capacity(descs.len());
-    for d in &descs {
-        match regions.pin(d.addr, d.len) {
-            Ok(p) => {
-                pins.push(Some(p));
-                statuses.push(sys::FERRY_OK);
-            }
-            Err(code) => {
-                pins.push(None);
-                statuses.push(code);
-            }
-        }
-    }
+    let (pins, statuses) = regions.pin_all(descs.iter().map(|d| (d.addr, d.len)));
     let work = Work {
         header,
         descs,
@@ -548,8 +536,8 @@ fn begin(
         Kind::Write if header.payload_tagged() => Ok(tagged(work, &st.session)),
         Kind::Write => {
             let mut io = IoSlices::new();
-            for (d, pin) in work.descs.iter().zip(&work.pins) {
-                if pin.is_some() {
+            for (d, st) in work.descs.iter().zip(&work.statuses) {
+                if *st == sys::FERRY_OK {
                     io.push(d.addr as *const u8, d.len as usize);
                 } else {
                     let mut left = d.len;
@@ -576,9 +564,9 @@ fn tagged(work: Work, session: &Session) -> Phase {
     let mut i = 0;
     let mut largest_refused = 0usize;
     while i < work.descs.len() {
-        if work.pins[i].is_some() {
+        if work.statuses[i] == sys::FERRY_OK {
             let mut j = i;
-            while j < work.descs.len() && work.pins[j].is_some() {
+            while j < work.descs.len() && work.statuses[j] == sys::FERRY_OK {
                 j += 1;
             }
             segs.push(Seg::Pinned(i, j));
