@@ -99,9 +99,12 @@ impl Shared {
             .collect::<VecDeque<_>>();
         let mut inflight: VecDeque<Chunk> = VecDeque::new();
         let mut idle_since: Option<Instant> = None;
-        // The packed run at the front of `pending` that found no free slot:
-        // kept while the loop only spins, so 512 blocks are not packed
-        // again on every turn of it.
+        // The packed run at the front of `pending` that found no free slot,
+        // kept until a slot frees, so 512 blocks are not packed again on
+        // every turn of the loop. Chunks moving do not change it: a packed
+        // request has one chunk, still pending, so nothing in flight can
+        // fail it or send it alone; only requests put back at the front
+        // (requeue) make the front another run.
         let mut packed: Option<Vec<Part>> = None;
         let pool = if items.ends.iter().any(|e| e.local.device.is_some()) {
             match self.local_slots() {
@@ -188,12 +191,10 @@ impl Shared {
             }
             if moved {
                 idle_since = None;
-                packed = None;
             } else if idle_since.get_or_insert_with(Instant::now).elapsed() < self.config.spin {
                 std::hint::spin_loop();
             } else if let Some(c) = inflight.front_mut() {
                 idle_since = None;
-                packed = None;
                 self.advance(&mut job, c, true);
             }
             let retiring = Instant::now();
@@ -321,6 +322,13 @@ impl Shared {
 
     /// Starts the chunk's next leg; Done after its last.
     fn start_leg(self: &Arc<Self>, job: &mut Job<'_>, c: &mut Chunk) -> Result<()> {
+        let t = Instant::now();
+        let started = self.start_next_leg(job, c);
+        job.spent.start += t.elapsed();
+        started
+    }
+
+    fn start_next_leg(self: &Arc<Self>, job: &mut Job<'_>, c: &mut Chunk) -> Result<()> {
         let Some(&leg) = c.legs.get(c.started) else {
             c.phase = Phase::Done;
             return Ok(());
@@ -335,6 +343,7 @@ impl Shared {
                     Error::new(ErrorCode::Internal, "a staged chunk without a local slot")
                 })?;
                 let mut stream = self.stream_for(&it.local)?;
+                let t = Instant::now();
                 let queued = if c.parts.is_empty() {
                     let device = b.local_addr + c.off;
                     let (dst, src) = if outward {
@@ -346,6 +355,7 @@ impl Shared {
                 } else {
                     stream.2.copy_list(&job.local_copies(c, slot, outward))
                 };
+                job.spent.queue_local += t.elapsed();
                 c.stream = Some(stream);
                 queued?;
                 Phase::Copying

@@ -272,7 +272,12 @@ impl Shared {
             };
             match groups.iter_mut().find(|(k, _)| *k == key) {
                 Some((_, list)) => list.push(copy),
-                None => groups.push((key, vec![copy])),
+                None => {
+                    // Mostly one device: room for every piece left at once.
+                    let mut list = Vec::with_capacity(req.pieces.len() - i);
+                    list.push(copy);
+                    groups.push((key, list));
+                }
             }
         }
         for (b, _) in &buffers {
