@@ -15,7 +15,7 @@ use super::slots::{slot_geometry, LocalSlot, Piece, SlotPool, Space};
 use super::steps::{self, Groups, Leg, Legs, Part, Replies, Spent, Tally};
 use crate::batch::{Batch, BatchId};
 use crate::device::Stream;
-use crate::engine::plan::StagedWork;
+use crate::engine::plan::{StagedEnds, StagedWork};
 use crate::engine::request::{Op, Request, SegmentId};
 use crate::engine::segments::RemoteSegment;
 use crate::engine::shared::Shared;
@@ -244,22 +244,18 @@ impl Shared {
         {
             return Ok(Vec::new());
         }
+        let lead_ends = items.blocks[first].ends;
+        let lead_key = pack_key(items.ends_of(first));
         Ok(steps::pack(
             pending.iter().copied(),
             chunk,
             MAX_LIST_PIECES,
             |i, off| {
                 let (b, e) = items.get(i);
-                packable(job, i, off).then(|| {
-                    let key = (
-                        e.segment.id,
-                        e.op,
-                        e.local.device,
-                        e.local.location,
-                        e.transport.as_deref(),
-                    );
-                    (key, b.length)
-                })
+                // The blocks of one run share their ends: nothing to
+                // compare field by field (the front's own key is true).
+                packable(job, i, off)
+                    .then(|| (b.ends == lead_ends || pack_key(e) == lead_key, b.length))
             },
         ))
     }
@@ -548,6 +544,18 @@ impl Shared {
             }
         }
     }
+}
+
+/// What the requests of one packed run share: one peer, one direction,
+/// one local device and transport.
+fn pack_key(e: &StagedEnds) -> (SegmentId, Op, Option<usize>, Location, Option<&str>) {
+    (
+        e.segment.id,
+        e.op,
+        e.local.device,
+        e.local.location,
+        e.transport.as_deref(),
+    )
 }
 
 /// The state of one staging job (one thread).
