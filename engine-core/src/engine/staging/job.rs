@@ -10,6 +10,7 @@
 //! Reaches in Shared: `batches`, `config`, `staging`.
 
 use super::initiator::{StagingLease, SESSIONS};
+use super::mover::{self, Mover};
 use super::protocol::{CopyListRequest, ListPiece, MAX_LIST_PIECES};
 use super::slots::{slot_geometry, LocalSlot, Piece, SlotPool, Space};
 use super::steps::{self, Groups, Leg, Legs, Part, Replies, Spent, Tally};
@@ -35,8 +36,9 @@ type Session = (SegmentId, usize);
 enum Phase {
     /// A copy between device memory and the local slot is queued.
     Copying,
-    /// The host transfer runs in this internal batch.
-    Moving(BatchId),
+    /// The host transfer runs in this internal batch, dispatched on the
+    /// job's thread (0) or as the mover's leg of this number.
+    Moving(BatchId, u64),
     /// The peer was asked to copy between its slot and device memory.
     Remote,
     Done,
@@ -71,14 +73,32 @@ impl Shared {
     /// oldest chunk's host transfer runs, the next chunks' device copies
     /// run on their own streams and the peer copies the previous chunks
     /// into device memory. The thread blocks only when no chunk can move.
+    ///
+    /// Host legs are dispatched on a thread of the job's own (mover.rs),
+    /// or on this one where that thread cannot start.
     pub(crate) fn run_staged(self: Arc<Self>, batch: Arc<Batch>, items: StagedWork) {
+        let (mover, legs) = Mover::new();
+        std::thread::scope(|s| {
+            let spawned = std::thread::Builder::new()
+                .name("ferry-stage-legs".into())
+                .spawn_scoped(s, || mover.run(&self, legs));
+            if let Err(e) = &spawned {
+                log::debug!("staging host legs run on the job's thread: {e}");
+            }
+            self.run_job(&batch, &items, spawned.is_ok().then_some(&mover));
+            mover.close();
+        });
+    }
+
+    fn run_job(self: &Arc<Self>, batch: &Batch, items: &StagedWork, mover: Option<&Mover>) {
         let chunk = self.staging.chunk;
         let mut job = Job {
-            items: &items,
+            items,
+            mover,
             tally: Tally::new(items.blocks.iter().map(|b| b.length.div_ceil(chunk))),
             groups: Groups::new(items.blocks.iter().map(|b| b.group)),
             said_alone: false,
-            batch: &batch,
+            batch,
             bytes: items.blocks.iter().map(|b| b.length).sum(),
             leases: HashMap::new(),
             sessions: HashMap::new(),
@@ -356,7 +376,10 @@ impl Shared {
                 queued?;
                 Phase::Copying
             }
-            Leg::Host => Phase::Moving(self.start_move(job, c)?),
+            Leg::Host => {
+                let (id, leg) = self.start_move(job, c)?;
+                Phase::Moving(id, leg)
+            }
             Leg::PeerCopy => {
                 job.send_copy(c, outward)?;
                 Phase::Remote
@@ -378,7 +401,8 @@ impl Shared {
 
     /// Submits the host leg of a chunk: between the local slot (or the
     /// local host buffer) and the peer's slot (or its host buffer).
-    fn start_move(self: &Arc<Self>, job: &Job<'_>, c: &Chunk) -> Result<BatchId> {
+    /// Its batch, and its number on the mover (0: dispatched here).
+    fn start_move(self: &Arc<Self>, job: &Job<'_>, c: &Chunk) -> Result<(BatchId, u64)> {
         let (b, it) = job.items.get(c.item);
         let local = c
             .local_slot
@@ -408,10 +432,10 @@ impl Shared {
                         "the host leg of a staged chunk would itself need staging",
                     ));
                 }
-                self.dispatch(&b, plan).map(|_| ())
+                mover::start(self, job.mover, &b, plan)
             });
         match started {
-            Ok(()) => Ok(b.id),
+            Ok(n) => Ok((b.id, n)),
             Err(e) => {
                 let _ = self.batches.free(b.id);
                 Err(e)
@@ -443,27 +467,22 @@ impl Shared {
                         self.give_stream(s);
                     }
                 }
-                Phase::Moving(id) => {
+                Phase::Moving(id, leg) => {
                     let b = self.batches.get(id)?;
-                    let status = if block {
-                        let t = Instant::now();
-                        let status = self.wait(&b, self.config.timeout * 2);
+                    let t = Instant::now();
+                    let waited = mover::leg_status(self, job.mover, &b, leg, block);
+                    if block {
                         job.spent.host += t.elapsed();
-                        status
-                    } else {
-                        b.status()
-                    };
-                    if !status.is_done() {
-                        if block {
+                    }
+                    let status = match waited {
+                        Ok(Some(status)) => status,
+                        Ok(None) => return Ok(false),
+                        Err(e) => {
                             let _ = self.batches.free(id);
                             c.phase = Phase::Done;
-                            return Err(Error::new(
-                                ErrorCode::Timeout,
-                                "a staged chunk did not finish in time",
-                            ));
+                            return Err(e);
                         }
-                        return Ok(false);
-                    }
+                    };
                     let _ = self.batches.free(id);
                     c.phase = Phase::Done;
                     if let Some((_, e)) = status.first_error {
@@ -561,6 +580,8 @@ fn pack_key(e: &StagedEnds) -> (SegmentId, Op, Option<usize>, Location, Option<&
 /// The state of one staging job (one thread).
 struct Job<'a> {
     items: &'a StagedWork,
+    /// Where host legs are dispatched, when not on the job's thread.
+    mover: Option<&'a Mover>,
     /// Per request, chunks left and its first error.
     tally: Tally,
     /// The requests' completion groups (shared by a staged run's).

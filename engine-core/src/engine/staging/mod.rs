@@ -15,6 +15,7 @@
 
 mod initiator;
 mod job;
+mod mover;
 mod protocol;
 mod slots;
 mod state;

@@ -1,0 +1,196 @@
+//! A staging job's host legs, dispatched on a thread of their own.
+//!
+//! A transport may move a request inside its submit call: shm copies on
+//! the calling thread and its copy pool, and returns when the bytes have
+//! landed. Dispatched on the job's own thread, each 8 MiB leg held up the
+//! job's other work for its whole copy, so a batch took the sum of the
+//! copies and everything else the job does: admitting, packing and queuing
+//! the device copies of the next chunks, asking the peer for its copies,
+//! completing requests (an H100, staged shm: 5 of a 1 MiB batch's 7.8 ms
+//! were its copies; a 16 KiB batch's extra 2-3 ms of per-block work came
+//! on top). Here the legs run one after another, in the order they were
+//! started, while the job thread goes on.
+
+use crate::batch::{Batch, BatchId, BatchStatus};
+use crate::engine::plan::Plan;
+use crate::engine::shared::Shared;
+use crate::error::{Error, ErrorCode, Result};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A chunk's host leg, planned, waiting for its dispatch.
+struct HostLeg {
+    id: BatchId,
+    batch: Arc<Batch>,
+    plan: Plan,
+}
+
+/// What became of a leg handed to the mover.
+enum Sent {
+    /// Queued as leg number n.
+    Queued(u64),
+    /// Not taken: the caller dispatches it.
+    Back(HostLeg),
+}
+
+/// The end the mover's thread reads legs from.
+pub(super) struct Legs(Receiver<HostLeg>);
+
+pub(super) struct Mover {
+    /// None once closed: the thread then ends after the legs queued.
+    to_thread: Mutex<Option<Sender<HostLeg>>>,
+    /// Legs sent, and legs whose dispatch has returned (in order, so leg
+    /// n has been dispatched when `dispatched` >= n). Until then its
+    /// batch holds no request and looks finished.
+    sent: AtomicU64,
+    dispatched: AtomicU64,
+    /// Legs whose dispatch failed outright (nothing in their batch says
+    /// so), by batch.
+    failed: Mutex<HashMap<BatchId, Error>>,
+}
+
+impl Mover {
+    /// The mover, and the end its thread reads legs from.
+    pub(super) fn new() -> (Mover, Legs) {
+        let (tx, rx) = channel();
+        let rx = Legs(rx);
+        let mover = Mover {
+            to_thread: Mutex::new(Some(tx)),
+            sent: AtomicU64::new(0),
+            dispatched: AtomicU64::new(0),
+            failed: Mutex::new(HashMap::new()),
+        };
+        (mover, rx)
+    }
+
+    /// Queues `leg`: its number, for [`Mover::dispatched`]. Gives it back
+    /// when no thread takes legs (it never started, or the mover is
+    /// closed), for the caller to dispatch.
+    fn send(&self, leg: HostLeg) -> Sent {
+        let to_thread = self.to_thread.lock();
+        let Some(tx) = to_thread.as_ref() else {
+            return Sent::Back(leg);
+        };
+        // Numbered under the lock, so numbers follow the queue's order.
+        let n = self.sent.load(Ordering::Relaxed) + 1;
+        match tx.send(leg) {
+            Ok(()) => {
+                self.sent.store(n, Ordering::Relaxed);
+                Sent::Queued(n)
+            }
+            Err(e) => Sent::Back(e.0),
+        }
+    }
+
+    /// Whether leg `n`'s dispatch has returned: its batch now holds its
+    /// request (or the leg failed, or was skipped).
+    fn dispatched(&self, n: u64) -> bool {
+        self.dispatched.load(Ordering::Acquire) >= n
+    }
+
+    /// No more legs: the thread ends once the queued ones are dispatched.
+    pub(super) fn close(&self) {
+        self.to_thread.lock().take();
+    }
+
+    /// Why the leg of batch `id` could not be dispatched, once.
+    fn failure(&self, id: BatchId) -> Option<Error> {
+        let mut failed = self.failed.lock();
+        match failed.is_empty() {
+            true => None,
+            false => failed.remove(&id),
+        }
+    }
+
+    /// The thread: dispatches legs in order until the mover is closed.
+    pub(super) fn run(&self, shared: &Arc<Shared>, legs: Legs) {
+        // Still the batch the leg was planned in (ids are reused once
+        // freed)?
+        let current = |id: BatchId, batch: &Arc<Batch>| {
+            shared.batches.get(id).is_ok_and(|b| Arc::ptr_eq(&b, batch))
+        };
+        for HostLeg { id, batch, plan } in legs.0 {
+            // A chunk that gave up on its leg (timed out) freed its batch
+            // and its slots, which another chunk may hold now: its leg
+            // must not start late.
+            if current(id, &batch) {
+                if let Err(e) = shared.dispatch(&batch, plan) {
+                    if current(id, &batch) {
+                        self.failed.lock().insert(id, e);
+                    }
+                }
+            }
+            self.dispatched.fetch_add(1, Ordering::Release);
+        }
+    }
+}
+
+/// Hands `plan`, the host leg planned in `batch`, to `mover`, or
+/// dispatches it here: its number on the mover (0: dispatched here).
+pub(super) fn start(
+    shared: &Arc<Shared>,
+    mover: Option<&Mover>,
+    batch: &Arc<Batch>,
+    plan: Plan,
+) -> Result<u64> {
+    let leg = HostLeg {
+        id: batch.id,
+        batch: batch.clone(),
+        plan,
+    };
+    let sent = match mover {
+        Some(m) => m.send(leg),
+        None => Sent::Back(leg),
+    };
+    match sent {
+        Sent::Queued(n) => Ok(n),
+        Sent::Back(leg) => shared.dispatch(batch, leg.plan).map(|_| 0),
+    }
+}
+
+/// Where leg `n` (0: dispatched on the job's thread) of `batch` stands:
+/// its status once finished; None while it runs, unless `block`, which
+/// waits up to twice the engine's timeout. Err when its dispatch failed,
+/// or it did not start or finish in time. Until its dispatch returns, a
+/// leg's batch holds no request and looks finished.
+pub(super) fn leg_status(
+    shared: &Shared,
+    mover: Option<&Mover>,
+    batch: &Batch,
+    n: u64,
+    block: bool,
+) -> Result<Option<BatchStatus>> {
+    let dispatched = || mover.is_none_or(|m| m.dispatched(n));
+    let deadline = Instant::now() + shared.config.timeout * 2;
+    while !dispatched() {
+        if !block {
+            return Ok(None);
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::new(
+                ErrorCode::Timeout,
+                "a staged chunk's host leg did not start in time",
+            ));
+        }
+        std::thread::yield_now();
+    }
+    if let Some(e) = mover.and_then(|m| m.failure(batch.id)) {
+        return Err(e);
+    }
+    let status = match block {
+        true => shared.wait(batch, deadline.saturating_duration_since(Instant::now())),
+        false => batch.status(),
+    };
+    match (status.is_done(), block) {
+        (true, _) => Ok(Some(status)),
+        (false, false) => Ok(None),
+        (false, true) => Err(Error::new(
+            ErrorCode::Timeout,
+            "a staged chunk did not finish in time",
+        )),
+    }
+}
