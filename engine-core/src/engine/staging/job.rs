@@ -74,9 +74,15 @@ impl Shared {
     /// run on their own streams and the peer copies the previous chunks
     /// into device memory. The thread blocks only when no chunk can move.
     ///
-    /// Host legs are dispatched on a thread of the job's own (mover.rs),
-    /// or on this one where that thread cannot start.
+    /// Host legs of a job of more than one chunk are dispatched on a
+    /// thread of the job's own (mover.rs); those of a one-chunk job, which
+    /// have nothing to overlap, and any where that thread cannot start,
+    /// on this one.
     pub(crate) fn run_staged(self: Arc<Self>, batch: Arc<Batch>, items: StagedWork) {
+        let bytes: u64 = items.blocks.iter().map(|b| b.length).sum();
+        if bytes <= self.staging.chunk {
+            return self.run_job(&batch, &items, None);
+        }
         let (mover, legs) = Mover::new();
         std::thread::scope(|s| {
             let spawned = std::thread::Builder::new()
