@@ -10,6 +10,8 @@
 //! were its copies; a 16 KiB batch's extra 2-3 ms of per-block work came
 //! on top). Here the legs run one after another, in the order they were
 //! started, while the job thread goes on.
+//!
+//! Reaches in Shared: `batches`, `config`.
 
 use crate::batch::{Batch, BatchId, BatchStatus};
 use crate::engine::plan::Plan;
