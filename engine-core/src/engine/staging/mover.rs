@@ -17,7 +17,7 @@ use crate::batch::{Batch, BatchId, BatchStatus};
 use crate::engine::plan::Plan;
 use crate::engine::shared::Shared;
 use crate::error::{Error, ErrorCode, Result};
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -45,11 +45,13 @@ pub(super) struct Legs(Receiver<HostLeg>);
 pub(super) struct Mover {
     /// None once closed: the thread then ends after the legs queued.
     to_thread: Mutex<Option<Sender<HostLeg>>>,
-    /// Legs sent, and legs whose dispatch has returned (in order, so leg
-    /// n has been dispatched when `dispatched` >= n). Until then its
-    /// batch holds no request and looks finished.
+    /// Legs sent (numbered from 1 under `to_thread`'s lock).
     sent: AtomicU64,
-    dispatched: AtomicU64,
+    /// Legs whose dispatch has returned, in order: leg n has been
+    /// dispatched when this is n or more. Until then its batch holds no
+    /// request and looks finished. `returned` wakes who waits for it.
+    dispatched: Mutex<u64>,
+    returned: Condvar,
     /// Legs whose dispatch failed outright (nothing in their batch says
     /// so), by batch.
     failed: Mutex<HashMap<BatchId, Error>>,
@@ -63,7 +65,8 @@ impl Mover {
         let mover = Mover {
             to_thread: Mutex::new(Some(tx)),
             sent: AtomicU64::new(0),
-            dispatched: AtomicU64::new(0),
+            dispatched: Mutex::new(0),
+            returned: Condvar::new(),
             failed: Mutex::new(HashMap::new()),
         };
         (mover, rx)
@@ -91,7 +94,23 @@ impl Mover {
     /// Whether leg `n`'s dispatch has returned: its batch now holds its
     /// request (or the leg failed, or was skipped).
     fn dispatched(&self, n: u64) -> bool {
-        self.dispatched.load(Ordering::Acquire) >= n
+        *self.dispatched.lock() >= n
+    }
+
+    /// Waits until leg `n` has been dispatched, or `deadline`: whether it
+    /// has.
+    fn wait_dispatched(&self, n: u64, deadline: Instant) -> bool {
+        let mut dispatched = self.dispatched.lock();
+        while *dispatched < n {
+            if self
+                .returned
+                .wait_until(&mut dispatched, deadline)
+                .timed_out()
+            {
+                return *dispatched >= n;
+            }
+        }
+        true
     }
 
     /// No more legs: the thread ends once the queued ones are dispatched.
@@ -126,7 +145,8 @@ impl Mover {
                     }
                 }
             }
-            self.dispatched.fetch_add(1, Ordering::Release);
+            *self.dispatched.lock() += 1;
+            self.returned.notify_all();
         }
     }
 }
@@ -166,19 +186,22 @@ pub(super) fn leg_status(
     n: u64,
     block: bool,
 ) -> Result<Option<BatchStatus>> {
-    let dispatched = || mover.is_none_or(|m| m.dispatched(n));
     let deadline = Instant::now() + shared.config.timeout * 2;
-    while !dispatched() {
-        if !block {
-            return Ok(None);
+    if let Some(m) = mover {
+        let dispatched = match block {
+            true => m.wait_dispatched(n, deadline),
+            false => m.dispatched(n),
+        };
+        match (dispatched, block) {
+            (true, _) => {}
+            (false, false) => return Ok(None),
+            (false, true) => {
+                return Err(Error::new(
+                    ErrorCode::Timeout,
+                    "a staged chunk's host leg did not start in time",
+                ))
+            }
         }
-        if Instant::now() >= deadline {
-            return Err(Error::new(
-                ErrorCode::Timeout,
-                "a staged chunk's host leg did not start in time",
-            ));
-        }
-        std::thread::yield_now();
     }
     if let Some(e) = mover.and_then(|m| m.failure(batch.id)) {
         return Err(e);
