@@ -138,16 +138,25 @@ impl Mover {
             // A chunk that gave up on its leg (timed out) freed its batch
             // and its slots, which another chunk may hold now: its leg
             // must not start late.
-            if current(id, &batch) {
-                if let Err(e) = shared.dispatch(&batch, plan) {
-                    if current(id, &batch) {
-                        self.failed.lock().insert(id, e);
-                    }
-                }
-            }
-            *self.dispatched.lock() += 1;
-            self.returned.notify_all();
+            let failed = match current(id, &batch) {
+                true => shared
+                    .dispatch(&batch, plan)
+                    .err()
+                    .filter(|_| current(id, &batch)),
+                false => None,
+            };
+            self.leg_returned(id, failed);
         }
+    }
+
+    /// The next leg's dispatch has returned, for batch `id`, with `failed`
+    /// when it failed outright.
+    fn leg_returned(&self, id: BatchId, failed: Option<Error>) {
+        if let Some(e) = failed {
+            self.failed.lock().insert(id, e);
+        }
+        *self.dispatched.lock() += 1;
+        self.returned.notify_all();
     }
 }
 
@@ -217,5 +226,76 @@ pub(super) fn leg_status(
             ErrorCode::Timeout,
             "a staged chunk did not finish in time",
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::batch::BatchTable;
+    use smallvec::SmallVec;
+    use std::time::Duration;
+
+    fn leg(table: &BatchTable) -> HostLeg {
+        let batch = table.allocate(1).unwrap();
+        HostLeg {
+            id: batch.id,
+            batch,
+            plan: Plan {
+                requests: 1,
+                empty: Vec::new(),
+                routed: SmallVec::new(),
+                staged: Vec::new(),
+                retry: false,
+            },
+        }
+    }
+
+    #[test]
+    fn legs_are_numbered_in_order_and_count_only_once_dispatched() {
+        let table = BatchTable::default();
+        let (mover, legs) = Mover::new();
+        let mut ids = Vec::new();
+        for want in 1..=3 {
+            let l = leg(&table);
+            ids.push(l.id);
+            assert!(matches!(mover.send(l), Sent::Queued(n) if n == want));
+        }
+        // The thread reads them in the order they were numbered.
+        let read: Vec<BatchId> = legs.0.try_iter().map(|l| l.id).collect();
+        assert_eq!(read, ids);
+        // An undispatched leg's batch holds no request and looks finished:
+        // only the mover's count says whether it has started.
+        assert!(table.get(ids[0]).unwrap().status().is_done());
+        assert!(mover.dispatched(0) && !mover.dispatched(1));
+        let soon = Instant::now() + Duration::from_millis(20);
+        assert!(!mover.wait_dispatched(1, soon), "waits out its deadline");
+        mover.leg_returned(ids[0], None);
+        let e = Error::new(ErrorCode::Unavailable, "no route");
+        mover.leg_returned(ids[1], Some(e));
+        assert!(mover.dispatched(2) && !mover.dispatched(3));
+        assert!(mover.failure(ids[0]).is_none());
+        assert_eq!(mover.failure(ids[1]).unwrap().code, ErrorCode::Unavailable);
+        assert!(mover.failure(ids[1]).is_none(), "said once");
+        // A waiter wakes when the leg's dispatch returns on another thread.
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(10));
+                mover.leg_returned(ids[2], None);
+            });
+            let later = Instant::now() + Duration::from_secs(10);
+            assert!(mover.wait_dispatched(3, later));
+        });
+        // Closed: a leg comes back to be dispatched by the caller.
+        mover.close();
+        assert!(matches!(mover.send(leg(&table)), Sent::Back(_)));
+    }
+
+    #[test]
+    fn a_mover_whose_thread_is_gone_gives_legs_back() {
+        let table = BatchTable::default();
+        let (mover, legs) = Mover::new();
+        drop(legs);
+        assert!(matches!(mover.send(leg(&table)), Sent::Back(_)));
     }
 }
