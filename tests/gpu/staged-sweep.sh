@@ -8,6 +8,13 @@
 #   SWEEP="FERRY_STAGING_DEPTH=8|FERRY_STAGING_CHUNK=8M" bash tests/gpu/staged-sweep.sh .gpu
 #   SWEEP_TRANSPORT=shm SWEEP_API=requests bash tests/gpu/staged-sweep.sh .gpu
 #
+# Two builds of the engine against each other (a prefix each, e.g. the old
+# binary beside the same plugins in .gpu-old), taking turns:
+#
+#   for r in 1 2; do for p in .gpu-old .gpu; do
+#       OUT=/tmp/sw/$p-$r SWEEP=default SWEEP_TRANSPORT=shm bash tests/gpu/staged-sweep.sh $p
+#   done; done
+#
 # Writes sweep.txt (one line per setting: GB/s per row, the 16K/1M ratios,
 # submit p50) and sweep-breakdown.txt (the staging job's account) to $OUT.
 set -uo pipefail
