@@ -13,10 +13,10 @@ use super::initiator::{StagingLease, SESSIONS};
 use super::mover::{self, Mover};
 use super::protocol::{CopyListRequest, ListPiece, MAX_LIST_PIECES};
 use super::slots::{slot_geometry, LocalSlot, Piece, SlotPool, Space};
-use super::steps::{self, Groups, Leg, Legs, Part, Replies, Spent, Tally};
+use super::steps::{self, pack_key, Groups, Leg, Legs, Part, Replies, Spent, Tally};
 use crate::batch::{Batch, BatchId};
 use crate::device::Stream;
-use crate::engine::plan::{StagedEnds, StagedWork};
+use crate::engine::plan::StagedWork;
 use crate::engine::request::{Op, Request, SegmentId};
 use crate::engine::segments::RemoteSegment;
 use crate::engine::shared::Shared;
@@ -81,7 +81,7 @@ impl Shared {
     pub(crate) fn run_staged(self: Arc<Self>, batch: Arc<Batch>, items: StagedWork) {
         let bytes: u64 = items.blocks.iter().map(|b| b.length).sum();
         if bytes <= self.staging.chunk {
-            return self.run_job(&batch, &items, None);
+            return self.run_job(&batch, (&items, bytes), None);
         }
         let (mover, legs) = Mover::new();
         std::thread::scope(|s| {
@@ -91,12 +91,18 @@ impl Shared {
             if let Err(e) = &spawned {
                 log::debug!("staging host legs run on the job's thread: {e}");
             }
-            self.run_job(&batch, &items, spawned.is_ok().then_some(&mover));
+            self.run_job(&batch, (&items, bytes), spawned.is_ok().then_some(&mover));
             mover.close();
         });
     }
 
-    fn run_job(self: &Arc<Self>, batch: &Batch, items: &StagedWork, mover: Option<&Mover>) {
+    /// `bytes`: what `items` move in all.
+    fn run_job(
+        self: &Arc<Self>,
+        batch: &Batch,
+        (items, bytes): (&StagedWork, u64),
+        mover: Option<&Mover>,
+    ) {
         let chunk = self.staging.chunk;
         let mut job = Job {
             items,
@@ -105,7 +111,7 @@ impl Shared {
             groups: Groups::new(items.blocks.iter().map(|b| b.group)),
             said_alone: false,
             batch,
-            bytes: items.blocks.iter().map(|b| b.length).sum(),
+            bytes,
             leases: HashMap::new(),
             sessions: HashMap::new(),
             next_session: 0,
@@ -236,7 +242,6 @@ impl Shared {
             }
         }
         if log::log_enabled!(log::Level::Debug) {
-            let bytes = items.blocks.iter().map(|b| b.length).sum();
             log::debug!(
                 "{}",
                 job.spent
@@ -569,18 +574,6 @@ impl Shared {
             }
         }
     }
-}
-
-/// What the requests of one packed run share: one peer, one direction,
-/// one local device and transport.
-fn pack_key(e: &StagedEnds) -> (SegmentId, Op, Option<usize>, Location, Option<&str>) {
-    (
-        e.segment.id,
-        e.op,
-        e.local.device,
-        e.local.location,
-        e.transport.as_deref(),
-    )
 }
 
 /// The state of one staging job (one thread).

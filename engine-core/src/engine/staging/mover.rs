@@ -19,7 +19,6 @@ use crate::engine::shared::Shared;
 use crate::error::{Error, ErrorCode, Result};
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::time::Instant;
@@ -42,11 +41,16 @@ enum Sent {
 /// The end the mover's thread reads legs from.
 pub(super) struct Legs(Receiver<HostLeg>);
 
+/// Where legs go: the thread's queue (None once closed: the thread then
+/// ends after the legs queued) and how many were queued, numbered from 1
+/// in the queue's order.
+struct Queue {
+    to_thread: Option<Sender<HostLeg>>,
+    sent: u64,
+}
+
 pub(super) struct Mover {
-    /// None once closed: the thread then ends after the legs queued.
-    to_thread: Mutex<Option<Sender<HostLeg>>>,
-    /// Legs sent (numbered from 1 under `to_thread`'s lock).
-    sent: AtomicU64,
+    queue: Mutex<Queue>,
     /// Legs whose dispatch has returned, in order: leg n has been
     /// dispatched when this is n or more. Until then its batch holds no
     /// request and looks finished. `returned` wakes who waits for it.
@@ -63,8 +67,10 @@ impl Mover {
         let (tx, rx) = channel();
         let rx = Legs(rx);
         let mover = Mover {
-            to_thread: Mutex::new(Some(tx)),
-            sent: AtomicU64::new(0),
+            queue: Mutex::new(Queue {
+                to_thread: Some(tx),
+                sent: 0,
+            }),
             dispatched: Mutex::new(0),
             returned: Condvar::new(),
             failed: Mutex::new(HashMap::new()),
@@ -76,16 +82,14 @@ impl Mover {
     /// when no thread takes legs (it never started, or the mover is
     /// closed), for the caller to dispatch.
     fn send(&self, leg: HostLeg) -> Sent {
-        let to_thread = self.to_thread.lock();
-        let Some(tx) = to_thread.as_ref() else {
+        let mut queue = self.queue.lock();
+        let Some(tx) = queue.to_thread.as_ref() else {
             return Sent::Back(leg);
         };
-        // Numbered under the lock, so numbers follow the queue's order.
-        let n = self.sent.load(Ordering::Relaxed) + 1;
         match tx.send(leg) {
             Ok(()) => {
-                self.sent.store(n, Ordering::Relaxed);
-                Sent::Queued(n)
+                queue.sent += 1;
+                Sent::Queued(queue.sent)
             }
             Err(e) => Sent::Back(e.0),
         }
@@ -115,7 +119,7 @@ impl Mover {
 
     /// No more legs: the thread ends once the queued ones are dispatched.
     pub(super) fn close(&self) {
-        self.to_thread.lock().take();
+        self.queue.lock().to_thread.take();
     }
 
     /// Why the leg of batch `id` could not be dispatched, once.

@@ -5,8 +5,10 @@
 //! alone.
 
 use super::protocol::CopyDone;
-use crate::engine::request::Op;
+use crate::engine::plan::StagedEnds;
+use crate::engine::request::{Op, SegmentId};
 use crate::error::{Error, ErrorCode, Result};
+use crate::location::Location;
 use smallvec::SmallVec;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
@@ -100,6 +102,18 @@ pub(super) fn pack<K: PartialEq>(
         parts.clear();
     }
     parts
+}
+
+/// What the requests of one packed run share: one peer, one direction,
+/// one local device and transport.
+pub(super) fn pack_key(e: &StagedEnds) -> (SegmentId, Op, Option<usize>, Location, Option<&str>) {
+    (
+        e.segment.id,
+        e.op,
+        e.local.device,
+        e.local.location,
+        e.transport.as_deref(),
+    )
 }
 
 /// Per request, its chunks still to finish and its first error; a request
