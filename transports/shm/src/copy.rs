@@ -77,6 +77,13 @@ impl NonTemporal {
     fn applies(self, len: u64) -> bool {
         matches!(self, NonTemporal::From(min) if len >= min)
     }
+
+    /// Whether a submission of `total` bytes in `parts` parts uses them:
+    /// decided on one thread's share of the whole, not on a part.
+    fn applies_to(self, total: u64, parts: usize, pool: Option<&Pool>) -> bool {
+        let threads = pool.map_or(1, |p| p.helpers() + 1).min(parts).max(1);
+        self.applies(total / threads as u64)
+    }
 }
 
 /// Parts per copy thread: threads claim parts as they come free, so one
@@ -161,10 +168,8 @@ fn run_parts(
 /// remote range must lie inside a mapping that stays mapped until this
 /// returns.
 pub unsafe fn mapped(pool: Option<&Pool>, pieces: &[Piece], parts: usize, nt: NonTemporal) -> bool {
-    // Decided on a thread's share of the whole submission, not on a part.
-    let threads = pool.map_or(1, |p| p.helpers() + 1).min(parts).max(1);
     let total = total_of(pieces);
-    let nt = nt.applies(total / threads as u64);
+    let nt = nt.applies_to(total, parts, pool);
     // SAFETY: the `# Safety` section of `mapped` is mapped_with's.
     unsafe { mapped_with(pool, (pieces, total), parts, nt) }
 }
@@ -219,8 +224,7 @@ pub unsafe fn mapped_blocks(
 ) -> bool {
     let piece = |k: usize| block_piece(op, (local, remote), k, &blocks[k]);
     let parts = parts.max(1);
-    let threads = pool.map_or(1, |p| p.helpers() + 1).min(parts);
-    let nt = nt.applies(total / threads as u64);
+    let nt = nt.applies_to(total, parts, pool);
     let Some(pool) = pool.filter(|p| parts > 1 && p.helpers() > 0) else {
         // SAFETY: every block of the list, as this function's `# Safety`.
         let one = || unsafe { copy_run(blocks.len(), piece, nt) };

@@ -435,10 +435,10 @@ impl Drop for TcpInstance {
 /// Connections per peer when tcp.connections is not set: one per I/O
 /// thread, at least DEFAULT_CONNECTIONS and at most 64. A connection
 /// carries one frame at a time and each end moves it on one thread, so
-/// fewer connections than I/O threads leave threads idle: on a 16-core H100 host (8 I/O threads)
-/// loopback tcp moved 256 MiB batches at 9-10 GB/s over 4 connections and
-/// 15-16 GB/s over 8 (1 MiB blocks; 6-7 against 9-11 GB/s with 4 KiB
-/// blocks), docs/benchmarks.md.
+/// fewer connections than I/O threads leave threads idle: on a 16-core
+/// H100 host (8 I/O threads) loopback tcp moved 256 MiB batches at 9-10
+/// GB/s over 4 connections and 15-16 GB/s over 8 (1 MiB blocks; 6-7
+/// against 9-11 GB/s with 4 KiB blocks), docs/benchmarks.md.
 fn default_connections(io_threads: usize) -> usize {
     io_threads.clamp(DEFAULT_CONNECTIONS, 64)
 }
