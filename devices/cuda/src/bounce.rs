@@ -68,19 +68,31 @@ impl Bounce {
     }
 }
 
-/// Whether `descs` bounces, and how. `is_host(addr, len)`: the range lies
-/// inside one allocation of pinned host memory the driver maps (any other
-/// end is device memory, as the caller checked). None for a small list, a
-/// mixed one, a host span over MAX_SPAN or more than twice the list's
-/// bytes, a span across allocations, or a gather of more than MAX_RUNS runs.
-pub(crate) fn plan(descs: &[Desc], is_host: impl Fn(u64, u64) -> bool) -> Option<Bounce> {
+/// How many sources and how many destinations of a list are pinned host
+/// memory (the rest device memory), as the caller found while checking
+/// that the kernel reaches every end.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct HostEnds {
+    pub(crate) src: usize,
+    pub(crate) dst: usize,
+}
+
+/// Whether `descs` bounces, and how. `ends`: which of its ends are host
+/// memory; `is_host(addr, len)`: the range lies inside one allocation of
+/// pinned host memory the driver maps, asked of the span and the runs
+/// only. None for a small list, a mixed one, a host span over MAX_SPAN or
+/// more than twice the list's bytes, a span across allocations, or a
+/// gather of more than MAX_RUNS runs.
+pub(crate) fn plan(
+    descs: &[Desc],
+    ends: HostEnds,
+    is_host: impl Fn(u64, u64) -> bool,
+) -> Option<Bounce> {
     let bytes = descs.iter().map(|c| c.len).fold(0, u64::saturating_add);
     if bytes < MIN_BYTES {
         return None;
     }
-    let hosts = |end: fn(&Desc) -> u64| descs.iter().filter(|c| is_host(end(c), c.len)).count();
-    let (host_src, host_dst) = (hosts(|c| c.src), hosts(|c| c.dst));
-    let inward = match (host_src, host_dst) {
+    let inward = match (ends.src, ends.dst) {
         (n, 0) if n == descs.len() => true,
         (0, n) if n == descs.len() => false,
         _ => return None,
@@ -200,6 +212,15 @@ mod tests {
         addr >= HOST && addr + len <= HOST + (64 << 20)
     }
 
+    /// plan, with the ends counted by `is_host` as the caller would.
+    fn planned(descs: &[Desc], is_host: impl Fn(u64, u64) -> bool) -> Option<Bounce> {
+        let ends = HostEnds {
+            src: descs.iter().filter(|c| is_host(c.src, c.len)).count(),
+            dst: descs.iter().filter(|c| is_host(c.dst, c.len)).count(),
+        };
+        plan(descs, ends, is_host)
+    }
+
     fn gather(n: u64, gap: u64) -> Vec<Desc> {
         (0..n)
             .map(|i| d(DEV + (n - i) * 3 * K16, HOST + i * (K16 + gap), K16))
@@ -209,7 +230,7 @@ mod tests {
     #[test]
     fn a_packed_gather_comes_out_in_one_copy() {
         let list = gather(256, 0);
-        let b = plan(&list, host).expect("bounces");
+        let b = planned(&list, host).expect("bounces");
         assert_eq!(
             b,
             Bounce::Out {
@@ -228,8 +249,8 @@ mod tests {
         // 16 KiB blocks 256 bytes apart: every gap would be overwritten by
         // one copy of the span, so each block is its own run, and past
         // MAX_RUNS runs the list goes to the kernel directly.
-        assert_eq!(plan(&gather(256, 256), host), None);
-        let Some(Bounce::Out { runs, .. }) = plan(&gather(16, 256), host) else {
+        assert_eq!(planned(&gather(256, 256), host), None);
+        let Some(Bounce::Out { runs, .. }) = planned(&gather(16, 256), host) else {
             panic!("16 runs bounce");
         };
         assert_eq!(runs.len(), 16);
@@ -241,7 +262,7 @@ mod tests {
         let list: Vec<Desc> = (0..256)
             .map(|i| d(HOST + i * (K16 + 256), DEV + i * 5 * K16, K16))
             .collect();
-        let b = plan(&list, host).expect("bounces");
+        let b = planned(&list, host).expect("bounces");
         assert_eq!(
             b,
             Bounce::In {
@@ -254,18 +275,18 @@ mod tests {
         let sparse: Vec<Desc> = (0..64)
             .map(|i| d(HOST + i * 3 * K16, DEV + i * K16, K16))
             .collect();
-        assert_eq!(plan(&sparse, host), None);
+        assert_eq!(planned(&sparse, host), None);
     }
 
     #[test]
     fn small_mixed_or_device_only_lists_go_to_the_kernel() {
-        assert_eq!(plan(&gather(8, 0), host), None, "128 KiB is small");
+        assert_eq!(planned(&gather(8, 0), host), None, "128 KiB is small");
         let mut mixed = gather(256, 0);
         mixed[7].dst = DEV;
-        assert_eq!(plan(&mixed, host), None);
+        assert_eq!(planned(&mixed, host), None);
         let on_device: Vec<Desc> = (0..256).map(|i| d(DEV + i * K16, DEV << 4, K16)).collect();
-        assert_eq!(plan(&on_device, host), None);
-        assert_eq!(plan(&[], host), None);
+        assert_eq!(planned(&on_device, host), None);
+        assert_eq!(planned(&[], host), None);
     }
 
     #[test]
@@ -277,10 +298,10 @@ mod tests {
             d(HOST + (63 << 20), DEV, 1 << 20),
             d(HOST + (64 << 20), DEV, 1 << 20),
         ];
-        assert_eq!(plan(&list, next), None);
-        assert!(plan(&list[..1], next).is_some(), "alone it bounces");
+        assert_eq!(planned(&list, next), None);
+        assert!(planned(&list[..1], next).is_some(), "alone it bounces");
         let long = vec![d(HOST, DEV, 40 << 20), d(HOST + (40 << 20), DEV, 30 << 20)];
-        assert_eq!(plan(&long, |a, _| a >= HOST), None, "70 MiB");
+        assert_eq!(planned(&long, |a, _| a >= HOST), None, "70 MiB");
     }
 
     #[test]
