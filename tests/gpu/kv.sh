@@ -28,8 +28,7 @@ field() { sed -n "s/.*\"$1\":\([0-9.eE+-]*\).*/\1/p"; }
 # The staging job's own account of its time, one debug line per batch.
 STAGING_LOG="FERRY_LOG=warn,ferry_core::engine::staging::job=debug"
 rm -f "$OUT/kv-staging-breakdown.txt" "$OUT/kv-host-rounds.txt" "$OUT/kv-staged-rounds.txt"
-# The median of the numbers on stdin (separated by spaces or lines).
-median() { tr ' ' '\n' | grep . | sort -g | awk '{ v[NR] = $1 } END { if (NR) print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+. "$(dirname "$0")/median.sh"
 # breakdown KEY: the last staged batch's line of the run just done.
 breakdown() {
     local line

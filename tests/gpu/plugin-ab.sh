@@ -33,7 +33,7 @@ for side in A B; do
     [ -n "${seg[$side]}" ] || { echo "target $side did not start: $(tail -n 3 "$tmp/target.$side.err")"; exit 1; }
 done
 echo "B loads: $(FERRY_PLUGIN_PATH=$DIR $B info --json 2>/dev/null | grep -o "\"path\": *\"$DIR/[^\"]*\"" | head -n 1)"
-median() { tr ' ' '\n' | grep . | sort -g | awk '{ v[NR] = $1 } END { if (NR) print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+. "$(dirname "$0")/median.sh"
 declare -A all
 fail=0
 for op in ${AB_OPS:-write read}; do
