@@ -283,10 +283,14 @@ fn hostile_staging_requests_are_refused_and_the_target_keeps_serving() {
         .call(MsgType::StageCopy, copy(0, 0, 4096, dev).as_bytes())
         .unwrap();
     assert_eq!(kind, MsgType::StageDone);
-    // Asking for more than the target lends in all is refused.
+    // Asking for more than the target lends in all is refused. Each grant
+    // allocates 1 GiB of slots, which took the debug build over 5 s on 2
+    // loaded cores once: these calls wait longer.
+    let slow =
+        ferry_core::control::Link::new(t, Duration::from_secs(60), ferry_tests::user_token());
     let mut many = Vec::new();
     let e = loop {
-        let mut c = ControlClient::connect(&name, &link).unwrap();
+        let mut c = ControlClient::connect(&name, &slow).unwrap();
         match c.call(MsgType::StageOpen, br#"{"slots":16,"slot_len":67108864}"#) {
             Ok(_) => many.push(c),
             Err(e) => break e.to_string(),
