@@ -21,6 +21,8 @@ cp target/release/ferry target/release/examples/cuda_check .gpu/bin/
 for so in target/release/libferry_transport_*.so target/release/libferry_device_*.so; do
     [ -e "$so" ] && cp "$so" .gpu/lib/ferry/plugins/
 done
+# What the memory allows a scattered copy, by thread count (issue 30's host rows).
+cc -O2 -mavx2 -pthread -o .gpu/bin/scatter-probe tests/gpu/scatter_probe.c
 cp tests/verbs-emulator/build/libibverbs.so.1 tests/verbs-emulator/dgx-h100.conf .gpu/lib/verbs-emulator/
 # Line tables are for debugging here, not there: the folder must travel small.
 strip --strip-debug .gpu/bin/* .gpu/lib/ferry/plugins/*.so
