@@ -2,7 +2,8 @@
 //! cross-memory attach) and tcp take a KV block list in one call; shuffled
 //! 4 KiB blocks are written and read back byte for byte, and a list that
 //! reaches memory the peer no longer has registered is refused by the
-//! transport (and, over tcp, by the target) with nothing touched.
+//! transport (and, over tcp, by the target) with nothing touched; one
+//! refused for a key the peer replaced is retried once and lands.
 
 use ferry_core::{BlockLayout, BlockTransfer, Engine, EngineConfig, Op};
 
@@ -181,6 +182,59 @@ fn a_peer_that_connects_after_an_unregistration_still_cannot_write_there() {
         let p = pair(transport, false);
         p.target.unregister_memory(p.pool.addr()).unwrap();
         write_to_the_unregistered_pool_is_refused(&p, transport);
+    }
+}
+
+#[test]
+fn a_list_refused_for_a_stale_key_is_retried_once_and_lands() {
+    // vLLM's sleep and wake-up with lists: the target registers its pool
+    // again at the same addresses after the initiator read its key. The
+    // list (by layouts, then as a run of requests) is refused for the old
+    // key, read again and submitted once more as a whole, and lands.
+    for transport in ["shm", "tcp"] {
+        let p = pair(transport, false);
+        let len = 2 * BLOCK * BLOCKS;
+        transfer(&p, Op::Read, transport, &[0], &[0]).unwrap();
+        let again = || {
+            p.target.unregister_memory(p.pool.addr()).unwrap();
+            p.target.register_memory(p.pool.addr(), len, None).unwrap();
+        };
+        again();
+        let (local_ids, remote_ids) = (
+            ferry_tests::shuffled(BLOCKS, 5),
+            ferry_tests::shuffled(BLOCKS, 7),
+        );
+        transfer(&p, Op::Write, transport, &local_ids, &remote_ids)
+            .unwrap_or_else(|e| panic!("{transport}: the layouts' list was not retried: {e}"));
+        for (l, r) in local_ids.iter().zip(&remote_ids) {
+            let at = (*l * BLOCK) as usize;
+            assert!(
+                remote_block(&p, *r) == &p.local[at..at + BLOCK as usize],
+                "{transport}: block {l} -> {r}"
+            );
+        }
+        again();
+        let requests: Vec<ferry_core::Request> = (0..BLOCKS)
+            .map(|k| {
+                ferry_core::Request::new(
+                    Op::Read,
+                    p.local.as_ptr() as u64 + k * BLOCK,
+                    p.seg,
+                    p.pool.addr() + remote_ids[k as usize] * 2 * BLOCK,
+                    BLOCK,
+                )
+            })
+            .collect();
+        p.initiator
+            .transfer_sync(&requests)
+            .unwrap_or_else(|e| panic!("{transport}: the requests' list was not retried: {e}"));
+        for (k, r) in remote_ids.iter().enumerate() {
+            let at = k * BLOCK as usize;
+            assert!(
+                p.local[at..at + BLOCK as usize] == *remote_block(&p, *r),
+                "{transport}: block {r} read into {k}"
+            );
+        }
     }
 }
 

@@ -254,12 +254,13 @@ impl Batch {
         }
     }
 
-    /// Fails a whole group, whatever parts it expects (none was accepted).
-    pub(crate) fn abort_group(&self, group: usize, e: Error) {
+    /// Fails a whole group, whatever parts it expects (none was accepted);
+    /// false when it stays pending (a [`Retry`] took it).
+    pub(crate) fn abort_group(&self, group: usize, e: Error) -> bool {
         if let Some(g) = self.state.lock().groups.get_mut(group) {
             g.parts = 1;
         }
-        let _ = self.complete_group(group, Err(e));
+        self.complete_group(group, Err(e))
     }
 
     /// Finishes a group (from a plugin, or the engine when submit failed);

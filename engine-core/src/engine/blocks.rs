@@ -184,6 +184,7 @@ impl Shared {
             // A transport without block lists gets the same blocks as
             // single requests, in one call, under one completion group.
             single_requests: !transport.takes_block_lists(),
+            retry: plan.retry,
         };
         let list = if transport.takes_layout_lists() {
             // The transport computes the addresses where the bytes move

@@ -9,8 +9,9 @@
 use super::layouts::recycle_blocks;
 use super::measure::Flight;
 use super::plan::{Pending, Plan, StagedItem};
+use super::refused::Sent;
 use super::request::{Op, SegmentId};
-use super::retry::Resend;
+use super::retry::{Resend, ResendList};
 use super::segments::RemoteSegment;
 use super::shared::Shared;
 use crate::batch::{group_of, Batch, GroupObserver, Retry};
@@ -79,12 +80,12 @@ impl Shared {
             }
             return Err(e);
         }
-        // Block lists are not retried: one completion stands for many
-        // requests, and a refused list fails them together.
+        // One completion stands for a list's requests: a list the peer
+        // refuses is retried once as a whole, then fails them together.
         let mut list_failures = 0usize;
         let mut list_failure = None;
-        for l in lists {
-            if let Err(e) = self.hand_over_list(batch, &l) {
+        for mut l in lists {
+            if let Err(e) = self.hand_over_list(batch, &mut l) {
                 list_failures += l.pendings;
                 list_failure.get_or_insert(e);
             }
@@ -114,23 +115,16 @@ impl Shared {
     ) -> (SmallVec<[TargetGroup; 1]>, Vec<ListGroup>) {
         let mut by_target: SmallVec<[TargetGroup; 1]> = SmallVec::new();
         // Runs of requests between one pair of buffers, for a transport
-        // that takes block lists: one list and one completion each. Not
-        // yet for host memory in batches whose refusals are retried: a
-        // refused list is not retried (a peer's re-registration would fail
-        // a batch that single requests survive, tests/src/reregister.rs),
-        // and the host transports already move a submission's requests in
-        // one call (shm) or frames of many (tcp).
-        let runs = block_runs(routed, |p| {
-            self.transports[p.transport].takes_block_lists()
-                && !(retry && p.local.mem_kind == sys::FERRY_MEM_HOST)
-        });
+        // that takes block lists: one list and one completion each (a
+        // refused list is retried once as a whole, retry.rs).
+        let runs = block_runs(routed, |p| self.transports[p.transport].takes_block_lists());
         let mut lists: Vec<ListGroup> = Vec::with_capacity(runs.len());
         let mut in_run = runs.iter().peekable();
         for (n, p) in routed.iter().enumerate() {
             if let Some(&&(first, len)) = in_run.peek() {
                 if n == first {
                     let run = &routed[first..first + len];
-                    lists.push(self.list_group(batch, flows, base, run));
+                    lists.push(self.list_group(batch, flows, base, run, retry));
                 }
                 if n >= first && n < first + len {
                     if n == first + len - 1 {
@@ -393,6 +387,9 @@ pub(crate) struct ListGroup {
     /// the list's token); its index arrays are the caller's, alive while
     /// it is handed over.
     layouts: Option<sys::ferry_layout_list_t>,
+    op: Op,
+    /// A refusal of the peer's key is retried once, as a list (retry.rs).
+    retry: bool,
     token: u64,
     bytes: u64,
 }
@@ -417,6 +414,7 @@ impl Shared {
         flows: &mut Flows,
         base: usize,
         run: &[Pending],
+        retry: bool,
     ) -> ListGroup {
         let p = &run[0];
         let remote_base = run.iter().map(|q| q.remote_addr).min().unwrap_or(0);
@@ -443,6 +441,7 @@ impl Shared {
                 remote_base,
                 remote_key: &p.remote_key,
                 single_requests: false,
+                retry,
             },
             blocks,
         );
@@ -526,6 +525,8 @@ impl Shared {
             _key: g.remote_key.clone(),
             single_requests: g.single_requests,
             layouts: None,
+            op: g.op,
+            retry: g.retry,
             token,
             bytes,
         }
@@ -538,14 +539,14 @@ impl Shared {
     /// `unregistered` words from the buffer's address. The list's blocks
     /// go back for reuse either way.
     pub(crate) fn hand_over_if_registered(
-        &self,
+        self: &Arc<Self>,
         batch: &Batch,
-        list: ListGroup,
+        mut list: ListGroup,
         local: &Arc<LocalBuffer>,
         unregistered: impl FnOnce(u64) -> String,
     ) -> Result<()> {
         let handed = if self.still_registered(local) {
-            self.hand_over_list(batch, &list)
+            self.hand_over_list(batch, &mut list)
         } else {
             let e = Error::new(ErrorCode::OutOfBounds, unregistered(local.addr));
             batch.abort_group(group_of(list.token()), e.clone());
@@ -564,11 +565,30 @@ impl Shared {
     }
 
     /// Hands a block list to its transport; on a refusal its group fails
-    /// (and a broken connection is forgotten, as for single requests).
-    pub(crate) fn hand_over_list(&self, batch: &Batch, l: &ListGroup) -> Result<()> {
+    /// (and a broken connection is forgotten, as for single requests),
+    /// unless it is retried: a list (not layouts, not single requests)
+    /// whose peer refuses its key is submitted once more with the key read
+    /// again, and keeps its blocks until then. Ok when the transport took
+    /// the list or its retry did.
+    pub(crate) fn hand_over_list(self: &Arc<Self>, batch: &Batch, l: &mut ListGroup) -> Result<()> {
         let t = &self.transports[l.transport];
         let mut raw = l.raw;
-        raw.blocks = l.blocks.as_ptr();
+        let resend = (l.retry && l.layouts.is_none() && !l.single_requests).then(|| {
+            let sent = Sent {
+                segment: l.segment.id,
+                transport: l.transport,
+                op: l.op,
+                local_addr: raw.local_addr,
+                local_mem: raw.local_mem,
+                remote_addr: raw.remote_addr,
+                length: 0,
+            };
+            Arc::new(ResendList::new(self, sent, std::mem::take(&mut l.blocks)))
+        });
+        raw.blocks = resend
+            .as_ref()
+            .map_or(l.blocks.as_ptr(), |r| r.blocks().as_ptr());
+        let retry = resend.map(|r| r as Arc<dyn Retry>);
         let result = l.segment.peer(l.transport, t).and_then(|peer| {
             // One completion group for the whole list.
             let flight: Arc<dyn GroupObserver> = Flight::start(
@@ -578,7 +598,7 @@ impl Shared {
                 1,
                 l.bytes,
             );
-            batch.observe([(group_of(l.token), 0)], &flight, None);
+            batch.observe([(group_of(l.token), 0)], &flight, retry.as_ref());
             if let Some(mbps) = self
                 .transports
                 .meter
@@ -618,7 +638,9 @@ impl Shared {
                 l.segment.routes.clear();
             }
             log::debug!("segment {}: {e}", l.segment.id);
-            batch.abort_group(group_of(l.token), e.clone());
+            if !batch.abort_group(group_of(l.token), e.clone()) {
+                return Ok(()); // its retry took it
+            }
         }
         result
     }
@@ -638,4 +660,7 @@ pub(crate) struct BlockGroup<'a> {
     pub(crate) remote_key: &'a Arc<[u8]>,
     /// See [`ListGroup`]: one request per block under one token.
     pub(crate) single_requests: bool,
+    /// Whether a refusal of the peer's key is retried (not for staging's
+    /// slots, which the peer lent).
+    pub(crate) retry: bool,
 }

@@ -264,35 +264,41 @@ pub(crate) fn layout_list(
     }
 }
 
-thread_local! {
-    /// A block list's memory, kept for the thread's next list: a list of
-    /// 65,536 blocks is 1.5 MiB, which the allocator maps and unmaps (page
-    /// faults, zeroing) on every transfer when it is freed.
-    static SPARE: std::cell::Cell<Vec<ferry_block_t>> = const { std::cell::Cell::new(Vec::new()) };
-}
+/// Block lists' memory, kept for the next lists: a list of 65,536 blocks
+/// is 1.5 MiB, which the allocator maps and unmaps (page faults, zeroing)
+/// on every transfer when it is freed. Shared by every thread, because a
+/// list kept for its retry (retry.rs) is let go on whichever thread
+/// completes it.
+static SPARE: Mutex<Vec<Vec<ferry_block_t>>> = Mutex::new(Vec::new());
 
 /// Most blocks a kept list holds (24 MiB).
 const SPARE_MAX: usize = 1 << 20;
 
-/// An empty list with room for `n` blocks, reusing this thread's spare.
+/// How many lists are kept: one per batch in flight at a time, for a few.
+const SPARES: usize = 4;
+
+/// An empty list with room for `n` blocks, reusing a kept one.
 pub(crate) fn spare_blocks(n: usize) -> Vec<ferry_block_t> {
-    let mut v = SPARE.with(|s| s.take());
+    let mut v = SPARE.lock().pop().unwrap_or_default();
     v.clear();
     v.reserve(n);
     v
 }
 
-/// Keeps a list's memory for this thread's next list.
+/// Keeps a list's memory for a next list.
 pub(crate) fn recycle_blocks(v: Vec<ferry_block_t>) {
-    if v.capacity() <= SPARE_MAX {
-        SPARE.with(|s| {
-            let kept = s.take();
-            s.set(if kept.capacity() >= v.capacity() {
-                kept
-            } else {
-                v
-            });
-        });
+    if v.capacity() == 0 || v.capacity() > SPARE_MAX {
+        return;
+    }
+    let mut spare = SPARE.lock();
+    if spare.len() < SPARES {
+        spare.push(v);
+    } else if let Some(least) = spare.iter_mut().min_by_key(|k| k.capacity()) {
+        if least.capacity() < v.capacity() {
+            let freed = std::mem::replace(least, v);
+            drop(spare);
+            drop(freed); // outside the lock
+        }
     }
 }
 

@@ -2,10 +2,12 @@
 //! their one retry (retry.rs): what each one was, and the queue a retry
 //! thread takes them from, a round at a time.
 
+use super::layouts::recycle_blocks;
 use super::request::{Op, SegmentId};
 use crate::batch::BatchTable;
 use crate::error::Error;
 use crate::transport::CompletionSink;
+use ferry_plugins_abi::sys::ferry_block_t;
 use parking_lot::Mutex;
 use std::sync::{Arc, Weak};
 
@@ -23,9 +25,25 @@ pub(crate) struct Sent {
     pub(crate) length: u64,
 }
 
-/// A refused request: its completion group (by token) is still pending.
+/// The blocks of a list handed over as one, kept for its retry (offsets
+/// from its `Sent`'s local and remote addresses); their memory goes back
+/// to the spare lists (layouts.rs) once nothing holds them.
+pub(crate) struct SentBlocks(pub(crate) Vec<ferry_block_t>);
+
+impl Drop for SentBlocks {
+    fn drop(&mut self) {
+        recycle_blocks(std::mem::take(&mut self.0));
+    }
+}
+
+/// A refused request, or block list: its completion group (by token) is
+/// still pending.
 pub(crate) struct Refused {
+    /// For a list: its local and remote bases, and the remote span of its
+    /// blocks as the length.
     pub(crate) sent: Sent,
+    /// The list's blocks; None for a single request.
+    pub(crate) blocks: Option<Arc<SentBlocks>>,
     pub(crate) token: u64,
     pub(crate) error: Error,
 }
@@ -103,6 +121,7 @@ mod tests {
                 remote_addr: 0x2000,
                 length: 64,
             },
+            blocks: None,
             token,
             error: Error::new(ErrorCode::OutOfBounds, "revoked"),
         }

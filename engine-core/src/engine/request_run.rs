@@ -131,6 +131,7 @@ impl Shared {
                 remote_base: bounds.remote,
                 remote_key: &p.remote_key,
                 single_requests: false,
+                retry: plan.retry,
             },
             blocks,
         );
@@ -169,16 +170,11 @@ impl Shared {
 
     /// The buffers the first request of a run was routed between, when a
     /// run between them may go as one block list: its transport takes
-    /// lists, the local buffer is registered device memory (host memory's
-    /// requests stay single, so that a peer's refusal is retried per
-    /// request, as dispatch does), and the peer's buffer is the one whose
-    /// key the route carries.
+    /// lists, the local buffer is registered, and the peer's buffer is the
+    /// one whose key the route carries.
     fn run_bounds(&self, p: &Pending) -> Option<RunBounds> {
         let t = &self.transports[p.transport];
-        if !t.takes_block_lists()
-            || p.local.mem_kind == sys::FERRY_MEM_HOST
-            || p.local.visibility == Visibility::Unregistered
-        {
+        if !t.takes_block_lists() || p.local.visibility == Visibility::Unregistered {
             return None;
         }
         let view = p.segment.view.read().clone();

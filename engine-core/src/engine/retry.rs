@@ -10,14 +10,17 @@
 //! so each one sees what the peer registered after its refusal), and the
 //! request is submitted again on the same transport and completion group
 //! with the key the peer now publishes for its range. The second result is
-//! final: a request is retried once. The new view serves later submissions
-//! too, and replacing a view drops the segment's remembered routes and
-//! acceptance verdicts (segments.rs), so none keeps the revoked key.
+//! final: a request is retried once. A block list (requests between one
+//! pair of buffers, handed over as one) is retried the same way, as a
+//! whole: it keeps its blocks until it completes. The new view serves
+//! later submissions too, and replacing a view drops the segment's
+//! remembered routes and acceptance verdicts (segments.rs), so none keeps
+//! the revoked key.
 //!
 //! Reaches in Shared: `batches`, `node`, `segments`, `transports`.
 
 use super::plan::Pending;
-use super::refused::{Refused, RefusedQueue, Sent};
+use super::refused::{Refused, RefusedQueue, Sent, SentBlocks};
 use super::request::SegmentId;
 use super::segments::{RemoteSegment, RemoteView};
 use super::shared::Shared;
@@ -63,30 +66,99 @@ impl Retry for Resend {
         let Some(&sent) = self.sent.get(index) else {
             return self.queue.fail(token, error);
         };
-        if !self.queue.push(Refused { sent, token, error }) {
-            return;
+        let refused = Refused {
+            sent,
+            blocks: None,
+            token,
+            error,
+        };
+        queue_refused(&self.engine, &self.queue, refused);
+    }
+}
+
+/// A block list handed over as one, kept for one retry of the whole list:
+/// its blocks lie inside one buffer of the peer, and a refused list is
+/// submitted again as a list, with the key the peer publishes for that
+/// range now. (A peer that registers a smaller buffer there fails the whole
+/// list, where single requests would fail only those outside it.)
+pub(crate) struct ResendList {
+    engine: Weak<Shared>,
+    queue: Arc<RefusedQueue>,
+    /// Its local and remote bases; the length is worked out from the blocks
+    /// when it is refused.
+    sent: Sent,
+    blocks: Arc<SentBlocks>,
+}
+
+impl ResendList {
+    /// Takes `blocks` (offsets from `sent`'s addresses) for as long as the
+    /// list may be retried.
+    pub(crate) fn new(engine: &Arc<Shared>, sent: Sent, blocks: Vec<sys::ferry_block_t>) -> Self {
+        ResendList {
+            engine: Arc::downgrade(engine),
+            queue: engine.refused.clone(),
+            sent,
+            blocks: Arc::new(SentBlocks(blocks)),
         }
-        let (engine, queue) = (self.engine.clone(), self.queue.clone());
-        let spawned = std::thread::Builder::new()
-            .name("ferry-retry".into())
-            .spawn(move || {
+    }
+
+    pub(crate) fn blocks(&self) -> &[sys::ferry_block_t] {
+        &self.blocks.0
+    }
+}
+
+impl Retry for ResendList {
+    fn retry(self: Arc<Self>, token: u64, _index: usize, error: Error) {
+        let span = self
+            .blocks()
+            .iter()
+            .map(|b| b.remote_offset.saturating_add(b.length))
+            .max()
+            .unwrap_or(0);
+        let refused = Refused {
+            sent: Sent {
+                length: span,
+                ..self.sent
+            },
+            blocks: Some(self.blocks.clone()),
+            token,
+            error,
+        };
+        queue_refused(&self.engine, &self.queue, refused);
+    }
+}
+
+/// Queues a refusal, starting the thread that retries the queue's rounds
+/// when none runs.
+fn queue_refused(engine: &Weak<Shared>, queue: &Arc<RefusedQueue>, refused: Refused) {
+    if !queue.push(refused) {
+        return;
+    }
+    let (engine, queue) = (engine.clone(), queue.clone());
+    let spawned = std::thread::Builder::new()
+        .name("ferry-retry".into())
+        .spawn({
+            let queue = queue.clone();
+            move || {
                 while let Some(round) = queue.next_round() {
                     match engine.upgrade() {
                         Some(shared) => shared.retry_round(round),
                         None => round.into_iter().for_each(|r| queue.fail(r.token, r.error)),
                     }
                 }
-            });
-        if let Err(e) = spawned {
-            self.queue
-                .fail_waiting(&format!("cannot start a thread: {e}"));
-        }
+            }
+        });
+    if let Err(e) = spawned {
+        queue.fail_waiting(&format!("cannot start a thread: {e}"));
     }
 }
 
-/// Requests to submit again to one (segment, transport), each with its
-/// completion token and the key it now carries.
-type Again = ((SegmentId, usize), SmallVec<[(Sent, u64, Arc<[u8]>); 4]>);
+/// One request or block list to submit again: what was sent, its blocks
+/// for a list, its completion token and the key it now carries.
+type Resent = (Sent, Option<Arc<SentBlocks>>, u64, Arc<[u8]>);
+
+/// Requests and lists to submit again to one (segment, transport).
+type Again = ((SegmentId, usize), SmallVec<[Resent; 4]>);
 
 /// A segment and its view just read, or why it could not be read.
 type Seen = Result<(Arc<RemoteSegment>, Arc<RemoteView>)>;
@@ -121,9 +193,10 @@ impl Shared {
             match self.current_key(&s, seen, &r.error) {
                 Ok(key) => {
                     let target = (s.segment, s.transport);
+                    let resent = (s, r.blocks.clone(), r.token, key);
                     match again.iter_mut().find(|(k, _)| *k == target) {
-                        Some((_, list)) => list.push((s, r.token, key)),
-                        None => again.push((target, smallvec::smallvec![(s, r.token, key)])),
+                        Some((_, list)) => list.push(resent),
+                        None => again.push((target, smallvec::smallvec![resent])),
                     }
                 }
                 Err(e) => self.batches.complete(r.token, Err(e)),
@@ -165,12 +238,14 @@ impl Shared {
         })
     }
 
-    /// Submits refused requests of one (segment, transport) again, with the
-    /// keys read just now, under their own completion groups.
-    fn submit_again(&self, segment: SegmentId, transport: usize, list: &[(Sent, u64, Arc<[u8]>)]) {
+    /// Submits refused requests and lists of one (segment, transport)
+    /// again, with the keys read just now, under their own completion
+    /// groups.
+    fn submit_again(&self, segment: SegmentId, transport: usize, list: &[Resent]) {
         let raw: SmallVec<[sys::ferry_transfer_request_t; 4]> = list
             .iter()
-            .map(|(s, token, key)| sys::ferry_transfer_request_t {
+            .filter(|(_, blocks, ..)| blocks.is_none())
+            .map(|(s, _, token, key)| sys::ferry_transfer_request_t {
                 op: s.op.raw(),
                 reserved: 0,
                 local_addr: s.local_addr,
@@ -183,23 +258,68 @@ impl Shared {
             })
             .collect();
         let t = &self.transports[transport];
-        let result = self.segments.get(segment).and_then(|seg| {
-            seg.peer(transport, t)
-                .and_then(|peer| t.submit(&peer, &raw))
-                .inspect_err(|e| {
-                    if e.code == ErrorCode::Connection {
-                        // As dispatch does: a broken handle is not reused.
-                        seg.peers.lock().remove(&transport);
-                        seg.stale.store(true, Ordering::Relaxed);
-                        seg.routes.clear();
-                    }
-                })
+        let peer = self.segments.get(segment).and_then(|seg| {
+            seg.peer(transport, t).inspect_err(|e| {
+                if e.code == ErrorCode::Connection {
+                    forget_peer(&seg, transport);
+                }
+            })
         });
-        if let Err(e) = result {
-            let e = Error::new(e.code, format!("retrying a refused request: {}", e.message));
-            for r in &raw {
-                self.batches.complete(r.token, Err(e.clone()));
+        let peer = match peer {
+            Ok(peer) => peer,
+            Err(e) => {
+                for (_, _, token, _) in list {
+                    self.batches.complete(*token, Err(retry_failed(&e)));
+                }
+                return;
+            }
+        };
+        let broken = |e: &Error| {
+            if e.code == ErrorCode::Connection {
+                if let Ok(seg) = self.segments.get(segment) {
+                    forget_peer(&seg, transport);
+                }
+            }
+        };
+        if !raw.is_empty() {
+            if let Err(e) = t.submit(&peer, &raw) {
+                broken(&e);
+                for r in &raw {
+                    self.batches.complete(r.token, Err(retry_failed(&e)));
+                }
+            }
+        }
+        for (s, blocks, token, key) in list {
+            let Some(blocks) = blocks else { continue };
+            let raw = sys::ferry_block_list_t {
+                op: s.op.raw(),
+                reserved: 0,
+                local_addr: s.local_addr,
+                local_mem: s.local_mem,
+                remote_addr: s.remote_addr,
+                remote_key: key.as_ptr(),
+                remote_key_len: key.len(),
+                blocks: blocks.0.as_ptr(),
+                count: blocks.0.len(),
+                token: *token,
+            };
+            if let Err(e) = t.submit_blocks(&peer, &raw) {
+                broken(&e);
+                self.batches.complete(*token, Err(retry_failed(&e)));
             }
         }
     }
+}
+
+/// A broken peer handle is not reused, and the next submit re-reads the
+/// peer's descriptor (as dispatch does).
+fn forget_peer(seg: &RemoteSegment, transport: usize) {
+    seg.peers.lock().remove(&transport);
+    seg.stale.store(true, Ordering::Relaxed);
+    seg.routes.clear();
+}
+
+/// What a retry's own failure says.
+fn retry_failed(e: &Error) -> Error {
+    Error::new(e.code, format!("retrying a refused request: {}", e.message))
 }
