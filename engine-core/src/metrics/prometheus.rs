@@ -133,7 +133,7 @@ fn render_flows(out: &mut String, s: &MetricsSnapshot) {
     let flow_families: [(&str, &str, FlowValue); 4] = [
         ("ferry_transfer_requests_total", "Requests completed, by transport, local device, peer, op and memory.", |c| c.requests),
         ("ferry_transfer_bytes_total", "Bytes of completed requests.", |c| c.bytes),
-        ("ferry_transport_submissions_total", "Submissions handed to the transport (adjacent requests coalesce into one), finished or failed.", |c| c.submissions),
+        ("ferry_transport_submissions_total", "Submissions handed to the transport (adjacent requests coalesce into one; a block list is one), finished or failed.", |c| c.submissions),
         ("ferry_transfer_failed_bytes_total", "Bytes of failed requests.", |c| c.failed_bytes),
     ];
     for (name, help, get) in flow_families {
