@@ -20,7 +20,6 @@ use crate::memory::{LocalBuffer, Visibility};
 use crate::metrics::{memory_label, FlowCache, FlowKey, FlowLabels, Stamp, Tally, STAGING_SLOT};
 use ferry_plugins_abi::sys;
 use smallvec::SmallVec;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -248,11 +247,7 @@ impl Shared {
             });
             if let Err(e) = result {
                 if e.code == ErrorCode::Connection {
-                    // A broken peer handle is not reused, and the next
-                    // submit re-reads the peer's descriptor.
-                    seg.peers.lock().remove(&transport);
-                    seg.stale.store(true, Ordering::Relaxed);
-                    seg.routes.clear();
+                    seg.forget_peer(transport);
                 }
                 log::debug!("segment {seg_id}: {e}");
                 // A refusal of the peer's key goes to its retry instead.
@@ -633,9 +628,7 @@ impl Shared {
         });
         if let Err(e) = &result {
             if e.code == ErrorCode::Connection {
-                l.segment.peers.lock().remove(&l.transport);
-                l.segment.stale.store(true, Ordering::Relaxed);
-                l.segment.routes.clear();
+                l.segment.forget_peer(l.transport);
             }
             log::debug!("segment {}: {e}", l.segment.id);
             if !batch.abort_group(group_of(l.token), e.clone()) {

@@ -29,7 +29,6 @@ use crate::error::{Error, ErrorCode, Result};
 use crate::transport::CompletionSink;
 use ferry_plugins_abi::sys;
 use smallvec::SmallVec;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 
 /// One dispatch's routed requests, kept for a retry of any the peer
@@ -258,27 +257,25 @@ impl Shared {
             })
             .collect();
         let t = &self.transports[transport];
-        let peer = self.segments.get(segment).and_then(|seg| {
-            seg.peer(transport, t).inspect_err(|e| {
-                if e.code == ErrorCode::Connection {
-                    forget_peer(&seg, transport);
-                }
-            })
-        });
-        let peer = match peer {
-            Ok(peer) => peer,
-            Err(e) => {
-                for (_, _, token, _) in list {
-                    self.batches.complete(*token, Err(retry_failed(&e)));
-                }
-                return;
+        let fail_all = |e: &Error| {
+            for (_, _, token, _) in list {
+                self.batches.complete(*token, Err(retry_failed(e)));
             }
+        };
+        let seg = match self.segments.get(segment) {
+            Ok(seg) => seg,
+            Err(e) => return fail_all(&e),
         };
         let broken = |e: &Error| {
             if e.code == ErrorCode::Connection {
-                if let Ok(seg) = self.segments.get(segment) {
-                    forget_peer(&seg, transport);
-                }
+                seg.forget_peer(transport);
+            }
+        };
+        let peer = match seg.peer(transport, t) {
+            Ok(peer) => peer,
+            Err(e) => {
+                broken(&e);
+                return fail_all(&e);
             }
         };
         if !raw.is_empty() {
@@ -309,14 +306,6 @@ impl Shared {
             }
         }
     }
-}
-
-/// A broken peer handle is not reused, and the next submit re-reads the
-/// peer's descriptor (as dispatch does).
-fn forget_peer(seg: &RemoteSegment, transport: usize) {
-    seg.peers.lock().remove(&transport);
-    seg.stale.store(true, Ordering::Relaxed);
-    seg.routes.clear();
 }
 
 /// What a retry's own failure says.

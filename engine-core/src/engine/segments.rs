@@ -126,6 +126,15 @@ impl RemoteSegment {
         }
     }
 
+    /// Forgets transport `transport`'s broken peer handle (not reused) and
+    /// marks the view stale, so that the next submit reads the peer's
+    /// descriptor again and routes afresh.
+    pub(crate) fn forget_peer(&self, transport: usize) {
+        self.peers.lock().remove(&transport);
+        self.stale.store(true, Ordering::Relaxed);
+        self.routes.clear();
+    }
+
     /// The peer handle of transport `i` (index `transport` of the engine's
     /// list), connected on first use.
     pub(crate) fn peer(&self, transport: usize, t: &Arc<Transport>) -> Result<Arc<PeerHandle>> {
