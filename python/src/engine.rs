@@ -6,7 +6,7 @@
 //! setting, the same rule for Rust, C and Python (engine-core's selection):
 //! this module keeps no routing policy of its own.
 
-use crate::addrs::AddrList;
+use crate::addrs::{recycle, AddrList};
 use crate::errors::{ferry_err, invalid};
 use ferry_core::{
     BatchId, BatchStatus, BlockLayout, BlockTransfer, Engine, EngineConfig, Error, ErrorCode,
@@ -101,7 +101,7 @@ impl NativeEngine {
         let op = parse_op(py, op)?;
         let engine = self.get(py)?;
         let transport = transport.filter(|t| !t.is_empty());
-        py.detach(|| {
+        let done = py.detach(|| {
             let t = BlockTransfer {
                 op,
                 segment,
@@ -119,8 +119,11 @@ impl NativeEngine {
                 .submit_blocks(batch, &t)
                 .map(|()| batch)
                 .inspect_err(|_| drop(engine.free_batch(batch)))
-        })
-        .map_err(|e| ferry_err(py, e))
+        });
+        // The engine keeps no reference to the index arrays once it returns.
+        recycle(local_ids.0);
+        recycle(remote_ids.0);
+        done.map_err(|e| ferry_err(py, e))
     }
 
     fn requests(

@@ -134,6 +134,11 @@ def test_int_list_is_the_one_rule():
         _ferry.int_list([1, 2.5])
     with pytest.raises(OverflowError, match="item 0"):
         _ferry.int_list([-1])
+    with pytest.raises(OverflowError, match=r"item 2 \(-3\) is negative"):
+        _ferry.int_list(np.array([1, 2, -3, 4], dtype=np.int64))
+    # Lists read after a refused one, into the memory it held, hold their own items only.
+    assert _ferry.int_list(np.array([7], dtype=np.int64)) == [7]
+    assert _ferry.int_list(np.arange(3000, dtype=np.uint64)) == list(range(3000))
     with pytest.raises(TypeError, match="0-d array is one number"):
         _ferry.int_list(np.array(5, dtype=np.int64))
     with pytest.raises(TypeError, match="not a list"):
