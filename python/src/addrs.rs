@@ -202,7 +202,8 @@ fn from_buffer(obj: &Bound<'_, PyAny>, view: &RawBuffer) -> PyResult<Vec<u64>> {
     let mut out = spare(count);
     // SAFETY: `out` has room for `count` items (spare reserved them) and
     // holds none, so its buffer takes `count * 8` bytes; `bytes` is that
-    // long, and a fresh allocation cannot overlap the exporter's buffer.
+    // long, and `out`'s buffer is this thread's own allocation, never the
+    // exporter's.
     // Every bit pattern is a u64, so the items are initialized by the copy.
     unsafe {
         std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr() as *mut u8, count * 8);

@@ -133,17 +133,14 @@ fn queue_refused(engine: &Weak<Shared>, queue: &Arc<RefusedQueue>, refused: Refu
     if !queue.push(refused) {
         return;
     }
-    let (engine, queue) = (engine.clone(), queue.clone());
+    let (engine, taken) = (engine.clone(), queue.clone());
     let spawned = std::thread::Builder::new()
         .name("ferry-retry".into())
-        .spawn({
-            let queue = queue.clone();
-            move || {
-                while let Some(round) = queue.next_round() {
-                    match engine.upgrade() {
-                        Some(shared) => shared.retry_round(round),
-                        None => round.into_iter().for_each(|r| queue.fail(r.token, r.error)),
-                    }
+        .spawn(move || {
+            while let Some(round) = taken.next_round() {
+                match engine.upgrade() {
+                    Some(shared) => shared.retry_round(round),
+                    None => round.into_iter().for_each(|r| taken.fail(r.token, r.error)),
                 }
             }
         });
