@@ -90,6 +90,20 @@ def test_numpy_arrays_as_the_lists(pair, dtype, call):
         assert not remote[d + size:d + 2048].any()
 
 
+def test_lists_after_a_longer_one_carry_their_own_requests_only(pair):
+    # A call's lists go back to per-thread memory that the next call's
+    # lists are read into: a shorter list there holds its own items only.
+    te, name, local, remote = pair
+    n = 16
+    srcs = [local.ctypes.data + i * KiB for i in range(n)]
+    dsts = [remote.ctypes.data + i * KiB for i in range(n)]
+    assert te.batch_transfer_sync_write(name, srcs, dsts, [KiB] * n) == 0, te.last_error
+    remote[:] = 0
+    assert te.batch_transfer_sync_write(name, srcs[5:7], dsts[:2], [KiB, KiB]) == 0, te.last_error
+    assert remote[:2 * KiB].tobytes() == local[5 * KiB:7 * KiB].tobytes()
+    assert not remote[2 * KiB:].any()
+
+
 def test_a_list_mixing_ints_numpy_scalars_and_buffer_objects(pair):
     te, name, local, remote = pair
     remote[:] = 0
