@@ -3,7 +3,9 @@
 //! 4 KiB blocks are written and read back byte for byte, and a list that
 //! reaches memory the peer no longer has registered is refused by the
 //! transport (and, over tcp, by the target) with nothing touched; one
-//! refused for a key the peer replaced is retried once and lands.
+//! refused for a key the peer replaced is retried once and lands, and one
+//! the peer now registers only part of lands there, its other requests
+//! failing each on its own.
 
 use ferry_core::{BlockLayout, BlockTransfer, Engine, EngineConfig, Op};
 
@@ -190,7 +192,7 @@ fn a_list_refused_for_a_stale_key_is_retried_once_and_lands() {
     // vLLM's sleep and wake-up with lists: the target registers its pool
     // again at the same addresses after the initiator read its key. The
     // list (by layouts, then as a run of requests) is refused for the old
-    // key, read again and submitted once more as a whole, and lands.
+    // key, read again and submitted once more whole, and lands.
     for transport in ["shm", "tcp"] {
         let p = pair(transport, false);
         let len = 2 * BLOCK * BLOCKS;
@@ -234,6 +236,106 @@ fn a_list_refused_for_a_stale_key_is_retried_once_and_lands() {
                 p.local[at..at + BLOCK as usize] == *remote_block(&p, *r),
                 "{transport}: block {r} read into {k}"
             );
+        }
+    }
+}
+
+#[test]
+fn a_list_the_peer_now_registers_in_part_fails_only_the_requests_outside() {
+    // The target registers only the first half of its pool again. A list
+    // of requests written to both halves is refused for the old key, and
+    // the retry serves the blocks inside the new registration and fails
+    // the others' requests, each with its own status. Requests go in
+    // pairs adjacent on both sides (coalesced into one 8 KiB block of two
+    // requests), as a run (submit_run) and, with one request from another
+    // local buffer after them, the general way (plan, dispatch).
+    for transport in ["shm", "tcp"] {
+        for general in [false, true] {
+            let p = pair(transport, false);
+            let len = 2 * BLOCK * BLOCKS;
+            transfer(&p, Op::Read, transport, &[0], &[0]).unwrap();
+            p.target.unregister_memory(p.pool.addr()).unwrap();
+            p.target
+                .register_memory(p.pool.addr(), len / 2, None)
+                .unwrap();
+            let pairs = ferry_tests::shuffled(BLOCKS, 13);
+            // Request k's 4 KiB slot in the pool, of 2 * BLOCKS.
+            let slot = |k: u64| 2 * pairs[(k / 2) as usize] + k % 2;
+            let mut requests: Vec<ferry_core::Request> = (0..BLOCKS)
+                .map(|k| {
+                    ferry_core::Request::new(
+                        Op::Write,
+                        p.local.as_ptr() as u64 + k * BLOCK,
+                        p.seg,
+                        p.pool.addr() + slot(k) * BLOCK,
+                        BLOCK,
+                    )
+                })
+                .collect();
+            // The general way's extra request goes to the first half's
+            // first pair of slots that no pair of requests takes.
+            let free = (0..BLOCKS / 2)
+                .find(|q| !pairs[..(BLOCKS / 2) as usize].contains(q))
+                .unwrap();
+            let other = ferry_tests::pattern(BLOCK as usize, 29);
+            if general {
+                p.initiator
+                    .register_memory(other.as_ptr() as u64, BLOCK, None)
+                    .unwrap();
+                requests.push(ferry_core::Request::new(
+                    Op::Write,
+                    other.as_ptr() as u64,
+                    p.seg,
+                    p.pool.addr() + 2 * free * BLOCK,
+                    BLOCK,
+                ));
+            }
+            let what = format!("{transport} ({})", if general { "general" } else { "run" });
+            let batch = p.initiator.allocate_batch(requests.len()).unwrap();
+            p.initiator.submit(batch, &requests).unwrap();
+            let st = p
+                .initiator
+                .wait(batch, std::time::Duration::from_secs(10))
+                .unwrap();
+            assert_eq!(st.pending, 0, "{what}: {st:?}");
+            let inside = |k: u64| slot(k) < BLOCKS;
+            let expected_failed = (0..BLOCKS).filter(|&k| !inside(k)).count();
+            assert!(expected_failed > 0 && expected_failed < BLOCKS as usize);
+            assert_eq!(st.failed, expected_failed, "{what}: {st:?}");
+            for k in 0..BLOCKS {
+                let status = p.initiator.request_status(batch, k as usize).unwrap();
+                let at = (slot(k) * BLOCK) as usize;
+                let landed = &p.pool.bytes()[at..at + BLOCK as usize];
+                if inside(k) {
+                    assert_eq!(status, ferry_core::RequestStatus::Completed, "{what}: {k}");
+                    let from = (k * BLOCK) as usize;
+                    assert!(
+                        landed == &p.local[from..from + BLOCK as usize],
+                        "{what}: request {k}'s block did not land"
+                    );
+                } else {
+                    let ferry_core::RequestStatus::Failed(e) = status else {
+                        panic!("{what}: request {k}, outside, is {status:?}");
+                    };
+                    assert_eq!(e.code, ferry_core::ErrorCode::OutOfBounds, "{what}: {e}");
+                    assert!(e.message.contains("no longer registers"), "{what}: {e}");
+                    assert!(landed.iter().all(|b| *b == 0), "{what}: {k} wrote");
+                }
+            }
+            if general {
+                let status = p.initiator.request_status(batch, BLOCKS as usize);
+                assert_eq!(
+                    status.unwrap(),
+                    ferry_core::RequestStatus::Completed,
+                    "{what}"
+                );
+                let at = (2 * free * BLOCK) as usize;
+                assert!(
+                    p.pool.bytes()[at..at + BLOCK as usize] == other[..],
+                    "{what}"
+                );
+            }
+            p.initiator.free_batch(batch).unwrap();
         }
     }
 }

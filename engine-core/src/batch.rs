@@ -254,6 +254,37 @@ impl Batch {
         }
     }
 
+    /// Has a pending group finish after `parts` completions from now, its
+    /// requests `failed` ((first, count) from the group's first request,
+    /// bytes, why) failing while the rest go on: a refused list that a
+    /// retry serves in part, as sub-lists. False, changing nothing, when
+    /// the group is unknown or done, or a range lies outside it.
+    pub(crate) fn split_group(
+        &self,
+        group: usize,
+        parts: usize,
+        failed: Vec<(usize, usize, u64, Error)>,
+    ) -> bool {
+        let mut st = self.state.lock();
+        let Some(g) = st.groups.get_mut(group) else {
+            return false;
+        };
+        let inside = |&(at, n, ..): &(usize, usize, u64, Error)| {
+            n > 0 && at.checked_add(n).is_some_and(|end| end <= g.count)
+        };
+        if g.done || parts == 0 || !failed.iter().all(inside) {
+            return false;
+        }
+        g.parts = parts;
+        let start = g.start;
+        g.failed_within.extend(
+            failed
+                .into_iter()
+                .map(|(at, n, b, e)| (start + at, n, b, e)),
+        );
+        true
+    }
+
     /// Fails a whole group, whatever parts it expects (none was accepted);
     /// false when it stays pending (a [`Retry`] took it).
     pub(crate) fn abort_group(&self, group: usize, e: Error) -> bool {
@@ -597,6 +628,18 @@ impl BatchTable {
         }
         map.remove(&id);
         Ok(())
+    }
+
+    /// [`Batch::split_group`] for the group of `token`.
+    pub(crate) fn split_group(
+        &self,
+        token: u64,
+        parts: usize,
+        failed: Vec<(usize, usize, u64, Error)>,
+    ) -> bool {
+        let (id, group) = split_token(token);
+        let batch = self.batches.read().get(&id).cloned();
+        batch.is_some_and(|b| b.split_group(group, parts, failed))
     }
 }
 

@@ -74,6 +74,29 @@ fn requests_failed_within_a_group_fail_alone_when_it_completes() {
     }
 }
 
+/// A group split into parts (a refused list served in part) finishes
+/// with its last part, its failed ranges failing alone; a split that
+/// does not fit the group changes nothing.
+#[test]
+fn a_split_group_finishes_with_its_last_part() {
+    let table = BatchTable::default();
+    let b = table.allocate(8).unwrap();
+    let start = b.reserve(5).unwrap();
+    let g = b.add_group(start, 5, local(), None);
+    let e = |m: &str| Error::new(ErrorCode::OutOfBounds, m);
+    assert!(!table.split_group(g, 2, vec![(4, 2, 8, e("past the end"))]));
+    assert!(!table.split_group(g, 0, Vec::new()), "no part: not split");
+    assert!(!table.split_group(token(b.id + 1, 0), 2, Vec::new()));
+    assert!(table.split_group(g, 2, vec![(1, 2, 8, e("outside"))]));
+    table.complete(g, Ok(()));
+    assert_eq!(b.status().pending, 5, "one part of two finished");
+    table.complete(g, Ok(()));
+    let st = b.status();
+    assert_eq!((st.completed, st.failed, st.pending), (3, 2, 0));
+    assert_eq!(st.first_error.map(|(i, _)| i), Some(start + 1));
+    assert!(!table.split_group(g, 2, Vec::new()), "done: not split");
+}
+
 /// The hook runs after the last request, not before; the batch stays
 /// pending until the notification is finished.
 #[test]

@@ -12,6 +12,7 @@ use super::layouts::{
     check_transfer, checked_block_list, layout_list, recycle_blocks, unknown, BlockLayout, LayoutId,
 };
 use super::plan::StagedItem;
+use super::refused::BlockRequests;
 use super::request::{Op, Request, SegmentId};
 use super::request_run::staged_bounds;
 use super::segments::RemoteSegment;
@@ -185,6 +186,8 @@ impl Shared {
             // single requests, in one call, under one completion group.
             single_requests: !transport.takes_block_lists(),
             retry: plan.retry,
+            // A transfer by layouts succeeds or fails as one.
+            requests_per_block: BlockRequests::Whole,
         };
         let list = if transport.takes_layout_lists() {
             // The transport computes the addresses where the bytes move

@@ -9,7 +9,7 @@
 use super::layouts::recycle_blocks;
 use super::measure::Flight;
 use super::plan::{Pending, Plan, StagedItem};
-use super::refused::Sent;
+use super::refused::{BlockRequests, Sent};
 use super::request::{Op, SegmentId};
 use super::retry::{Resend, ResendList};
 use super::segments::RemoteSegment;
@@ -80,7 +80,8 @@ impl Shared {
             return Err(e);
         }
         // One completion stands for a list's requests: a list the peer
-        // refuses is retried once as a whole, then fails them together.
+        // refuses is retried once (whole, or the part it still registers),
+        // then fails its requests (or those outside) with one error.
         let mut list_failures = 0usize;
         let mut list_failure = None;
         for mut l in lists {
@@ -115,7 +116,7 @@ impl Shared {
         let mut by_target: SmallVec<[TargetGroup; 1]> = SmallVec::new();
         // Runs of requests between one pair of buffers, for a transport
         // that takes block lists: one list and one completion each (a
-        // refused list is retried once as a whole, retry.rs).
+        // refused list is retried once, retry.rs).
         let runs = block_runs(routed, |p| self.transports[p.transport].takes_block_lists());
         let mut lists: Vec<ListGroup> = Vec::with_capacity(runs.len());
         let mut in_run = runs.iter().peekable();
@@ -385,6 +386,9 @@ pub(crate) struct ListGroup {
     op: Op,
     /// A refusal of the peer's key is retried once, as a list (retry.rs).
     retry: bool,
+    /// How its requests lie on its blocks, for a retry that serves it in
+    /// part.
+    requests: BlockRequests,
     token: u64,
     bytes: u64,
 }
@@ -422,6 +426,11 @@ impl Shared {
             })
             .collect();
         let requests = run.iter().map(|q| q.count).sum();
+        let per_block = if retry {
+            BlockRequests::from_counts(run.iter().map(|q| q.count), blocks.len())
+        } else {
+            BlockRequests::Whole
+        };
         let mut list = self.block_group(
             batch,
             flows,
@@ -437,6 +446,7 @@ impl Shared {
                 remote_key: &p.remote_key,
                 single_requests: false,
                 retry,
+                requests_per_block: per_block,
             },
             blocks,
         );
@@ -522,6 +532,7 @@ impl Shared {
             layouts: None,
             op: g.op,
             retry: g.retry,
+            requests: g.requests_per_block,
             token,
             bytes,
         }
@@ -578,7 +589,13 @@ impl Shared {
                 remote_addr: raw.remote_addr,
                 length: 0,
             };
-            Arc::new(ResendList::new(self, sent, std::mem::take(&mut l.blocks)))
+            let blocks = std::mem::take(&mut l.blocks);
+            Arc::new(ResendList::new(
+                self,
+                sent,
+                blocks,
+                std::mem::take(&mut l.requests),
+            ))
         });
         raw.blocks = resend
             .as_ref()
@@ -656,4 +673,6 @@ pub(crate) struct BlockGroup<'a> {
     /// Whether a refusal of the peer's key is retried (not for staging's
     /// slots, which the peer lent).
     pub(crate) retry: bool,
+    /// How its requests lie on its blocks (Whole: they go together).
+    pub(crate) requests_per_block: BlockRequests,
 }

@@ -26,13 +26,69 @@ pub(crate) struct Sent {
 }
 
 /// The blocks of a list handed over as one, kept for its retry (offsets
-/// from its `Sent`'s local and remote addresses); their memory goes back
-/// to the spare lists (layouts.rs) once nothing holds them.
-pub(crate) struct SentBlocks(pub(crate) Vec<ferry_block_t>);
+/// from its `Sent`'s local and remote addresses), and how its requests lie
+/// on them; their memory goes back to the spare lists (layouts.rs) once
+/// nothing holds them.
+pub(crate) struct SentBlocks {
+    pub(crate) blocks: Vec<ferry_block_t>,
+    pub(crate) requests: BlockRequests,
+}
 
 impl Drop for SentBlocks {
     fn drop(&mut self) {
-        recycle_blocks(std::mem::take(&mut self.0));
+        recycle_blocks(std::mem::take(&mut self.blocks));
+    }
+}
+
+/// How the requests of a block list's completion group lie on its blocks,
+/// in order: what a retry needs to serve the blocks the peer still
+/// registers and fail only the requests of the others.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) enum BlockRequests {
+    /// Its requests succeed or fail together (a transfer by layouts).
+    #[default]
+    Whole,
+    /// Block k carries the group's request k.
+    One,
+    /// Block k carries the group's next `counts[k]` requests (adjacent
+    /// requests coalesced into it).
+    Counts(Vec<u32>),
+}
+
+impl BlockRequests {
+    /// Requests per block of `per_block` (in order), for a group of
+    /// `blocks` blocks: One when each block carries one.
+    pub(crate) fn from_counts(per_block: impl Iterator<Item = usize>, blocks: usize) -> Self {
+        let counts: Vec<u32> = per_block
+            .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
+            .collect();
+        if counts.len() == blocks && counts.iter().all(|&n| n == 1) {
+            BlockRequests::One
+        } else {
+            BlockRequests::Counts(counts)
+        }
+    }
+
+    /// The (first request from the group's first, count) of each block in
+    /// order; None for a list whose requests go together.
+    pub(crate) fn ranges(&self, blocks: usize) -> Option<Vec<(usize, usize)>> {
+        match self {
+            BlockRequests::Whole => None,
+            BlockRequests::One => Some((0..blocks).map(|k| (k, 1)).collect()),
+            BlockRequests::Counts(c) if c.len() == blocks => {
+                let mut first = 0;
+                Some(
+                    c.iter()
+                        .map(|&n| {
+                            let r = (first, n as usize);
+                            first += n as usize;
+                            r
+                        })
+                        .collect(),
+                )
+            }
+            BlockRequests::Counts(_) => None,
+        }
     }
 }
 
@@ -125,6 +181,17 @@ mod tests {
             token,
             error: Error::new(ErrorCode::OutOfBounds, "revoked"),
         }
+    }
+
+    #[test]
+    fn a_lists_requests_lie_on_its_blocks_in_order() {
+        let one = BlockRequests::from_counts([1, 1, 1].into_iter(), 3);
+        assert_eq!(one, BlockRequests::One);
+        assert_eq!(one.ranges(3), Some(vec![(0, 1), (1, 1), (2, 1)]));
+        let coalesced = BlockRequests::from_counts([2, 1, 3].into_iter(), 3);
+        assert_eq!(coalesced.ranges(3), Some(vec![(0, 2), (2, 1), (3, 3)]));
+        assert_eq!(coalesced.ranges(2), None, "counts for other blocks");
+        assert_eq!(BlockRequests::Whole.ranges(3), None);
     }
 
     #[test]

@@ -12,6 +12,7 @@
 use super::dispatch::{BlockGroup, Flows};
 use super::layouts::{recycle_blocks, spare_blocks};
 use super::plan::{Pending, StagedItem};
+use super::refused::BlockRequests;
 use super::request::Request;
 use super::shared::Shared;
 use super::staged_run::{Completion, StagedRun};
@@ -86,6 +87,24 @@ pub(crate) fn run_blocks(
     Some(blocks)
 }
 
+/// How many of `requests` each of `blocks` (their [`run_blocks`], adjacent
+/// ones coalesced, in order) carries.
+fn coalesced_counts(requests: &[Request], blocks: &[sys::ferry_block_t]) -> Vec<u32> {
+    let mut lengths = requests.iter().map(|r| r.length);
+    blocks
+        .iter()
+        .map(|b| {
+            let (mut n, mut sum) = (0u32, 0u64);
+            while sum < b.length {
+                let Some(l) = lengths.next() else { break };
+                sum += l;
+                n += 1;
+            }
+            n
+        })
+        .collect()
+}
+
 impl Shared {
     /// Submits `requests` as one block list when they form one run (see
     /// the module's documentation): `None` when they do not, with nothing
@@ -110,6 +129,13 @@ impl Shared {
         let p = plan.routed.first()?;
         let bounds = self.run_bounds(p)?;
         let blocks = run_blocks(requests, bounds, None)?;
+        let per_block = if !plan.retry {
+            BlockRequests::Whole
+        } else if blocks.len() == requests.len() {
+            BlockRequests::One
+        } else {
+            BlockRequests::Counts(coalesced_counts(requests, &blocks))
+        };
         let start = match batch.reserve(requests.len()) {
             Ok(s) => s,
             Err(e) => {
@@ -132,6 +158,7 @@ impl Shared {
                 remote_key: &p.remote_key,
                 single_requests: false,
                 retry: plan.retry,
+                requests_per_block: per_block,
             },
             blocks,
         );
@@ -242,6 +269,12 @@ mod tests {
                 (0x2000, 0x9000, 0x800)
             ]
         );
+        // How many requests each block carries, counted as the run goes
+        // and afterwards from the lengths (a refused list's retry).
+        let mut counts = Vec::new();
+        run_blocks(&reqs, B, Some(&mut counts)).unwrap();
+        assert_eq!(counts, [2, 1, 1]);
+        assert_eq!(coalesced_counts(&reqs, &blocks), [2, 1, 1]);
     }
 
     #[test]

@@ -12,15 +12,22 @@
 //! with the key the peer now publishes for its range. The second result is
 //! final: a request is retried once. A block list (requests between one
 //! pair of buffers, handed over as one) is retried the same way, as a
-//! whole: it keeps its blocks until it completes. The new view serves
+//! whole: it keeps its blocks until it completes. Where no one buffer of
+//! the new view holds all its blocks (the peer registered a smaller one,
+//! or two), a list of requests is served in part: the blocks inside
+//! buffers the peer registers now go again, a list per buffer under the
+//! same group, and the requests of the others fail, each with its own
+//! status (a transfer by layouts fails whole: its requests go together).
+//! The new view serves
 //! later submissions too, and replacing a view drops the segment's
 //! remembered routes and acceptance verdicts (segments.rs), so none keeps
 //! the revoked key.
 //!
 //! Reaches in Shared: `batches`, `node`, `segments`, `transports`.
 
+use super::layouts::spare_blocks;
 use super::plan::Pending;
-use super::refused::{Refused, RefusedQueue, Sent, SentBlocks};
+use super::refused::{BlockRequests, Refused, RefusedQueue, Sent, SentBlocks};
 use super::request::SegmentId;
 use super::segments::{RemoteSegment, RemoteView};
 use super::shared::Shared;
@@ -75,11 +82,10 @@ impl Retry for Resend {
     }
 }
 
-/// A block list handed over as one, kept for one retry of the whole list:
-/// its blocks lie inside one buffer of the peer, and a refused list is
-/// submitted again as a list, with the key the peer publishes for that
-/// range now. (A peer that registers a smaller buffer there fails the whole
-/// list, where single requests would fail only those outside it.)
+/// A block list handed over as one, kept for one retry: its blocks lie
+/// inside one buffer of the peer, and a refused list is submitted again as
+/// a list, with the key the peer publishes for that range now, or in part
+/// (see the module's documentation).
 pub(crate) struct ResendList {
     engine: Weak<Shared>,
     queue: Arc<RefusedQueue>,
@@ -91,18 +97,23 @@ pub(crate) struct ResendList {
 
 impl ResendList {
     /// Takes `blocks` (offsets from `sent`'s addresses) for as long as the
-    /// list may be retried.
-    pub(crate) fn new(engine: &Arc<Shared>, sent: Sent, blocks: Vec<sys::ferry_block_t>) -> Self {
+    /// list may be retried, and how its group's requests lie on them.
+    pub(crate) fn new(
+        engine: &Arc<Shared>,
+        sent: Sent,
+        blocks: Vec<sys::ferry_block_t>,
+        requests: BlockRequests,
+    ) -> Self {
         ResendList {
             engine: Arc::downgrade(engine),
             queue: engine.refused.clone(),
             sent,
-            blocks: Arc::new(SentBlocks(blocks)),
+            blocks: Arc::new(SentBlocks { blocks, requests }),
         }
     }
 
     pub(crate) fn blocks(&self) -> &[sys::ferry_block_t] {
-        &self.blocks.0
+        &self.blocks.blocks
     }
 }
 
@@ -156,6 +167,10 @@ type Resent = (Sent, Option<Arc<SentBlocks>>, u64, Arc<[u8]>);
 /// Requests and lists to submit again to one (segment, transport).
 type Again = ((SegmentId, usize), SmallVec<[Resent; 4]>);
 
+/// A sub-list of a list served in part: the index of the peer's buffer
+/// holding its blocks, that buffer's key, and the blocks.
+type Part = (usize, Arc<[u8]>, Vec<sys::ferry_block_t>);
+
 /// A segment and its view just read, or why it could not be read.
 type Seen = Result<(Arc<RemoteSegment>, Arc<RemoteView>)>;
 
@@ -186,20 +201,106 @@ impl Shared {
                     v
                 }
             };
-            match self.current_key(&s, seen, &r.error) {
-                Ok(key) => {
-                    let target = (s.segment, s.transport);
-                    let resent = (s, r.blocks.clone(), r.token, key);
-                    match again.iter_mut().find(|(k, _)| *k == target) {
-                        Some((_, list)) => list.push(resent),
-                        None => again.push((target, smallvec::smallvec![resent])),
+            if let (Some(blocks), Ok((seg, view))) = (&r.blocks, &seen) {
+                if view.find(s.remote_addr, s.length).is_none() {
+                    if let Some(ranges) = blocks.requests.ranges(blocks.blocks.len()) {
+                        self.serve_in_part(r, blocks, &ranges, seg, view, &mut again);
+                        continue;
                     }
                 }
+            }
+            match self.current_key(&s, seen, &r.error) {
+                Ok(key) => resend(&mut again, (s, r.blocks.clone(), r.token, key)),
                 Err(e) => self.batches.complete(r.token, Err(e)),
             }
         }
         for ((segment, transport), list) in again {
             self.submit_again(segment, transport, &list);
+        }
+    }
+
+    /// A refused list of requests no one buffer of the peer's new `view`
+    /// holds: its blocks inside buffers the peer registers now for the
+    /// list's transport go again, a list per buffer under the list's group
+    /// (queued on `again`), and the requests of the other blocks fail, each
+    /// range of them with its own error, when the group completes.
+    fn serve_in_part(
+        &self,
+        r: &Refused,
+        blocks: &SentBlocks,
+        ranges: &[(usize, usize)],
+        seg: &RemoteSegment,
+        view: &RemoteView,
+        again: &mut SmallVec<[Again; 1]>,
+    ) {
+        let s = r.sent;
+        let name = self.transports[s.transport].name.as_str();
+        let outside = Error::new(
+            r.error.code,
+            format!(
+                "{}; segment {} no longer registers this request's remote range with {name} \
+                 (its descriptor, read again after the refusal, has {} buffers)",
+                r.error.message,
+                seg.name,
+                view.buffers.len()
+            ),
+        );
+        let mut parts: SmallVec<[Part; 2]> = SmallVec::new();
+        let mut failed: Vec<(usize, usize, u64, Error)> = Vec::new();
+        for (b, &(first, n)) in blocks.blocks.iter().zip(ranges) {
+            let addr = s.remote_addr.saturating_add(b.remote_offset);
+            let held = view
+                .find(addr, b.length)
+                .and_then(|i| Some((i, view.buffers[i].keys.get(name)?)));
+            let Some((i, key)) = held else {
+                match failed.last_mut() {
+                    Some((at, m, bytes, _)) if *at + *m == first => {
+                        *m += n;
+                        *bytes += b.length;
+                    }
+                    _ => failed.push((first, n, b.length, outside.clone())),
+                }
+                continue;
+            };
+            let block = sys::ferry_block_t {
+                local_offset: b.local_offset,
+                remote_offset: addr - view.buffers[i].addr,
+                length: b.length,
+            };
+            match parts.iter_mut().find(|(j, ..)| *j == i) {
+                Some((.., list)) => list.push(block),
+                None => {
+                    let mut list = spare_blocks(blocks.blocks.len());
+                    list.push(block);
+                    parts.push((i, key.clone(), list));
+                }
+            }
+        }
+        let served: usize = parts.iter().map(|(.., l)| l.len()).sum();
+        log::info!(
+            "segment {}: {served} of a refused list's {} blocks lie in buffers it registers \
+             now and go again; the requests of the other {} fail",
+            seg.name,
+            blocks.blocks.len(),
+            blocks.blocks.len() - served
+        );
+        // No part: nothing goes again. Otherwise the group now ends with
+        // its parts' completions (false only were it already done).
+        if parts.is_empty() || !self.batches.split_group(r.token, parts.len(), failed) {
+            return self.batches.complete(r.token, Err(outside));
+        }
+        for (i, key, list) in parts {
+            let buffer = &view.buffers[i];
+            let sent = Sent {
+                remote_addr: buffer.addr,
+                length: buffer.len,
+                ..s
+            };
+            let blocks = SentBlocks {
+                blocks: list,
+                requests: BlockRequests::Whole,
+            };
+            resend(again, (sent, Some(Arc::new(blocks)), r.token, key));
         }
     }
 
@@ -293,8 +394,8 @@ impl Shared {
                 remote_addr: s.remote_addr,
                 remote_key: key.as_ptr(),
                 remote_key_len: key.len(),
-                blocks: blocks.0.as_ptr(),
-                count: blocks.0.len(),
+                blocks: blocks.blocks.as_ptr(),
+                count: blocks.blocks.len(),
                 token: *token,
             };
             if let Err(e) = t.submit_blocks(&peer, &raw) {
@@ -302,6 +403,16 @@ impl Shared {
                 self.batches.complete(*token, Err(retry_failed(&e)));
             }
         }
+    }
+}
+
+/// Queues `resent` to be submitted again with the others of its (segment,
+/// transport).
+fn resend(again: &mut SmallVec<[Again; 1]>, resent: Resent) {
+    let target = (resent.0.segment, resent.0.transport);
+    match again.iter_mut().find(|(k, _)| *k == target) {
+        Some((_, list)) => list.push(resent),
+        None => again.push((target, smallvec::smallvec![resent])),
     }
 }
 
