@@ -270,7 +270,13 @@ impl Shared {
             match parts.iter_mut().find(|(j, ..)| *j == i) {
                 Some((.., list)) => list.push(block),
                 None => {
-                    let mut list = spare_blocks(blocks.blocks.len());
+                    // Room for every block in the first part only: a peer
+                    // may now register many small buffers.
+                    let mut list = spare_blocks(if parts.is_empty() {
+                        blocks.blocks.len()
+                    } else {
+                        0
+                    });
                     list.push(block);
                     parts.push((i, key.clone(), list));
                 }
