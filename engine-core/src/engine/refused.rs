@@ -57,16 +57,20 @@ pub(crate) enum BlockRequests {
 
 impl BlockRequests {
     /// Requests per block of `per_block` (in order), for a group of
-    /// `blocks` blocks: One when each block carries one.
-    pub(crate) fn from_counts(per_block: impl Iterator<Item = usize>, blocks: usize) -> Self {
-        let counts: Vec<u32> = per_block
-            .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
-            .collect();
-        if counts.len() == blocks && counts.iter().all(|&n| n == 1) {
-            BlockRequests::One
-        } else {
-            BlockRequests::Counts(counts)
+    /// `blocks` blocks: One, with nothing kept, when each block carries
+    /// one.
+    pub(crate) fn from_counts(
+        per_block: impl Iterator<Item = usize> + Clone,
+        blocks: usize,
+    ) -> Self {
+        if per_block.clone().count() == blocks && per_block.clone().all(|n| n == 1) {
+            return BlockRequests::One;
         }
+        BlockRequests::Counts(
+            per_block
+                .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
+                .collect(),
+        )
     }
 
     /// The (first request from the group's first, count) of each block in
