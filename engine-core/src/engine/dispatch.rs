@@ -427,7 +427,7 @@ impl Shared {
             .collect();
         let requests = run.iter().map(|q| q.count).sum();
         let per_block = if retry {
-            BlockRequests::from_counts(run.iter().map(|q| q.count), blocks.len())
+            BlockRequests::from_counts(run.iter().map(|q| q.count))
         } else {
             BlockRequests::Whole
         };

@@ -56,14 +56,10 @@ pub(crate) enum BlockRequests {
 }
 
 impl BlockRequests {
-    /// Requests per block of `per_block` (in order), for a group of
-    /// `blocks` blocks: One, with nothing kept, when each block carries
-    /// one.
-    pub(crate) fn from_counts(
-        per_block: impl Iterator<Item = usize> + Clone,
-        blocks: usize,
-    ) -> Self {
-        if per_block.clone().count() == blocks && per_block.clone().all(|n| n == 1) {
+    /// Requests per block of `per_block` (in order): One, with nothing
+    /// kept, when each block carries one.
+    pub(crate) fn from_counts(per_block: impl Iterator<Item = usize> + Clone) -> Self {
+        if per_block.clone().all(|n| n == 1) {
             return BlockRequests::One;
         }
         BlockRequests::Counts(
@@ -189,10 +185,10 @@ mod tests {
 
     #[test]
     fn a_lists_requests_lie_on_its_blocks_in_order() {
-        let one = BlockRequests::from_counts([1, 1, 1].into_iter(), 3);
+        let one = BlockRequests::from_counts([1, 1, 1].into_iter());
         assert_eq!(one, BlockRequests::One);
         assert_eq!(one.ranges(3), Some(vec![(0, 1), (1, 1), (2, 1)]));
-        let coalesced = BlockRequests::from_counts([2, 1, 3].into_iter(), 3);
+        let coalesced = BlockRequests::from_counts([2, 1, 3].into_iter());
         assert_eq!(coalesced.ranges(3), Some(vec![(0, 2), (2, 1), (3, 3)]));
         assert_eq!(coalesced.ranges(2), None, "counts for other blocks");
         assert_eq!(BlockRequests::Whole.ranges(3), None);
