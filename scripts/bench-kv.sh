@@ -13,7 +13,13 @@
 #   - the memory's own: one thread copying the same number of blocks of the
 #     same size between shuffled places (no transport), 4 KiB or 16 KiB
 #     against 1 MiB. A transport's ratio to 1 MiB blocks near this one is
-#     at what the memory system allows scattered blocks of that size.
+#     at what the memory system allows scattered blocks of that size;
+#   - the same on one thread per CPU (shm copies on every CPU: its rows
+#     compare with this one);
+#   - the kernel's own, for tcp rows: one loopback TCP stream writing and
+#     reading blocks of that size at shuffled places of 1 GiB (`ferry
+#     bench tcp-limit --scatter 1G`, writev/readv of up to 1,024 blocks),
+#     4 KiB or 16 KiB against 1 MiB, medians of RUNS taking turns.
 # Medians of RUNS runs (default 3) of DURATION seconds (default 2).
 #
 # Prints a markdown table; raw JSON lines go to target/bench-kv.jsonl.
@@ -29,7 +35,7 @@ BUILD=1
 for arg in "$@"; do
     case "$arg" in
         --no-build) BUILD=0 ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
         *) echo "unknown argument $arg (use --no-build)" >&2; exit 2 ;;
     esac
 done
@@ -67,14 +73,25 @@ for _ in $(seq 300); do grep -q '^segment ' "$tmp/target.out" 2>/dev/null && bre
 seg=$(sed -n 's/^segment //p' "$tmp/target.out")
 [ -n "$seg" ] || { echo "the target did not start:" >&2; cat "$tmp/target.err" >&2; exit 1; }
 
-declare -A GBS OPS P50 P99 SUB LIM SCAT
+declare -A GBS OPS P50 P99 SUB LIM SCAT SCATP LOOP
+# The kernel's own cost of scattered blocks over loopback TCP, no engine.
+declare -A lp
+for _ in $(seq "$RUNS"); do
+    for block in $BLOCKS; do
+        echo "==> tcp-limit --scatter 1G, $block blocks" >&2
+        lp[$block]+=" $($B bench tcp-limit --block "$block" --scatter 1G --duration "$DURATION" --json | tee -a "$RAW" | field gb_per_s)"
+    done
+done
+for block in $BLOCKS; do
+    LOOP[$block]=$(printf '%s\n' ${lp[$block]} | median)
+done
 for t in shm tcp; do
     for op in write read; do
         for api in layout requests; do
             for block in $BLOCKS; do
                 key=$t/$op/$api/$block
                 echo "==> $key" >&2
-                g=(); o=(); l50=(); l99=(); s50=(); lim=(); sc=()
+                g=(); o=(); l50=(); l99=(); s50=(); lim=(); sc=(); scp=()
                 for _ in $(seq "$RUNS"); do
                     if ! j=$($B bench initiator --pattern kv --segment "$seg" --transport "$t" --op "$op" \
                             --api "$api" --block-size "$block" --batch-bytes "$BATCH" \
@@ -90,6 +107,7 @@ for t in shm tcp; do
                     s50+=("$(echo "$j" | field submit_p50_us)")
                     lim+=("$(echo "$j" | field limit_gb_per_s)")
                     sc+=("$(echo "$j" | field scattered_memcpy_gb_per_s)")
+                    scp+=("$(echo "$j" | field scattered_memcpy_parallel_gb_per_s)")
                 done
                 GBS[$key]=$(printf '%s\n' "${g[@]:-0}" | median)
                 OPS[$key]=$(printf '%s\n' "${o[@]:-0}" | median)
@@ -98,6 +116,7 @@ for t in shm tcp; do
                 SUB[$key]=$(printf '%s\n' "${s50[@]:-0}" | median)
                 LIM[$key]=$(printf '%s\n' "${lim[@]:-0}" | median)
                 SCAT[$key]=$(printf '%s\n' "${sc[@]:-0}" | median)
+                SCATP[$key]=$(printf '%s\n' "${scp[@]:-0}" | median)
             done
         done
     done
@@ -106,8 +125,8 @@ done
 echo
 echo "KV-shaped batches of $BATCH, shuffled blocks, verified; medians of $RUNS x ${DURATION} s"
 echo
-echo "| transport | op | API | block | GB/s | blocks/s | batch p50 / p99 ms | submit p50 ms | ratio to 1 MiB blocks | memcpy GB/s | ratio to memcpy | scattered memcpy, ratio to 1 MiB |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+echo "| transport | op | API | block | GB/s | blocks/s | batch p50 / p99 ms | submit p50 ms | ratio to 1 MiB blocks | memcpy GB/s | ratio to memcpy | scattered memcpy, ratio to 1 MiB | the same, every CPU | loopback TCP, scattered, ratio to 1 MiB |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 for t in shm tcp; do
     for op in write read; do
         for api in layout requests; do
@@ -117,8 +136,10 @@ for t in shm tcp; do
                     -v l50="${P50[$key]}" -v l99="${P99[$key]}" -v s="${SUB[$key]}" -v lim="${LIM[$key]}" \
                     -v r1="$(ratio "${GBS[$key]}" "${GBS[$t/$op/$api/1M]}")" -v rm="$(ratio "${GBS[$key]}" "${LIM[$key]}")" \
                     -v rs="$(ratio "${SCAT[$key]}" "${SCAT[$t/$op/$api/1M]}")" \
-                    'BEGIN { printf "| %s | %s | %s | %s | %.2f | %.0f | %.1f / %.1f | %.2f | %s | %.2f | %s | %s |\n",
-                             t, o, a, b, g, n, l50 / 1000, l99 / 1000, s / 1000, r1, lim, rm, rs }'
+                    -v rp="$(ratio "${SCATP[$key]}" "${SCATP[$t/$op/$api/1M]}")" \
+                    -v rl="$([ "$t" = tcp ] && ratio "${LOOP[$block]}" "${LOOP[1M]}" || echo -)" \
+                    'BEGIN { printf "| %s | %s | %s | %s | %.2f | %.0f | %.1f / %.1f | %.2f | %s | %.2f | %s | %s | %s | %s |\n",
+                             t, o, a, b, g, n, l50 / 1000, l99 / 1000, s / 1000, r1, lim, rm, rs, rp, rl }'
             done
         done
     done

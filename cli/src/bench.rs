@@ -1,13 +1,12 @@
 //! `ferry bench`: throughput, ops/s and latency percentiles between two
 //! engines, shaped like Mooncake's transfer_engine_bench, and the machine's
-//! own limits measured the same way (`tcp-limit`).
+//! own limits measured the same way (`tcp-limit`, in tcp_limit.rs).
 
 use crate::limits::{device_to_device, memcpy_run, WORKING_SET};
 use crate::util::{human_size, percentile, Buffer};
 use ferry_core::{BatchStatus, Engine, EngineConfig, Location, Op, Request, SegmentId};
 use serde::Serialize;
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -390,70 +389,6 @@ pub(crate) fn run_batch(
         Some((i, e)) => Err(format!("request {i}: {e}")),
         None => Ok(elapsed),
     }
-}
-
-/// The single-stream TCP limit of this machine: one process writes 1 MiB
-/// blocks into a loopback socket, another reads them, for `duration`.
-pub fn tcp_limit(duration: f64, block: usize, json: bool) -> Result<(), String> {
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
-    let addr = listener.local_addr().map_err(|e| e.to_string())?;
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let child = std::process::Command::new(exe)
-        .args(["bench", "tcp-sink", "--connect", &addr.to_string()])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot start the receiving process: {e}"))?;
-    let (mut stream, _) = listener.accept().map_err(|e| e.to_string())?;
-    let _ = stream.set_nodelay(true);
-    let data = vec![0x5au8; block];
-    let started = Instant::now();
-    while started.elapsed().as_secs_f64() < duration {
-        stream.write_all(&data).map_err(|e| e.to_string())?;
-    }
-    drop(stream);
-    let out = child.wait_with_output().map_err(|e| e.to_string())?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let mut parts = text.split_whitespace();
-    let bytes: f64 = parts
-        .next()
-        .and_then(|v| v.parse().ok())
-        .ok_or("no result from the sink")?;
-    let secs: f64 = parts
-        .next()
-        .and_then(|v| v.parse().ok())
-        .ok_or("no result from the sink")?;
-    let gbps = bytes / secs / 1e9;
-    if json {
-        println!(
-            "{}",
-            serde_json::json!({"limit": "tcp-single-stream", "gb_per_s": gbps, "bytes": bytes, "duration_s": secs, "block_size": block})
-        );
-    } else {
-        println!(
-            "single-stream TCP loopback: {gbps:.3} GB/s ({} blocks)",
-            human_size(block as u64)
-        );
-    }
-    Ok(())
-}
-
-/// The receiving side of `tcp-limit`: counts bytes until EOF.
-pub fn tcp_sink(connect: &str) -> Result<(), String> {
-    let mut stream = TcpStream::connect(connect).map_err(|e| e.to_string())?;
-    let mut buf = vec![0u8; 1 << 20];
-    let mut total: u64 = 0;
-    let mut first: Option<Instant> = None;
-    loop {
-        let n = stream.read(&mut buf).map_err(|e| e.to_string())?;
-        if n == 0 {
-            break;
-        }
-        first.get_or_insert_with(Instant::now);
-        total += n as u64;
-    }
-    let secs = first.map(|f| f.elapsed().as_secs_f64()).unwrap_or(0.0);
-    println!("{total} {secs}");
-    Ok(())
 }
 
 /// memcpy bandwidth at one block size: the limit a same-host transport is

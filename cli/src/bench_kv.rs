@@ -74,7 +74,7 @@ impl Rng {
 
 /// `n` distinct indices out of `0..pool`, in random order (a partial
 /// Fisher-Yates shuffle, seeded).
-fn sample(pool: u64, n: u64, seed: u64) -> Vec<u64> {
+pub(crate) fn sample(pool: u64, n: u64, seed: u64) -> Vec<u64> {
     let mut all: Vec<u64> = (0..pool).collect();
     let mut rng = Rng::new(seed);
     for i in 0..n.min(pool) {

@@ -11,6 +11,7 @@ mod limits;
 mod plot;
 mod scale_plot;
 mod sweep;
+mod tcp_limit;
 mod top;
 mod util;
 mod workbench;
@@ -329,6 +330,11 @@ enum BenchMode {
         block: u64,
         #[arg(long)]
         json: bool,
+        /// Move the blocks from and to shuffled places of a buffer of this
+        /// size on both sides (writev/readv of up to 1,024 blocks), the
+        /// kernel's own cost of scattered blocks.
+        #[arg(long, value_parser = parse_size)]
+        scatter: Option<u64>,
     },
     /// This machine's memcpy bandwidth on one thread and on --threads
     /// threads (same run), for same-host ratios.
@@ -407,6 +413,10 @@ enum BenchMode {
     TcpSink {
         #[arg(long)]
         connect: String,
+        #[arg(long, default_value = "1M", value_parser = parse_size)]
+        block: u64,
+        #[arg(long, value_parser = parse_size)]
+        scatter: Option<u64>,
     },
 }
 
@@ -538,8 +548,13 @@ fn main() -> ExitCode {
                 duration,
                 block,
                 json,
-            } => bench::tcp_limit(duration, block as usize, json),
-            BenchMode::TcpSink { connect } => bench::tcp_sink(&connect),
+                scatter,
+            } => tcp_limit::tcp_limit(duration, block as usize, scatter, json),
+            BenchMode::TcpSink {
+                connect,
+                block,
+                scatter,
+            } => tcp_limit::tcp_sink(&connect, block as usize, scatter),
             BenchMode::ScaleInitiator {
                 segments,
                 op,

@@ -258,6 +258,22 @@ done
             done
         done
     done
+    # The kernel's own: one loopback TCP stream moving blocks from and to
+    # shuffled places of 1 GiB (writev/readv of up to 1,024 blocks), no
+    # engine; what the tcp rows' ratios are read against.
+    declare -A loop_all
+    for _ in $(seq "${KV_HOST_ROUNDS:-3}"); do
+        for block in 1M 4K 16K; do
+            loop_all[$block]+=" $($B bench tcp-limit --block $block --scatter 1G --duration 1 --json | field gb_per_s)"
+        done
+    done
+    l1=$(echo "${loop_all[1M]}" | median)
+    line="loopback TCP, one stream, scattered, no engine, x its 1 MiB blocks (medians of rounds): 1M $(printf %.1f "${l1:-0}") GB/s,"
+    for block in 4K 16K; do
+        l=$(echo "${loop_all[$block]}" | median)
+        line="$line $block $(awk -v a="${l:-0}" -v b="${l1:-0}" 'BEGIN { print (b > 0) ? sprintf("%.2f", a / b) : "-" }')"
+    done
+    echo "$line"
 } | tee "$OUT/kv-host-memory.txt"
 fi
 kill $(cat "$tmp_kv/pids") 2>/dev/null
