@@ -41,6 +41,8 @@ for arg in "$@"; do
 done
 BIN_DIR=${FERRY_BIN_DIR:-target/release}
 if [ "$BUILD" = 1 ]; then
+    . scripts/lib/common.sh
+    ensure_base
     cargo build --release --locked -q -p ferry-cli -p ferry-transport-shm -p ferry-transport-tcp
 fi
 for f in ferry libferry_transport_shm.so libferry_transport_tcp.so; do

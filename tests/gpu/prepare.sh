@@ -10,6 +10,10 @@ cd "$(dirname "$0")/../.."
 exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
+# What a fresh machine lacks for the workspace (cmake and libclang for the
+# rdma plugin's sideway, a C compiler), as scripts/test installs it.
+. scripts/lib/common.sh
+ensure_base
 cargo build --release --workspace --locked -q
 cargo build --release --locked -q -p ferry-device-cuda --example cuda_check
 # The verbs emulator (test-only libibverbs.so.1): run.sh points the rdma
