@@ -17,15 +17,18 @@ use std::time::Instant;
 const IOV_MAX: usize = 1024;
 
 /// Blocks of `block` bytes at shuffled places of a buffer, walked in that
-/// order round and round, a window of iovecs at a time.
+/// order round and round: a window of up to IOV_MAX iovecs that calls use
+/// up from the front (as the tcp transport's frames do), refilled only
+/// once it is used up.
 struct Scattered {
     buf: Buffer,
     block: usize,
     order: Vec<u64>,
-    /// The next block of `order`, and how much of it has moved.
+    /// The block of `order` the next refill starts with.
     next: usize,
-    done_in_block: usize,
     iov: Vec<libc::iovec>,
+    /// The first iovec not yet used up (a partly moved one is trimmed).
+    idx: usize,
 }
 
 impl Scattered {
@@ -43,35 +46,43 @@ impl Scattered {
             block,
             order: sample(count, count, seed),
             next: 0,
-            done_in_block: 0,
             iov: Vec::with_capacity(IOV_MAX),
+            idx: 0,
         })
     }
 
-    /// The next window: up to IOV_MAX iovecs, the first one starting where
-    /// the last call stopped.
+    /// What is left of the window, refilled with the next blocks of the
+    /// order when it is used up.
     fn window(&mut self) -> &[libc::iovec] {
-        self.iov.clear();
-        let base = self.buf.addr() as usize;
-        let mut k = self.next;
-        let mut skip = self.done_in_block;
-        while self.iov.len() < IOV_MAX.min(self.order.len()) {
-            let at = base + self.order[k] as usize * self.block + skip;
-            self.iov.push(libc::iovec {
-                iov_base: at as *mut libc::c_void,
-                iov_len: self.block - skip,
-            });
-            skip = 0;
-            k = (k + 1) % self.order.len();
+        if self.idx == self.iov.len() {
+            self.iov.clear();
+            self.idx = 0;
+            let base = self.buf.addr() as usize;
+            for _ in 0..IOV_MAX.min(self.order.len()) {
+                let at = base + self.order[self.next] as usize * self.block;
+                self.iov.push(libc::iovec {
+                    iov_base: at as *mut libc::c_void,
+                    iov_len: self.block,
+                });
+                self.next = (self.next + 1) % self.order.len();
+            }
         }
-        &self.iov
+        &self.iov[self.idx..]
     }
 
-    /// Moves the cursor past `n` bytes of the last window.
-    fn advance(&mut self, n: usize) {
-        let total = self.done_in_block + n;
-        self.next = (self.next + total / self.block) % self.order.len();
-        self.done_in_block = total % self.block;
+    /// Uses up `n` bytes of the window's front.
+    fn advance(&mut self, mut n: usize) {
+        while n > 0 {
+            let v = &mut self.iov[self.idx];
+            if n >= v.iov_len {
+                n -= v.iov_len;
+                self.idx += 1;
+            } else {
+                v.iov_base = (v.iov_base as usize + n) as *mut libc::c_void;
+                v.iov_len -= n;
+                n = 0;
+            }
+        }
     }
 }
 
